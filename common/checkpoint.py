@@ -1,0 +1,97 @@
+"""ckpt.pt: written atomically, read without unpickling code, loadable by every stage.
+
+A checkpoint holds plain tensors and Python values only (so `torch.load(weights_only=True)` reads
+it): the model's state dict without any `module.` prefix, the optimizer's state, the iteration,
+the model and training configuration, and the random state, so a resumed run continues the very
+same sequence of batches.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from .errors import CourseError
+from .model import GPTConfig
+
+CKPT_NAME = "ckpt.pt"
+
+# Prefixes that wrappers add to parameter names: nn.DataParallel / DDP ("module.") and
+# torch.compile ("_orig_mod."). A checkpoint must not depend on how the model was wrapped.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def clean(name: str) -> str:
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in WRAPPER_PREFIXES:
+                if name.startswith(prefix):
+                    name, stripped = name[len(prefix):], True
+        return name
+
+    return {clean(k): v for k, v in state.items()}
+
+
+def save_checkpoint(out_dir: str | Path, *, model_state: dict, optimizer_state: dict, iter_num: int,
+                    model_config: GPTConfig, train_config: dict, best_val_loss: float | None = None) -> Path:
+    """Write <out_dir>/ckpt.pt through a temporary file and os.replace.
+
+    A crash mid-write leaves a stray temporary file and the previous checkpoint untouched.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / CKPT_NAME
+    tmp = out_dir / f".{CKPT_NAME}.tmp.{os.getpid()}"
+    checkpoint = {
+        "model": clean_state_dict(model_state),
+        "optimizer": optimizer_state,
+        "iter_num": iter_num,
+        "model_config": model_config.to_dict(),
+        "train_config": {k: v for k, v in train_config.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "best_val_loss": best_val_loss,
+        "rng_cpu": torch.get_rng_state(),
+    }
+    with open(tmp, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(out_dir_or_file: str | Path) -> dict:
+    """Read a checkpoint to the CPU; every way it can be missing or broken is one clear error."""
+    path = Path(out_dir_or_file)
+    if path.is_dir() or path.suffix != ".pt":
+        path = path / CKPT_NAME
+    if not path.exists():
+        raise CourseError(f"no checkpoint at {path}: run without --resume first, or point --out-dir at a run's folder")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as err:
+        reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+        raise CourseError(f"checkpoint {path} is unreadable, truncated or corrupted ({reason}); "
+                          "delete it to start over, or restore a good copy") from None
+    if not isinstance(checkpoint, dict) or not {"model", "model_config", "iter_num"} <= checkpoint.keys():
+        raise CourseError(f"{path} is not a checkpoint of this course (it lacks model, model_config or iter_num)")
+    return checkpoint
+
+
+def checkpoint_model_config(checkpoint: dict) -> GPTConfig:
+    return GPTConfig(**checkpoint["model_config"])
+
+
+def check_same_shape(checkpoint: dict, config: GPTConfig, path_hint: str = "the checkpoint") -> None:
+    """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
+    saved = checkpoint_model_config(checkpoint)
+    fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
+    differs = [f"{f} {getattr(saved, f)} (now {getattr(config, f)})" for f in fields if getattr(saved, f) != getattr(config, f)]
+    if differs:
+        raise CourseError(f"{path_hint} is for another model shape: {', '.join(differs)}; "
+                          "resume with the same --preset and overrides, or use a new --out-dir")

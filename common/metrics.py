@@ -1,0 +1,111 @@
+"""What a run reports: metrics.jsonl for plots and notebooks, a progress bar for people, MFU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+# Dense peak FLOP/s (no sparsity) of the tensor cores, by data type, from the vendors' data sheets.
+# MFU is claimed only for devices listed here: an unknown device gets no MFU rather than a guess.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12},
+    "H100 SXM": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12},
+    "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "tf32": 83e12},
+    "RTX 3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 36e12},
+    "V100": {"fp16": 125e12, "tf32": 15.7e12},
+    "T4": {"fp16": 65e12, "tf32": 8.1e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s for this dtype, or None where we do not know it."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32"}[dtype]
+    # the most specific name first, so "H100 PCIe" is not taken for "H100 SXM"
+    for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
+        words = gpu.split()
+        if all(w in name for w in words):
+            return PEAK_FLOPS[gpu].get(key)
+    if "H100" in name:  # plain "NVIDIA H100 80GB HBM3" is the SXM part
+        return PEAK_FLOPS["H100 SXM"].get(key)
+    return None
+
+
+def max_memory_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return None
+
+
+class MetricsLog:
+    """Appends one JSON object per line to <out-dir>/metrics.jsonl (only where `enabled`)."""
+
+    def __init__(self, path: str | Path, enabled: bool = True, resume_from: int | None = None):
+        self.path = Path(path)
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            # a resumed run rewrites what came after its checkpoint, so each iteration appears once
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("iter", 0) <= resume_from]
+            self.path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, **fields) -> None:
+        if not self.enabled:
+            return
+        record = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in fields.items() if v is not None}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain lines every log interval when output goes to a file."""
+
+    def __init__(self, total: int, initial: int, enabled: bool = True, prefix: str = ""):
+        self.prefix = prefix
+        self.enabled = enabled
+        self.on_terminal = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, disable=not self.on_terminal, dynamic_ncols=True,
+                        desc=prefix.strip() or None)
+
+    def step(self, iter_num: int, loss: float | None = None, tokens_per_sec: float | None = None,
+             lr: float | None = None) -> None:
+        """Advance one step; the numbers are shown when given (only at log intervals)."""
+        if not self.enabled:
+            return
+        self.bar.update(1)
+        if loss is None:
+            return
+        if self.on_terminal:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
+        else:
+            print(f"{self.prefix}iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tokens/s", flush=True)
+
+    def print(self, message: str) -> None:
+        """A line that does not tear the bar."""
+        if self.enabled:
+            (self.bar.write if self.on_terminal else print)(f"{self.prefix}{message}")
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()

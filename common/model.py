@@ -1,0 +1,247 @@
+"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT.
+
+The model knows nothing about devices, ranks or data: it maps token ids to logits (and a loss when
+targets are given). Every stage builds it from a `GPTConfig`, usually one of `PRESETS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+GPT2_VOCAB_SIZE = 50257  # tiktoken's GPT-2 encoding: 50,256 BPE tokens + <|endoftext|>
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
+    """Round the vocabulary up so the output matmul has friendly shapes (50257 -> 50304)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 256  # longest sequence the model can see (learned positions)
+    vocab_size: int = padded_vocab_size(GPT2_VOCAB_SIZE)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # for tests: a training step takes a few milliseconds on a CPU
+    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+    # the CPU default: learns recognisable Shakespeare in a few minutes on a laptop
+    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
+    # GPT-2 small, 124M parameters: the size the GPU chapters are measured with
+    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+
+
+def model_config(preset: str, **overrides) -> GPTConfig:
+    """A preset with some fields replaced; `None` means keep the preset's value."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # batch, time, channels (n_embd)
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_size)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # flash attention where the device has it; the causal mask is built in
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: normalise, transform, add back to the residual stream."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings
+                wpe=nn.Embedding(config.block_size, config.n_embd),  # learned positions
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Tied embeddings: reading a token in and writing it out use the same matrix.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2 scales the projections into the residual stream by 1/sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters counted once (the tied matrix once); positions left out by default."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            # generating: only the last position's prediction is needed
+            return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab_size)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B:
+        6 per parameter plus the attention scores, 12 * n_layer * n_embd * block_size."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :GPT2_VOCAB_SIZE].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_id.to(idx.device)), dim=1)
+        return idx
+
+
+# Hugging Face's GPT-2 stores these as Conv1D, whose weight is the transpose of a Linear's.
+_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
+    """Copy the weights of a Hugging Face `GPT2LMHeadModel` state dict into `model`.
+
+    The model must have GPT-2's shape (layers, heads, width) and bias=True; its vocabulary may be
+    padded beyond 50,257 (the extra rows keep their random values and are never a target) and its
+    block_size may be smaller than the checkpoint's (positions are cut).
+    """
+    ours = model.state_dict()
+    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith(".attn.bias")}
+    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(".attn.masked_bias")}
+    with torch.no_grad():
+        for name, value in hf_state.items():
+            target_name = name if name == "lm_head.weight" else f"transformer.{name}"
+            if target_name not in ours:
+                raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
+            target = ours[target_name]
+            if name.endswith(_HF_TRANSPOSED):
+                value = value.t()
+            if name == "wpe.weight":
+                if value.shape[0] < target.shape[0]:
+                    raise ValueError(
+                        f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions "
+                        "the pretrained model has; use --block-size of at most that"
+                    )
+                value = value[: target.shape[0]]
+            if name in ("wte.weight", "lm_head.weight"):
+                if value.shape[1] != target.shape[1] or value.shape[0] > target.shape[0]:
+                    raise ValueError(f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
+                target[: value.shape[0]].copy_(value)
+                continue
+            if value.shape != target.shape:
+                raise ValueError(f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
+            target.copy_(value)
+
+
+def gpt2_pretrained(block_size: int = 1024, dropout: float = 0.0) -> GPT:
+    """GPT-2 small (124M) with OpenAI's weights, fetched by `transformers` (needs the network once)."""
+    from transformers import GPT2LMHeadModel  # imported here: only this path needs it
+
+    if block_size > PRESETS["gpt2"].block_size:
+        raise ValueError(f"--block-size {block_size} is larger than GPT-2's 1024 positions; use at most 1024")
+    hf_model = GPT2LMHeadModel.from_pretrained("gpt2")
+    model = GPT(replace(PRESETS["gpt2"], block_size=block_size, dropout=dropout))
+    load_hf_gpt2_state_dict(model, hf_model.state_dict())
+    return model

@@ -1,0 +1,81 @@
+"""Pieces of a training run that no chapter teaches: building the model, the learning-rate
+schedule, evaluation and sampling. The loop itself is written out in each stage."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from .checkpoint import check_same_shape
+from .errors import CourseError
+from .model import GPT, GPTConfig, gpt2_pretrained
+from .tokenizer import decode, encode
+
+
+def build_model(config: GPTConfig, init_from: str = "scratch", checkpoint: dict | None = None) -> GPT:
+    """A fresh model, GPT-2's weights, or a checkpoint's weights (same shape required)."""
+    if checkpoint is not None:
+        check_same_shape(checkpoint, config)
+        model = GPT(config)
+        model.load_state_dict(checkpoint["model"])
+        return model
+    if init_from == "gpt2":
+        try:
+            return gpt2_pretrained(block_size=config.block_size, dropout=config.dropout)
+        except OSError as err:  # transformers raises OSError when it cannot download
+            raise CourseError(f"could not fetch GPT-2's weights ({str(err).splitlines()[0][:100]}); "
+                              "this needs the network once; offline, use --init-from scratch") from None
+    return GPT(config)
+
+
+def check_resume(checkpoint: dict, global_batch: int, seed: int) -> None:
+    """A resumed run continues the data order only with the same global batch and seed."""
+    saved = checkpoint.get("train_config", {})
+    for name, now in (("global_batch", global_batch), ("seed", seed)):
+        if name in saved and saved[name] != now:
+            raise CourseError(f"the checkpoint was trained with {name} {saved[name]}, this run has {now}; "
+                              "resume with the same batch settings and --seed so the data order continues")
+
+
+def lr_at(iteration: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to --lr, then cosine decay to --min-lr over --lr-decay-iters steps."""
+    if iteration < args.warmup_iters:
+        return args.lr * (iteration + 1) / (args.warmup_iters + 1)
+    if iteration >= args.lr_decay_iters:
+        return args.min_lr
+    progress = (iteration - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset, windows: list[int], batch_size: int, device: torch.device,
+             autocast) -> torch.Tensor:
+    """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    seen = 0
+    for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast:
+            _, loss = model(x, y)
+        total += loss.float().mean() * len(x)  # mean(): DataParallel returns one loss per GPU
+        seen += len(x)
+    model.train(was_training)
+    return total / max(seen, 1)
+
+
+def sample_text(model: GPT, prompt: str, max_new_tokens: int, device: torch.device, temperature: float = 0.8,
+                top_k: int | None = 200, seed: int = 1337) -> str:
+    """Text the model writes after `prompt` (seeded, so the same weights give the same text)."""
+    ids = encode(prompt) or [50256]
+    context = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(context, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    model.train(was_training)
+    return decode(out[0].tolist())
