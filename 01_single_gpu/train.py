@@ -39,7 +39,6 @@ def main():
     model_config = gpt_config_from_args(args)
     data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
     train_set, val_set = load_splits(data_folder, model_config.block_size)
-    val_windows = validation_windows(val_set, args.eval_batches, args.batch_size)
 
     # One optimizer step sees `global_batch` sequences. Here that is one batch on one device.
     global_batch = args.batch_size
@@ -48,6 +47,7 @@ def main():
     if steps_per_epoch == 0:
         raise CourseError(f"the training split has {len(train_set)} windows, fewer than one batch of "
                           f"{global_batch}; lower --batch-size or use a larger corpus")
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every stage
 
     # ---- model and optimizer ---------------------------------------------------------------------
     checkpoint = load_checkpoint(out_dir) if args.resume else None

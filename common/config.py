@@ -104,7 +104,7 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("evaluation, logging and checkpoints")
     g.add_argument("--eval-interval", type=_positive_int, default=100, help="evaluate every this many steps (and at the end)")
-    g.add_argument("--eval-batches", type=_positive_int, default=20, help="validation batches per evaluation")
+    g.add_argument("--eval-batches", type=_positive_int, default=20, help="validation batches (of the global batch size) per evaluation")
     g.add_argument("--log-interval", type=_positive_int, default=10, help="write a metrics line every this many steps")
     g.add_argument("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     g.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")

@@ -1,0 +1,181 @@
+"""Chapter 03: nn.DataParallel, one process driving several GPUs.
+
+Chapter 02's program, with the model wrapped in nn.DataParallel: every step, one Python process
+splits the batch across the GPUs, copies the model onto each, runs the replicas in threads and
+gathers their outputs back on GPU 0, where the gradients are summed and the optimizer steps.
+Each GPU gets --batch-size sequences. On a CPU or a single GPU there is nothing to split, and the
+run is chapter 02's.
+
+    python 03_dataparallel/train.py --gpus 2
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+
+import torch
+from torch import nn
+from torch.utils.data import RandomSampler
+
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.config import gpt_config_from_args, parse_args
+from common.data import batch_loader, load_splits, prepare, validation_windows
+from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
+from common.errors import CourseError, run_main
+from common.metrics import MetricsLog, Progress, max_memory_mb, peak_flops
+from common.training import build_model, check_resume, evaluate, lr_at, sample_text
+
+
+def main():
+    args = parse_args(chapter=3, description=__doc__)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device)
+    autocast = autocast_context(device, dtype)
+    out_dir = Path(args.out_dir)
+
+    # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
+    visible_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    n_gpus = args.gpus or visible_gpus
+    if args.gpus and args.gpus > visible_gpus:
+        raise CourseError(f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}")
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise CourseError("DataParallel takes every visible GPU: to train on the CPU here, hide them with CUDA_VISIBLE_DEVICES=")
+    if n_gpus > 1 and device.index not in (None, 0):
+        raise CourseError("with several GPUs DataParallel gathers on cuda:0: use --device cuda")
+    replicas = max(n_gpus, 1)
+
+    # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
+    model_config = gpt_config_from_args(args)
+    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
+    train_set, val_set = load_splits(data_folder, model_config.block_size)
+
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
+    global_batch = args.batch_size * args.grad_accum * replicas
+    tokens_per_step = global_batch * model_config.block_size
+    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    if steps_per_epoch == 0:
+        raise CourseError(f"the training split has {len(train_set)} windows, fewer than one batch of "
+                          f"{global_batch}; lower --batch-size or use a larger corpus")
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every stage
+
+    # ---- model and optimizer ---------------------------------------------------------------------
+    checkpoint = load_checkpoint(out_dir) if args.resume else None
+    if checkpoint is not None:
+        check_resume(checkpoint, global_batch, args.seed)
+    model = build_model(model_config, args.init_from, checkpoint).to(device)
+    # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
+    optimizer = torch.optim.AdamW(model.optimizer_groups(args.weight_decay), lr=args.lr,
+                                  betas=(args.beta1, args.beta2), fused=device.type == "cuda")
+    # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    iter_num = 0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        iter_num = checkpoint["iter_num"]
+        torch.set_rng_state(checkpoint["rng_cpu"])
+    # The wrapper keeps the real model in model.module. Its state dict would prefix every name
+    # with "module.", so checkpoints save model.module's, which any chapter can load.
+    model = nn.DataParallel(model, device_ids=list(range(n_gpus)) if n_gpus > 1 else [device.index or 0] if n_gpus else None)
+    raw_model = model.module
+    if args.compile:
+        model = torch.compile(model)
+
+    peak = peak_flops(device, dtype)
+    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
+          f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})")
+    print(f"global batch: {args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size} = {global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,} tokens per step; "
+          f"{steps_per_epoch} steps per epoch")
+    if replicas > 1:
+        print(f"DataParallel: 1 process, {replicas} threads, one replica per GPU on cuda:0..{replicas - 1}; "
+              f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0")
+    else:
+        print(f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's")
+    if iter_num:
+        print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+
+    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
+    order = torch.Generator()
+    sampler = RandomSampler(train_set, generator=order)
+
+    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num if checkpoint else None)
+    progress = Progress(total=args.max_iters, initial=iter_num)
+    train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
+    best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
+    model.train()
+    last_log_time, last_log_iter = time.perf_counter(), iter_num
+
+    while iter_num < args.max_iters:
+        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        order.manual_seed(args.seed + epoch)
+        batches = iter(batch_loader(train_set, sampler, args.batch_size * replicas, skip_batches=step_in_epoch * args.grad_accum,
+                                    pin_memory=device.type == "cuda"))
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if iter_num >= args.max_iters:
+                break
+            # ---- one training step ----
+            lr = lr_at(iter_num, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
+            for micro_step in range(args.grad_accum):
+                x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast:
+                    # each replica returns its own mean loss: a vector of `replicas` losses on cuda:0.
+                    # Every replica has B sequences, so their mean is the mean over the micro-batch.
+                    _, micro_loss = model(x, y)
+                    micro_loss = micro_loss.mean()
+                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
+                    # loss by K turns that sum into the gradient of the mean over all K * B sequences
+                    micro_loss = micro_loss / args.grad_accum
+                scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
+                loss += micro_loss.detach()
+            # clipping, the optimizer step and the learning rate act once per global batch
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)  # parameters move against their gradients
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+
+            # ---- logging: .item() waits for the device, so only at log intervals ----
+            log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
+            if log_now:
+                loss_value = loss.item()
+                elapsed = time.perf_counter() - last_log_time
+                tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
+                mfu = raw_model.flops_per_token() * tokens_per_sec / peak if peak else None
+                metrics.write(iter=iter_num, loss=loss_value, lr=lr, tokens_seen=iter_num * tokens_per_step,
+                              dt_ms=1000 * elapsed / (iter_num - last_log_iter), tokens_per_sec=tokens_per_sec,
+                              mfu=mfu, max_mem_mb=max_memory_mb(device))
+                last_log_time, last_log_iter = time.perf_counter(), iter_num
+            progress.step(iter_num, loss_value if log_now else None, tokens_per_sec if log_now else None, lr)
+
+            # ---- evaluation and checkpoint ----
+            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+                val_loss = evaluate(model, val_set, val_windows, args.batch_size, device, autocast).item()
+                best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
+                metrics.write(iter=iter_num, val_loss=val_loss)
+                save_checkpoint(out_dir, model_state=model.module.state_dict(), optimizer_state=optimizer.state_dict(),
+                                iter_num=iter_num, model_config=model_config, train_config=train_config,
+                                best_val_loss=best_val_loss)
+                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {out_dir / 'ckpt.pt'}")
+                last_log_time = time.perf_counter()  # evaluation time is not training time
+    progress.close()
+    if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
+        print("peak memory per GPU: " + ", ".join(
+            f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB" for i in range(replicas)))
+
+    if args.sample_tokens:
+        print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+
+
+if __name__ == "__main__":
+    run_main(main)
