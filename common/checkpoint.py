@@ -71,7 +71,8 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     if path.is_dir() or path.suffix != ".pt":
         path = path / CKPT_NAME
     if not path.exists():
-        raise CourseError(f"no checkpoint at {path}: run without --resume first, or point --out-dir at a run's folder")
+        raise CourseError(f"no checkpoint at {path}: train first (a run writes one at every evaluation), "
+                          "or point --out-dir at a run's folder")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as err:

@@ -1,0 +1,46 @@
+"""Print text from the model in any stage's checkpoint.
+
+    python -m common.sample --out-dir out/01_single_gpu --prompt "ROMEO:" --tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .checkpoint import checkpoint_model_config, load_checkpoint
+from .device import pick_device
+from .errors import run_main
+from .model import GPT
+from .training import sample_text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m common.sample", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out-dir", default="out/01_single_gpu", help="a run's folder (or a ckpt.pt file)")
+    parser.add_argument("--prompt", default="\n", help="text to continue")
+    parser.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.8, help="below 1: safer choices; above 1: wilder")
+    parser.add_argument("--top-k", type=int, default=200, help="sample only among the k likeliest tokens")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    checkpoint = load_checkpoint(args.out_dir)
+    device = pick_device(args.device)
+    model = GPT(checkpoint_model_config(checkpoint))
+    model.load_state_dict(checkpoint["model"])
+    model.to(device)
+    chapter = checkpoint.get("train_config", {}).get("chapter", "?")
+    print(f"# checkpoint of chapter {chapter} at step {checkpoint['iter_num']}")
+    for i in range(args.num_samples):
+        print(sample_text(model, args.prompt, args.tokens, device, args.temperature, args.top_k, seed=args.seed + i))
+        print("---")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    run_main(main)
