@@ -25,7 +25,7 @@ CHAPTERS = {
 INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
@@ -50,7 +50,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """--help keeps the script's docstring as written and shows every default."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line and exit status 2, as every other mistake is."""
 
     def error(self, message: str):
@@ -59,7 +59,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=f"{CHAPTERS[chapter]}/train.py", description=description,
+    p = OneLineParser(prog=f"{CHAPTERS[chapter]}/train.py", description=description,
                        formatter_class=_HelpFormatter)
 
     def later(flag: str, **kwargs):
@@ -71,13 +71,13 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
         g.add_argument(flag, **kwargs)
 
     g = p.add_argument_group("batch and schedule")
-    g.add_argument("--batch-size", type=_positive_int, default=8, help="micro-batch: sequences per forward pass on one device")
-    later("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--max-iters", type=_positive_int, default=500, help="optimizer steps to train for")
+    g.add_argument("--batch-size", type=positive_int, default=8, help="micro-batch: sequences per forward pass on one device")
+    later("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--max-iters", type=positive_int, default=500, help="optimizer steps to train for")
     g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine decay")
     g.add_argument("--warmup-iters", type=_non_negative_int, default=50, help="steps of linear warm-up")
-    g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="steps of cosine decay (default: --max-iters)")
+    g.add_argument("--lr-decay-iters", type=positive_int, default=None, help="steps of cosine decay (default: --max-iters)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--beta1", type=float, default=0.9)
     g.add_argument("--beta2", type=float, default=0.99)
@@ -86,10 +86,10 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
-    g.add_argument("--n-layer", type=_positive_int, default=None, help="override the preset's layers")
-    g.add_argument("--n-head", type=_positive_int, default=None, help="override the preset's attention heads")
-    g.add_argument("--n-embd", type=_positive_int, default=None, help="override the preset's width")
-    g.add_argument("--block-size", type=_positive_int, default=None, help="override the preset's context length")
+    g.add_argument("--n-layer", type=positive_int, default=None, help="override the preset's layers")
+    g.add_argument("--n-head", type=positive_int, default=None, help="override the preset's attention heads")
+    g.add_argument("--n-embd", type=positive_int, default=None, help="override the preset's width")
+    g.add_argument("--block-size", type=positive_int, default=None, help="override the preset's context length")
     g.add_argument("--dropout", type=_fraction, default=0.0)
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="biases in Linear and LayerNorm")
     g.add_argument("--init-from", choices=["scratch", "gpt2"], default="scratch",
@@ -100,12 +100,12 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
                    help="'shakespeare' (offline), a local .txt/.json/.jsonl/.parquet file, or a Hugging Face data set name")
     g.add_argument("--text-column", default="text", help="the column holding the text in JSON/Parquet/Hub data")
     g.add_argument("--data-dir", default="data", help="where prepared token files are kept")
-    g.add_argument("--num-proc", type=_positive_int, default=None, help="processes for tokenizing (default: CPUs)")
+    g.add_argument("--num-proc", type=positive_int, default=None, help="processes for tokenizing (default: CPUs)")
 
     g = p.add_argument_group("evaluation, logging and checkpoints")
-    g.add_argument("--eval-interval", type=_positive_int, default=100, help="evaluate every this many steps (and at the end)")
-    g.add_argument("--eval-batches", type=_positive_int, default=20, help="validation batches (of the global batch size) per evaluation")
-    g.add_argument("--log-interval", type=_positive_int, default=10, help="write a metrics line every this many steps")
+    g.add_argument("--eval-interval", type=positive_int, default=100, help="evaluate every this many steps (and at the end)")
+    g.add_argument("--eval-batches", type=positive_int, default=20, help="validation batches (of the global batch size) per evaluation")
+    g.add_argument("--log-interval", type=positive_int, default=10, help="write a metrics line every this many steps")
     g.add_argument("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     g.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
     g.add_argument("--sample-tokens", type=_non_negative_int, default=200, help="tokens to generate at the end; 0 skips")
@@ -116,9 +116,9 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="auto: bfloat16 on GPUs that support it, float16 on older ones, float32 on the CPU")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    later("--gpus", type=_positive_int, default=None, help="GPUs DataParallel spreads over (default: all visible)")
+    later("--gpus", type=positive_int, default=None, help="GPUs DataParallel spreads over (default: all visible)")
     later("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process group backend: NCCL with CUDA, gloo without")
-    later("--dist-timeout", type=_positive_int, default=300, help="seconds a collective may wait for a peer before the run fails")
+    later("--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait for a peer before the run fails")
     later("--shared-fs", action="store_true", default=False,
           help="nodes share one file system: only global rank 0 prepares the data")
     return p

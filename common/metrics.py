@@ -49,6 +49,14 @@ def max_memory_mb(device: torch.device) -> float | None:
     return None
 
 
+def _parse(line: str) -> dict | None:
+    """One metrics line, or None for a blank line or one cut short by a crash mid-write."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
 class MetricsLog:
     """Appends one JSON object per line to <out-dir>/metrics.jsonl (only where `enabled`)."""
 
@@ -63,7 +71,7 @@ class MetricsLog:
         elif self.path.exists():
             # a resumed run rewrites what came after its checkpoint, so each iteration appears once
             keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("iter", 0) <= resume_from]
+                    if (record := _parse(line)) is not None and record.get("iter", 0) <= resume_from]
             self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, **fields) -> None:
@@ -75,7 +83,7 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [record for line in Path(path).read_text().splitlines() if (record := _parse(line)) is not None]
 
 
 class Progress:

@@ -10,6 +10,7 @@ import argparse
 import torch
 
 from .checkpoint import checkpoint_model_config, load_checkpoint
+from .config import OneLineParser, positive_int
 from .device import pick_device
 from .errors import run_main
 from .model import GPT
@@ -17,12 +18,12 @@ from .training import sample_text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.sample", description=__doc__,
+    parser = OneLineParser(prog="python -m common.sample", description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out-dir", default="out/01_single_gpu", help="a run's folder (or a ckpt.pt file)")
     parser.add_argument("--prompt", default="\n", help="text to continue")
-    parser.add_argument("--tokens", type=int, default=200, help="how many tokens to generate")
-    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--tokens", type=positive_int, default=200, help="how many tokens to generate")
+    parser.add_argument("--num-samples", type=positive_int, default=1)
     parser.add_argument("--temperature", type=float, default=0.8, help="below 1: safer choices; above 1: wilder")
     parser.add_argument("--top-k", type=int, default=200, help="sample only among the k likeliest tokens")
     parser.add_argument("--seed", type=int, default=1337)

@@ -1,0 +1,164 @@
+"""ckpt.pt: plain tensors read with weights_only=True, written so that a crash loses nothing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO, child_env
+
+from common.checkpoint import (check_same_shape, checkpoint_model_config, clean_state_dict, load_checkpoint,
+                               save_checkpoint)
+from common.errors import CourseError
+from common.model import GPT, PRESETS, model_config
+
+
+def save_tiny(out_dir: Path, iter_num: int, model: GPT | None = None, **train_config) -> GPT:
+    model = model or GPT(PRESETS["tiny"])
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
+                    iter_num=iter_num, model_config=model.config, train_config={"seed": 1, **train_config})
+    return model
+
+
+def test_round_trip_with_weights_only(tmp_path):
+    # only plain values of the training configuration are kept: a Path or an object would need pickled code
+    model = save_tiny(tmp_path, 7, data_dir="data", lr=0.5, a_path=tmp_path, an_object=object())
+    raw = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert raw["iter_num"] == 7
+    assert raw["train_config"] == {"seed": 1, "data_dir": "data", "lr": 0.5}
+    ckpt = load_checkpoint(tmp_path)
+    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 7  # the folder or the file
+    restored = GPT(checkpoint_model_config(ckpt))
+    restored.load_state_dict(ckpt["model"])
+    for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert isinstance(ckpt["rng_cpu"], torch.Tensor)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # the temporary file was renamed
+
+
+def test_wrapper_prefixes_removed():
+    state = {"module.lm_head.weight": 1, "_orig_mod.module.ln_f.bias": 2, "transformer.h.0.ln_1.weight": 3}
+    assert clean_state_dict(state) == {"lm_head.weight": 1, "ln_f.bias": 2, "transformer.h.0.ln_1.weight": 3}
+
+
+def test_missing_truncated_and_foreign_checkpoints(tmp_path):
+    with pytest.raises(CourseError, match="no checkpoint at"):
+        load_checkpoint(tmp_path)
+    save_tiny(tmp_path, 3)
+    ckpt = tmp_path / "ckpt.pt"
+    data = ckpt.read_bytes()
+    for broken in (data[: len(data) // 2], data[:100], b"", b"\x00" * 1000):
+        ckpt.write_bytes(broken)
+        with pytest.raises(CourseError, match="unreadable, truncated or corrupted"):
+            load_checkpoint(tmp_path)
+    torch.save({"weights": torch.zeros(2)}, ckpt)
+    with pytest.raises(CourseError, match="not a checkpoint of this course"):
+        load_checkpoint(tmp_path)
+
+
+def test_shape_check_names_the_difference(tmp_path):
+    save_tiny(tmp_path, 1)
+    ckpt = load_checkpoint(tmp_path)
+    check_same_shape(ckpt, PRESETS["tiny"])
+    check_same_shape(ckpt, model_config("tiny", dropout=0.1))  # dropout is not part of the shape
+    with pytest.raises(CourseError, match=r"another model shape: n_embd 32 \(now 64\)"):
+        check_same_shape(ckpt, model_config("tiny", n_embd=64))
+    with pytest.raises(CourseError, match=r"block_size 32 \(now 64\)"):
+        check_same_shape(ckpt, model_config("tiny", block_size=64))
+
+
+# A process that saves a good checkpoint, then is SIGKILLed by itself halfway through writing the next.
+KILLED_MID_WRITE = r"""
+import os, signal, sys
+import torch
+import common.checkpoint as ck
+from common.model import GPT, PRESETS
+
+out_dir = sys.argv[1]
+model = GPT(PRESETS["tiny"])
+ck.save_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state={}, iter_num=1,
+                   model_config=model.config, train_config={})
+real_save = torch.save
+
+def save_half_then_die(obj, f):
+    import io
+    buffer = io.BytesIO()
+    real_save(obj, buffer)
+    f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ck.torch.save = save_half_then_die
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+ck.save_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state={}, iter_num=2,
+                   model_config=model.config, train_config={})
+print("not reached")
+"""
+
+
+def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "not reached" not in proc.stdout
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the half-written temporary file
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt["iter_num"] == 1  # the previous one, whole
+    GPT(checkpoint_model_config(ckpt)).load_state_dict(ckpt["model"])
+    save_tiny(tmp_path, 3)  # and the next save replaces it as usual
+    assert load_checkpoint(tmp_path)["iter_num"] == 3
+
+
+# A process that writes checkpoints of ~32 MB over and over until it is killed from outside.
+WRITES_FOREVER = r"""
+import sys
+import torch
+from common.checkpoint import save_checkpoint
+from common.model import PRESETS
+
+out_dir = sys.argv[1]
+big = {"weight": torch.zeros(8 * 2**20)}
+i = 0
+while True:
+    i += 1
+    big["weight"].fill_(i)
+    save_checkpoint(out_dir, model_state=big, optimizer_state={}, iter_num=i, model_config=PRESETS["tiny"],
+                    train_config={})
+    print(i, flush=True)
+"""
+
+
+def test_killed_from_outside_keeps_a_loadable_checkpoint(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITES_FOREVER, str(tmp_path)], cwd=REPO, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "1", proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.7)  # somewhere in a later write
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        proc.stderr.close()
+    ckpt = load_checkpoint(tmp_path)
+    i = ckpt["iter_num"]
+    assert i >= 1
+    assert torch.all(ckpt["model"]["weight"] == i)  # a complete checkpoint, consistent with itself
+
+
+def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
+    from common.metrics import MetricsLog, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo')  # killed mid-line
+    MetricsLog(path, resume_from=2)
+    assert read_metrics(path) == [{"iter": 1, "loss": 10.8}, {"iter": 2, "loss": 10.7}]

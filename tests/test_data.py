@@ -1,0 +1,221 @@
+"""The data pipeline: prepare once and deterministically, windows shifted by one, the fixed order."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import RandomSampler
+
+from common.data import (TokenWindows, batch_loader, epoch_permutation, load_splits, prepare, shakespeare_texts,
+                         validation_windows)
+from common.errors import CourseError
+from common.tokenizer import encode, eot_id
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [
+    "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
+    "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n",
+    "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n",
+    "All the world's a stage,\nAnd all the men and women merely players;\n",
+    "Once more unto the breach, dear friends, once more;\nOr close the wall up with our English dead.\n",
+    "O Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name;\n",
+]
+
+
+def quiet(*_):
+    pass
+
+
+def all_tokens(folder: Path) -> np.ndarray:
+    return np.concatenate([np.fromfile(folder / "train.bin", dtype=np.uint16),
+                           np.fromfile(folder / "val.bin", dtype=np.uint16)])
+
+
+def expected_tokens(docs: list[str]) -> list[int]:
+    return [t for doc in docs for t in encode(doc) + [eot_id()]]
+
+
+# ---- the default corpus ---------------------------------------------------------------------------
+
+
+def test_shakespeare_is_clean_play_text():
+    texts = shakespeare_texts()
+    assert len(texts) == 38
+    text = "\n".join(texts)
+    for markup in ("**", "#", "_", "\\[", "\\]", "\\"):
+        assert markup not in text, f"Markdown markup {markup!r} left in the play text"
+    assert not any(line != line.rstrip() for line in text.splitlines()), "trailing spaces left"
+    lines = text.splitlines()
+    assert "HAMLET:" in lines and "ROMEO:" in lines and "IAGO:" in lines
+    speakers = [line for line in lines if re.fullmatch(r"[A-Z][A-Z .'-]+:", line)]
+    assert len(speakers) > 10_000  # speaker names on their own lines, then the verse
+    assert "To be, or not to be" in text
+
+
+def test_shakespeare_prepared_files(data_dir):
+    folder = data_dir / "shakespeare"
+    meta = json.loads((folder / "meta.json").read_text())
+    train = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    val = np.fromfile(folder / "val.bin", dtype=np.uint16)
+    assert meta["train_tokens"] == len(train) > 1_000_000
+    assert meta["val_tokens"] == len(val)
+    assert abs(len(val) / (len(train) + len(val)) - 0.1) < 0.001  # the last tenth is held out
+    assert meta["documents"] == 38
+    assert train.max() < 50257 and val.max() < 50257
+    assert (np.concatenate([train, val]) == eot_id()).sum() == 38  # one <|endoftext|> after each play
+
+
+def test_prepare_is_idempotent(data_dir):
+    folder = data_dir / "shakespeare"
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir()}
+    messages = []
+    assert prepare("shakespeare", data_dir, log=messages.append) == folder
+    assert messages == [], "a second prepare must do no work"
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir()}
+    assert after == before
+
+
+def test_prepare_is_deterministic(data_dir, tmp_path):
+    """Another folder, one process instead of several: byte-identical files."""
+    again = prepare("shakespeare", tmp_path, num_proc=1, log=quiet)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (again / name).read_bytes() == (data_dir / "shakespeare" / name).read_bytes(), name
+
+
+# ---- local files through `datasets` -----------------------------------------------------------------
+
+
+def test_local_text_file(tmp_path):
+    path = tmp_path / "plays.txt"
+    path.write_text("".join(DOCS), encoding="utf-8")
+    messages = []
+    folder = prepare(str(path), tmp_path / "data", log=messages.append)
+    assert messages, "the first prepare says what it does"
+    # a text file is one document: its tokens, then <|endoftext|>
+    assert all_tokens(folder).tolist() == expected_tokens(["".join(DOCS)])
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["documents"] == 1 and meta["train_tokens"] == int(len(all_tokens(folder)) * 0.9)
+
+    messages.clear()
+    assert prepare(str(path), tmp_path / "data", log=messages.append) == folder
+    assert messages == []
+    # an edited file is prepared again
+    path.write_text("".join(DOCS[:3]), encoding="utf-8")
+    folder2 = prepare(str(path), tmp_path / "data", log=messages.append)
+    assert messages and all_tokens(folder2).tolist() == expected_tokens(["".join(DOCS[:3])])
+
+
+def test_local_jsonl_file_with_processes(tmp_path):
+    path = tmp_path / "lines.jsonl"
+    path.write_text("".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8")
+    folder = prepare(str(path), tmp_path / "data", num_proc=2, text_column="body", log=quiet)  # Dataset.map(num_proc=2)
+    assert all_tokens(folder).tolist() == expected_tokens(DOCS)  # document order kept across processes
+    single = prepare(str(path), tmp_path / "data1", num_proc=1, text_column="body", log=quiet)
+    for name in ("train.bin", "val.bin"):
+        assert (single / name).read_bytes() == (folder / name).read_bytes()
+
+
+def test_local_parquet_file(tmp_path):
+    import datasets
+
+    path = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(path))
+    folder = prepare(str(path), tmp_path / "data", log=quiet)
+    assert all_tokens(folder).tolist() == expected_tokens(DOCS)
+
+
+def test_missing_text_column(tmp_path):
+    path = tmp_path / "lines.jsonl"
+    path.write_text(json.dumps({"body": "hello"}) + "\n")
+    with pytest.raises(CourseError, match="no column 'text'"):
+        prepare(str(path), tmp_path / "data", log=quiet)
+
+
+def test_unknown_corpus_name(tmp_path):
+    with pytest.raises(CourseError, match="unknown corpus"):
+        prepare("no_such_corpus!", tmp_path, log=quiet)
+
+
+# ---- windows -----------------------------------------------------------------------------------
+
+
+def test_inputs_and_targets_shifted_by_one(data_dir):
+    block = 32
+    train, val = load_splits(data_dir / "shakespeare", block)
+    tokens = np.fromfile(data_dir / "shakespeare" / "train.bin", dtype=np.uint16).astype(np.int64)
+    assert len(train) == (len(tokens) - 1) // block
+    for i in (0, 1, 17, len(train) - 1):
+        x, y = train[i]
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (block,)
+        assert torch.equal(x[1:], y[:-1])  # y is x moved one token on
+        assert x.tolist() == tokens[i * block : i * block + block].tolist()  # window i starts at i*T
+        assert y.tolist() == tokens[i * block + 1 : i * block + block + 1].tolist()
+    x, y = next(iter(batch_loader(train, RandomSampler(train, generator=torch.Generator()), 4)))
+    assert x.shape == y.shape == (4, block) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_windows_need_block_size_plus_one_tokens(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(33, dtype=np.uint16).tofile(path)
+    assert len(TokenWindows(path, 32)) == 1  # 33 tokens: exactly one window of 32 + 1
+    np.arange(32, dtype=np.uint16).tofile(path)
+    with pytest.raises(CourseError, match="fewer than one window"):
+        TokenWindows(path, 32)
+
+
+def test_validation_windows_fixed_and_spread(data_dir):
+    _, val = load_splits(data_dir / "shakespeare", 32)
+    windows = validation_windows(val, batches=3, batch_size=4)
+    assert len(windows) == 12 and windows[0] == 0 and windows[-1] == len(val) - 1
+    assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)
+
+
+# ---- the data order DESIGN.md fixes -------------------------------------------------------------------
+
+
+def test_epoch_permutation_is_seeded_randperm():
+    for seed, epoch in ((1337, 0), (1337, 1), (7, 3)):
+        g = torch.Generator().manual_seed(seed + epoch)
+        assert torch.equal(epoch_permutation(100, seed, epoch), torch.randperm(100, generator=g))
+    assert not torch.equal(epoch_permutation(100, 1337, 0), epoch_permutation(100, 1337, 1))
+
+
+def chapter01_batches(train_set, seed: int, epoch: int, batch_size: int, skip_batches: int = 0):
+    """The first-window index of each sample, as chapter 01 builds its loader (see train.py)."""
+    order = torch.Generator()
+    sampler = RandomSampler(train_set, generator=order)
+    order.manual_seed(seed + epoch)
+    return [x[:, 0] for x, _ in batch_loader(train_set, sampler, batch_size, skip_batches=skip_batches)]
+
+
+def test_chapter01_loader_follows_the_permutation(tmp_path):
+    """Window i of this file starts with token i*T, so each batch's first column names its windows."""
+    block, n_windows, batch_size, seed = 4, 23, 5, 1337
+    tokens = np.zeros(n_windows * block + 1, dtype=np.uint16)
+    tokens[: n_windows * block : block] = np.arange(n_windows)  # the first token of window i is i
+    tokens.tofile(tmp_path / "train.bin")
+    train_set = TokenWindows(tmp_path / "train.bin", block)
+    assert len(train_set) == n_windows
+
+    for epoch in (0, 1):
+        perm = epoch_permutation(n_windows, seed, epoch)
+        batches = chapter01_batches(train_set, seed, epoch, batch_size)
+        assert len(batches) == n_windows // batch_size  # the incomplete last batch is dropped
+        assert torch.equal(torch.cat(batches), perm[: len(batches) * batch_size])
+        # resuming mid-epoch: the same batches from the skipped one on
+        resumed = chapter01_batches(train_set, seed, epoch, batch_size, skip_batches=2)
+        assert len(resumed) == len(batches) - 2
+        assert all(torch.equal(a, b) for a, b in zip(resumed, batches[2:]))
+
+
+def test_chapter01_builds_its_loader_that_way():
+    """The helper above mirrors train.py; make sure train.py still does it that way."""
+    source = (REPO / "01_single_gpu" / "train.py").read_text()
+    assert "RandomSampler(train_set, generator=order)" in source
+    assert "order.manual_seed(args.seed + epoch)" in source
+    assert "skip_batches=step_in_epoch" in source

@@ -1,0 +1,127 @@
+"""Every expected mistake: one `error:` line, exit status 2, no traceback, and nothing lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_run_args
+from launch import run_python
+
+SCRIPT = "01_single_gpu/train.py"
+
+
+@pytest.fixture(scope="module")
+def earlier_run(data_dir, tmp_path_factory) -> Path:
+    """The folder of a finished 2-step run: a failed run pointed at it must leave it as it was."""
+    out_dir = tmp_path_factory.mktemp("earlier") / "run"
+    run_python([SCRIPT, *tiny_run_args(data_dir, out_dir, 2)])
+    assert (out_dir / "ckpt.pt").exists() and (out_dir / "metrics.jsonl").exists()
+    return out_dir
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def fails_cleanly(args: list, message: str) -> str:
+    proc = run_python([SCRIPT, *args], check=False)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert message in lines[0], lines[0]
+    assert "val loss" not in proc.stdout  # it stopped before training
+    return lines[0]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# name -> (flags given the test's tmp_path, the words the error line must hold)
+CASES = {
+    "unknown corpus name": (lambda tmp: ["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
+    "missing file": (lambda tmp: ["--dataset", tmp / "missing.txt"], "no corpus file at"),
+    "directory given as the file": (lambda tmp: ["--dataset", (tmp / "folder.txt").mkdir() or tmp / "folder.txt"],
+                                    "no corpus file at"),
+    "unknown file type": (lambda tmp: ["--dataset", write(tmp / "table.csv", "a,b\n1,2\n")], "unknown file type '.csv'"),
+    "empty file": (lambda tmp: ["--dataset", write(tmp / "empty.txt", "")], "is empty"),
+    "corpus smaller than one window": (lambda tmp: ["--dataset", write(tmp / "small.txt", "Hello world. " * 3)],
+                                       "fewer than one window of block_size + 1 = 33"),
+    # 9 training windows of 32 tokens, and a validation split just long enough for one window
+    "corpus smaller than one batch": (lambda tmp: ["--batch-size", 16,
+                                                   "--dataset", write(tmp / "few.txt", "To be, or not to be. " * 40)],
+                                      "9 windows, fewer than one batch of 16"),
+    "block size beyond GPT-2": (lambda tmp: ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
+                                "--block-size 2048 is larger than GPT-2's 1024 positions"),
+    "zero batch size": (lambda tmp: ["--batch-size", 0], "--batch-size: must be a positive whole number, got 0"),
+    "negative max iters": (lambda tmp: ["--max-iters", -1], "--max-iters: must be a positive whole number, got -1"),
+    "grad accum in chapter 01": (lambda tmp: ["--grad-accum", 2], "introduced in chapter 02 (02_grad_accumulation)"),
+}
+if not torch.cuda.is_available():
+    CASES["cuda asked for without a GPU"] = (lambda tmp: ["--device", "cuda"], "sees no CUDA GPU")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case, data_dir, earlier_run, tmp_path):
+    flags, message = CASES[case]
+    out_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, out_dir)  # copy2: contents and times kept
+    before = snapshot(out_dir)
+    extra = flags(tmp_path)
+    data_root = tmp_path / "data" if "--dataset" in extra else data_dir
+    fails_cleanly([*tiny_run_args(data_root, out_dir, 5), *extra], message)
+    assert snapshot(out_dir) == before, "a failed run must not touch what an earlier run wrote"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_unreadable_file(tmp_path, data_dir):
+    path = write(tmp_path / "secret.txt", "To be, or not to be. " * 200)
+    path.chmod(0)
+    try:
+        fails_cleanly(tiny_run_args(tmp_path / "data", tmp_path / "run", 5) + ["--dataset", path], "cannot read")
+    finally:
+        path.chmod(0o600)
+
+
+def test_resume_without_checkpoint(data_dir, tmp_path):
+    out_dir = tmp_path / "never_ran"
+    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True), "no checkpoint at")
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
+def test_resume_another_model_shape(data_dir, earlier_run, tmp_path):
+    out_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, out_dir)
+    before = snapshot(out_dir)
+    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True, n_embd=64), "n_embd 32 (now 64)")
+    assert snapshot(out_dir) == before
+
+
+def test_resume_longer_block_than_checkpoint(data_dir, earlier_run, tmp_path):
+    out_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, out_dir)
+    before = snapshot(out_dir)
+    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True, block_size=64), "block_size 32 (now 64)")
+    assert snapshot(out_dir) == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_resume_damaged_checkpoint(damage, data_dir, earlier_run, tmp_path):
+    out_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, out_dir)
+    ckpt = out_dir / "ckpt.pt"
+    if damage == "truncated":
+        with open(ckpt, "r+b") as f:
+            f.truncate(ckpt.stat().st_size // 2)
+    else:
+        ckpt.write_bytes(b"not a checkpoint at all" * 100)
+    before = snapshot(out_dir)
+    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True), "unreadable, truncated or corrupted")
+    assert snapshot(out_dir) == before  # left for the reader to inspect or restore

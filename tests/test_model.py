@@ -1,0 +1,163 @@
+"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (Hugging Face's logits)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.metrics import peak_flops
+from common.model import GPT, PRESETS, GPTConfig, load_hf_gpt2_state_dict, model_config, padded_vocab_size
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small matmuls gain nothing from threads, and spinning threads suffer on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_vocabulary_padded_to_multiple_of_64():
+    assert padded_vocab_size(50257) == 50304 and padded_vocab_size(64) == 64
+    for name, cfg in PRESETS.items():
+        assert cfg.vocab_size == 50304, name
+
+
+def test_presets_and_overrides():
+    cfg = model_config("tiny", n_embd=64, block_size=None)
+    assert cfg.n_embd == 64 and cfg.block_size == PRESETS["tiny"].block_size  # None keeps the preset
+    with pytest.raises(ValueError, match="unknown model preset"):
+        model_config("huge")
+
+
+def expected_params(cfg: GPTConfig) -> int:
+    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + final LayerNorm."""
+    C = cfg.n_embd
+    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
+
+
+def test_num_params():
+    for cfg in (PRESETS["tiny"], model_config("tiny", n_layer=3, n_embd=48, n_head=3, block_size=20)):
+        model = GPT(cfg)
+        assert model.num_params(non_embedding=False) == expected_params(cfg)
+        assert model.num_params() == expected_params(cfg) - cfg.block_size * cfg.n_embd  # positions left out
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied: counted once
+    # GPT-2 small has 124,439,808 parameters; ours has 47 padded vocabulary rows more
+    assert expected_params(PRESETS["gpt2"]) == 124_439_808 + 47 * 768
+
+
+def test_flops_per_token():
+    model = GPT(PRESETS["tiny"])
+    cfg = model.config
+    expected = 6 * model.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    assert model.flops_per_token() == expected > 0
+
+
+def test_no_peak_flops_claimed_on_cpu():
+    assert peak_flops(torch.device("cpu"), torch.float32) is None
+    assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+
+
+def test_initial_loss_near_ln_vocab():
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model = GPT(cfg)
+    idx = torch.randint(0, 50257, (8, cfg.block_size))
+    targets = torch.randint(0, 50257, (8, cfg.block_size))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (8, cfg.block_size, 50304)
+    # an untrained model spreads its bets evenly over all 50,304 outputs
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.2
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    cfg = model_config("tiny", n_embd=16, block_size=16)
+    model = GPT(cfg)
+    x = torch.randint(0, 1000, (4, 16))
+    y = torch.roll(x, -1, dims=1)
+    optimizer = torch.optim.AdamW(model.optimizer_groups(0.0), lr=1e-2)
+    first = None
+    for _ in range(80):
+        _, loss = model(x, y)
+        first = loss.item() if first is None else first
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert first > 10.0
+    assert loss.item() < 0.5, f"loss only fell from {first:.2f} to {loss.item():.2f}"
+
+
+def test_optimizer_groups_decay_matrices_only():
+    model = GPT(PRESETS["tiny"])
+    decay, no_decay = model.optimizer_groups(0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert n == model.num_params(non_embedding=False)
+
+
+def test_generate_shape_and_determinism():
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"]).eval()
+    prompt = torch.tensor([[15496, 995]])
+    runs = [model.generate(prompt, 40, top_k=50, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert runs[0].shape == (1, 42)  # longer than block_size 32: the context is cropped
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0][:, :2], prompt)
+    assert runs[0].max() < 50257  # the padding rows are never sampled
+    other = model.generate(prompt, 40, top_k=50, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(other, runs[0])
+
+
+def test_longer_than_block_size_refused():
+    model = GPT(PRESETS["tiny"])
+    with pytest.raises(ValueError, match="longer than block_size"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def hf_gpt2(n_positions: int = 64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=n_positions, vocab_size=50257,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new")
+    model = GPT2LMHeadModel(config).eval()
+    # random biases and gains too, so a missed or transposed tensor cannot hide behind zeros and ones
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(mean=1.0 if ".ln_" in name else 0.0, std=0.1)
+    return model
+
+
+def test_hugging_face_logits_match():
+    hf = hf_gpt2()
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32, vocab_size=50304, bias=True)).eval()
+    load_hf_gpt2_state_dict(model, hf.state_dict())
+    idx = torch.randint(0, 50257, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(idx).logits
+        ours, _ = model(idx, idx)  # with targets: logits at every position
+    assert ours.shape == (3, 64, 50304)
+    torch.testing.assert_close(ours[..., :50257], theirs, atol=1e-5, rtol=1e-5)
+    # the last position alone (generation path) agrees too
+    with torch.no_grad():
+        last, _ = model(idx)
+    torch.testing.assert_close(last[:, 0, :50257], theirs[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_hugging_face_shorter_block_and_wrong_shapes():
+    hf = hf_gpt2()
+    short = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)).eval()
+    load_hf_gpt2_state_dict(short, hf.state_dict())  # positions are cut to block_size
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(short(idx, idx)[0][..., :50257], hf(idx).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="larger than the 64 positions"):
+        load_hf_gpt2_state_dict(GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32)), hf.state_dict())
+    with pytest.raises(ValueError):
+        load_hf_gpt2_state_dict(GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)), hf.state_dict())
