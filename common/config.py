@@ -23,6 +23,8 @@ CHAPTERS = {
 
 # flag -> the chapter that introduces it
 INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}
+# flag -> the last chapter that uses it (DataParallel's --gpus means nothing once torchrun starts the processes)
+RETIRED_AFTER = {"--gpus": 3}
 
 
 def positive_int(text: str) -> int:
@@ -64,7 +66,7 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
 
     def later(flag: str, **kwargs):
         """A flag from a later chapter: hidden from --help here, refused when used."""
-        if INTRODUCED_IN[flag] > chapter:
+        if INTRODUCED_IN[flag] > chapter or RETIRED_AFTER.get(flag, chapter) < chapter:
             kwargs = {"default": None, "help": argparse.SUPPRESS, **{k: v for k, v in kwargs.items() if k in ("action", "type")}}
             if kwargs.get("action") == "store_true":
                 kwargs.pop("type", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -15,7 +16,9 @@ def run_main(main: Callable[[], int | None]) -> None:
     try:
         status = main()
     except CourseError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        # under torchrun every rank may fail alike: say which rank is speaking
+        prefix = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""
+        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: the last checkpoint written is intact; continue with --resume", file=sys.stderr)

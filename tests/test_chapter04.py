@@ -1,0 +1,233 @@
+"""Chapter 04: DistributedDataParallel under torchrun is chapter 01's run, on several processes.
+
+Every test starts real processes: torchrun with 2 ranks, gloo on 127.0.0.1, the tiny model on the
+CPU. The runs of the parity tests are made once (a module fixture) and shared:
+
+    01 --batch-size 8, 20 steps                         the reference
+    04, 2 ranks x --batch-size 4, 20 steps              the same global batch of 8
+    04, 2 ranks x --batch-size 2 --grad-accum 2,        10 steps, then --resume to 20 under torchrun
+    01 --resume from that 04 checkpoint at step 10      a chapter 04 checkpoint continues in chapter 01
+
+All use --lr-decay-iters 20, so a 10-step run is the first half of a 20-step one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import tiny_run_args  # noqa: E402
+from launch import REPO, child_env, run_python, run_torchrun, torchrun_command  # noqa: E402
+
+from common.data import epoch_permutation  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
+
+SCRIPT = REPO / "04_ddp" / "train.py"
+CHAPTER01 = REPO / "01_single_gpu" / "train.py"
+REL = 1e-5  # float32, dropout 0: only the order of additions differs between the runs
+ITERS = 20
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m]
+    iters = [m["iter"] for m in lines]
+    assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
+    return {m["iter"]: m["loss"] for m in lines}
+
+
+def val_losses(out_dir: Path) -> dict[int, float]:
+    return {m["iter"]: m["val_loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "val_loss" in m}
+
+
+def assert_same_losses(run: dict[int, float], reference: dict[int, float]) -> None:
+    assert run.keys() <= reference.keys() and run, (sorted(run), sorted(reference))
+    for it, loss in run.items():
+        assert loss == pytest.approx(reference[it], rel=REL), f"iteration {it}: {loss} vs {reference[it]}"
+
+
+def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
+    state = torch.load(out_dir / "ckpt.pt", weights_only=True)
+    reference = torch.load(reference_dir / "ckpt.pt", weights_only=True)
+    assert state["iter_num"] == reference["iter_num"] == ITERS
+    assert state["model"].keys() == reference["model"].keys()
+    for name, value in reference["model"].items():
+        torch.testing.assert_close(state["model"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory) -> dict[str, Path]:
+    tiny_args = tiny_run_args  # the fixture's function; fixtures are per test, these runs per module
+    root = tmp_path_factory.mktemp("chapter04")
+    out = {name: root / name for name in ("ch01", "ddp", "ddp_accum", "ch01_resumed")}
+    common = {"lr_decay_iters": ITERS}
+    run_python([CHAPTER01, *tiny_args(data_dir, out["ch01"], ITERS, batch_size=8, **common)])
+    ddp = run_torchrun(SCRIPT, 2, tiny_args(data_dir, out["ddp"], ITERS, batch_size=4, **common))
+    (out["ddp"] / "stdout.txt").write_text(ddp.stdout)  # after the run: the folder held only its files
+    accum = tiny_args(data_dir, out["ddp_accum"], 10, batch_size=2, grad_accum=2, **common)
+    run_torchrun(SCRIPT, 2, accum)
+    shutil.copytree(out["ddp_accum"], out["ch01_resumed"])  # the chapter 04 checkpoint at step 10
+    run_torchrun(SCRIPT, 2, tiny_args(data_dir, out["ddp_accum"], ITERS, batch_size=2, grad_accum=2,
+                                      resume=True, **common))
+    run_python([CHAPTER01, *tiny_args(data_dir, out["ch01_resumed"], ITERS, batch_size=8, resume=True, **common)])
+    return out
+
+
+def test_two_ranks_equal_chapter01_step_for_step(runs):
+    reference = train_losses(runs["ch01"])
+    ddp = train_losses(runs["ddp"])
+    assert sorted(ddp) == list(range(1, ITERS + 1))
+    assert_same_losses(ddp, reference)
+    # the validation loss, split over the ranks and averaged, is the one chapter 01 computes alone
+    assert val_losses(runs["ddp"])[ITERS] == pytest.approx(val_losses(runs["ch01"])[ITERS], rel=REL)
+    assert_same_params(runs["ddp"], runs["ch01"])
+
+
+def test_two_ranks_with_accumulation_and_resume_equal_chapter01(runs):
+    # steps 1-10 from the first launch, 11-20 from the resumed one, each logged once
+    losses = train_losses(runs["ddp_accum"])
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert_same_losses(losses, train_losses(runs["ch01"]))
+    assert_same_params(runs["ddp_accum"], runs["ch01"])
+
+
+def test_chapter04_checkpoint_continues_in_chapter01(runs):
+    ckpt = torch.load(runs["ch01_resumed"] / "ckpt.pt", weights_only=True)
+    assert not any(name.startswith("module.") for name in ckpt["model"])
+    losses = train_losses(runs["ch01_resumed"])
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert_same_losses(losses, train_losses(runs["ch01"]))
+    assert_same_params(runs["ch01_resumed"], runs["ch01"])
+
+
+def test_only_rank0_writes_and_all_ranks_agree(runs):
+    folder = runs["ddp"]
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt.pt", "metrics.jsonl", "stdout.txt"]
+    metrics = read_metrics(folder / "metrics.jsonl")
+    assert [m["iter"] for m in metrics if "loss" in m] == list(range(1, ITERS + 1))
+    assert [m["iter"] for m in metrics if "val_loss" in m] == [ITERS]
+    stdout = (folder / "stdout.txt").read_text()
+    # every rank announces itself; after that only rank 0 speaks, and every line says who speaks
+    assert re.search(r"^\[rank 1\] process \d+ on .*rank 1 of 2, local rank 1", stdout, re.M), stdout
+    ours = [line for line in stdout.splitlines() if line and not line.startswith("*")]
+    assert all(line.startswith("[rank ") for line in ours), stdout
+    assert sum(line.startswith("[rank 1]") for line in ours) == 1, stdout
+    assert "[rank 0] parameters identical on all 2 rank(s): yes" in stdout
+
+
+def test_ranks_share_each_global_batch_as_chapter01_does(tmp_path):
+    """The script's DistributedSampler + batch_loader in 2 real processes, on a token file that
+    says which window each row came from."""
+    T, B, W, N = 4, 2, 2, 50  # N is not a multiple of the global batch: an epoch drops its tail
+    np.arange(N * T + 1, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    worker = REPO / "tests" / "workers" / "ddp_sampler_worker.py"
+    run_torchrun(worker, W, [tmp_path / "tokens.bin", T, B, tmp_path], timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(W)]
+    assert [r["n_windows"] for r in ranks] == [N, N]
+
+    for epoch in (0, 1):
+        order = epoch_permutation(N, 1337, epoch).tolist()  # chapter 01's order for this epoch
+        seen = [r[f"epoch{epoch}"] for r in ranks]
+        assert not set(seen[0]) & set(seen[1]), "the ranks must see disjoint windows"
+        for K in (1, 2):  # micro-steps per optimizer step
+            G = B * K * W
+            steps = N // G
+            for s in range(steps):  # one optimizer step: every rank's K micro-batches
+                union = [i for rank in seen for i in rank[s * K * B:(s + 1) * K * B]]
+                assert sorted(union) == sorted(order[s * G:(s + 1) * G]), (epoch, K, s)
+            # over the epoch the ranks cover the training set, except what chapter 01 drops too
+            used = set(seen[0][:steps * K * B]) | set(seen[1][:steps * K * B])
+            assert used == set(range(N)) - set(order[steps * G:])
+    for r in ranks:
+        assert r["epoch0"] != r["epoch1"], "set_epoch must give every epoch its own order"
+        assert r["epoch0_skip2"] == r["epoch0"][2 * B:], "a resumed epoch continues where it stopped"
+
+
+def test_plain_python_runs_a_world_of_one(runs, data_dir, tiny_args, tmp_path):
+    proc = run_python([SCRIPT, *tiny_args(data_dir, tmp_path, 5, batch_size=8, lr_decay_iters=ITERS)])
+    assert "[rank 0] not started by torchrun, so this is a world of one process" in proc.stdout
+    assert "torchrun --standalone --nproc_per_node=N 04_ddp/train.py" in proc.stdout
+    assert_same_losses(train_losses(tmp_path), train_losses(runs["ch01"]))
+
+
+def test_nccl_without_cuda_is_one_clear_error(data_dir, tiny_args, tmp_path):
+    proc = run_python([SCRIPT, *tiny_args(data_dir, tmp_path, 2), "--backend", "nccl"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_gpus_flag_points_to_torchrun(data_dir, tiny_args, tmp_path):
+    proc = run_python([SCRIPT, *tiny_args(data_dir, tmp_path, 2), "--gpus", "2"], check=False)
+    assert proc.returncode == 2
+    assert "--nproc_per_node" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- a rank that fails: the run must end with an error, never hang ----------------------------
+
+
+def start_long_run(data_dir: Path, out_dir: Path, tiny_args, timeout_s: int):
+    """Start 2 ranks on a long run; return the process and each rank's pid once both train."""
+    args = tiny_args(data_dir, out_dir, 100_000, batch_size=4, dist_timeout=timeout_s, eval_interval=100_000)
+    proc = subprocess.Popen(torchrun_command(SCRIPT, 2, args), cwd=REPO, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    pids, output = {}, []
+    for line in proc.stdout:  # ranks print "[rank R] process PID on HOST: ..." first
+        output.append(line)
+        if m := re.match(r"\[rank (\d+)\] process (\d+) ", line):
+            pids[int(m.group(1))] = int(m.group(2))
+        if line.startswith("[rank 0] iter      2 "):  # training is under way, gradients flowing
+            break
+    assert set(pids) == {0, 1}, "".join(output)
+    return proc, pids, output
+
+
+def finish(proc: subprocess.Popen, output: list[str], within_s: float) -> tuple[int, str]:
+    try:
+        for line in proc.stdout:
+            output.append(line)
+        return proc.wait(timeout=within_s), "".join(output)
+    finally:
+        if proc.poll() is None:  # a hang: end the whole process group this test started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_killed_rank_ends_the_run_with_an_error(data_dir, tiny_args, tmp_path):
+    proc, pids, output = start_long_run(data_dir, tmp_path, tiny_args, timeout_s=30)
+    os.kill(pids[1], signal.SIGKILL)
+    returncode, text = finish(proc, output, within_s=60)
+    assert returncode != 0, text
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_a_stuck_rank_ends_the_run_after_the_timeout(data_dir, tiny_args, tmp_path):
+    """Rank 1 freezes (SIGSTOP) but its process lives: only the process group's timeout can tell
+    rank 0, waiting for rank 1's gradients, that nothing will come."""
+    timeout_s = 10
+    proc, pids, output = start_long_run(data_dir, tmp_path, tiny_args, timeout_s=timeout_s)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout_s + 60
+        while Path(f"/proc/{pids[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{pids[0]}").exists(), "rank 0 still waits after the timeout"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)  # so that torchrun's SIGTERM reaches it now
+    returncode, text = finish(proc, output, within_s=60)
+    assert returncode != 0, text
+    assert "timed out" in text.lower(), text
