@@ -37,11 +37,18 @@ def run_python(args: list[str], timeout: float = 300, check: bool = True, **env:
 
 
 def torchrun_command(script: str | Path, nproc: int, args: list[str], nnodes: int = 1,
-                     node_rank: int = 0, port: int | None = None, extra: list[str] | None = None) -> list[str]:
-    """A torchrun command line on 127.0.0.1. One node: --standalone unless a port is given."""
+                     node_rank: int = 0, port: int | None = None, extra: list[str] | None = None,
+                     rdzv_id: str | None = None) -> list[str]:
+    """A torchrun command line on 127.0.0.1. One node: --standalone unless a port is given.
+
+    With rdzv_id: elastic c10d rendezvous, the same line on every node (no node rank, no master).
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and port is None:
         cmd.append("--standalone")
+    elif rdzv_id is not None:
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={rdzv_id}"]
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
                 f"--master-port={port}"]
