@@ -159,7 +159,7 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                val_loss = evaluate(model, val_set, val_windows, args.batch_size, device, autocast).item()
+                val_loss = evaluate(model, val_set, val_windows, args.batch_size * replicas, device, autocast).item()
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save_checkpoint(out_dir, model_state=model.module.state_dict(), optimizer_state=optimizer.state_dict(),

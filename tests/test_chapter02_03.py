@@ -1,0 +1,267 @@
+"""Chapters 02 (gradient accumulation) and 03 (nn.DataParallel) are chapter 01's run.
+
+Every script runs as a real process, as a reader starts it. Chapter 01 with a batch of 8 is the
+reference; chapter 02 with 2 x 4 and 4 x 2 micro-batches and chapter 03 with a batch of 8 (on the
+CPU DataParallel has one replica) must log the same loss at every step and end with the same
+parameters. Three deliberately broken copies of chapter 02 must NOT pass that same comparison,
+which shows the comparison can fail. Checkpoints of the three chapters resume in each other.
+
+The runs use `--warmup-iters 2`: with the default 50-step warm-up the learning rate stays tiny
+for 10 steps and a wrongly scaled gradient would hardly move the parameters differently.
+`--lr-decay-iters 14` fixes the schedule, so a 10-step run and its resumption to 14 steps follow
+one schedule.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import tiny_run_args  # noqa: E402
+from launch import REPO, run_python  # noqa: E402
+
+from common.metrics import read_metrics  # noqa: E402
+
+ITERS = 10
+RESUMED_ITERS = 14
+SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": RESUMED_ITERS}
+LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the stages
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
+# CPU runs everywhere: chapter 03 on a machine with GPUs would otherwise (rightly) refuse --device cpu
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+BROKEN_FLAGS = {"batch_size": 2, "grad_accum": 4}
+
+CH01, CH02, CH03 = (REPO / d / "train.py" for d in ("01_single_gpu", "02_grad_accumulation", "03_dataparallel"))
+
+
+def in_parallel(*jobs):
+    """Run independent callables two at a time (the runs are single-threaded processes)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [f.result() for f in [pool.submit(job) for job in jobs]]
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    return {r["iter"]: r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r}
+
+
+def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def loss_mismatch(reference: dict[int, float], other: dict[int, float]) -> float:
+    """The largest relative difference of the per-step losses (inf when the steps differ)."""
+    if reference.keys() != other.keys():
+        return float("inf")
+    return max(abs(other[i] - reference[i]) / abs(reference[i]) for i in reference)
+
+
+def params_match(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:
+    return reference.keys() == other.keys() and all(
+        torch.allclose(other[k], reference[k], rtol=PARAM_RTOL, atol=PARAM_ATOL) for k in reference)
+
+
+def assert_same_run(reference_dir: Path, other_dir: Path) -> None:
+    ref, other = train_losses(reference_dir), train_losses(other_dir)
+    assert len(ref) >= ITERS, f"only {len(ref)} logged steps in {reference_dir}"
+    mismatch = loss_mismatch(ref, other)
+    assert mismatch <= LOSS_RTOL, f"losses differ by up to {mismatch:.2e} (relative)\n{ref}\n{other}"
+    assert params_match(model_state(reference_dir), model_state(other_dir)), "final parameters differ"
+
+
+# ---- the runs, made once per module -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory) -> dict:
+    """name -> (out_dir, the finished process) for the reference and the parity runs."""
+    root = tmp_path_factory.mktemp("ch02_03")
+    plan = {
+        "01_b8": (CH01, {"batch_size": 8}),
+        "02_b2x4": (CH02, {"batch_size": 2, "grad_accum": 4}),
+        "02_b4x2": (CH02, {"batch_size": 4, "grad_accum": 2}),
+        "03_b8": (CH03, {"batch_size": 8}),
+    }
+
+    def run(name):
+        script, flags = plan[name]
+        out = root / name
+        return name, (out, run_python([script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY))
+
+    return dict(in_parallel(*[lambda n=n: run(n) for n in plan]))
+
+
+# ---- parity with chapter 01 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["02_b2x4", "02_b4x2", "03_b8"])
+def test_same_losses_and_parameters_as_chapter_01(runs, name):
+    assert_same_run(runs["01_b8"][0], runs[name][0])
+
+
+def test_global_batch_is_printed(runs):
+    assert "4 micro-batches x 2 = 8 sequences x 32 tokens = 256 tokens per step" in runs["02_b2x4"][1].stdout
+    assert "1 micro-batches x 1 replica(s) x 8 = 8 sequences" in runs["03_b8"][1].stdout
+
+
+def test_dataparallel_on_the_cpu_says_it_has_nothing_to_split(runs):
+    assert "DataParallel has nothing to split" in runs["03_b8"][1].stdout
+
+
+# ---- the comparison can fail: broken copies of chapter 02 -----------------------------------------
+
+SCALE_LINE = "                    micro_loss = micro_loss / args.grad_accum\n"
+BACKWARD_LINE = "                scaler.scale(micro_loss).backward()"
+ACCUMULATE_LINE = "                loss += micro_loss.detach()\n"
+STEP_START = "            # clipping, the optimizer step and the learning rate act once per global batch\n"
+STEP_END = "            optimizer.zero_grad(set_to_none=True)\n"
+
+
+def replace_once(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"02_grad_accumulation/train.py changed: {old.strip()!r} is not there once"
+    return text.replace(old, new)
+
+
+def loss_not_scaled(src: str) -> str:
+    """Each micro-step's loss is not divided by K: gradient and logged loss are K times too big."""
+    return replace_once(src, SCALE_LINE, "")
+
+
+def gradient_not_scaled(src: str) -> str:
+    """The logged loss is divided by K, the gradient is not (backward of K times the loss)."""
+    return replace_once(src, BACKWARD_LINE, "                scaler.scale(micro_loss * args.grad_accum).backward()")
+
+
+def step_every_micro_batch(src: str) -> str:
+    """The clipping, optimizer step and zero_grad moved into the micro-step loop."""
+    start = src.index(STEP_START)
+    end = src.index(STEP_END, start) + len(STEP_END)
+    block = src[start:end]
+    assert "scaler.step(optimizer)" in block and src.count(STEP_START) == 1
+    indented = "".join("    " + line for line in block.splitlines(keepends=True))
+    src = src[:start] + src[end:]
+    return replace_once(src, ACCUMULATE_LINE, ACCUMULATE_LINE + indented)
+
+
+BREAKAGES = {"loss_not_scaled": loss_not_scaled, "gradient_not_scaled": gradient_not_scaled,
+             "step_every_micro_batch": step_every_micro_batch}
+
+
+@pytest.fixture(scope="module")
+def broken_runs(data_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ch02_broken")
+    source = CH02.read_text()
+
+    def run(name):
+        script = root / name / "train.py"
+        script.parent.mkdir()
+        broken = BREAKAGES[name](source)
+        assert broken != source
+        script.write_text(broken)
+        out = root / f"{name}_out"
+        # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
+        run_python([script, *tiny_run_args(data_dir, out, ITERS, **BROKEN_FLAGS, **SCHEDULE)],
+                   PYTHONPATH=str(REPO), **CPU_ONLY)
+        return name, out
+
+    return dict(in_parallel(*[lambda n=n: run(n) for n in BREAKAGES]))
+
+
+@pytest.mark.parametrize("name", list(BREAKAGES))
+def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
+    reference = runs["01_b8"][0]
+    with pytest.raises(AssertionError):
+        assert_same_run(reference, broken_runs[name])
+    ref_losses, broken_losses = train_losses(reference), train_losses(broken_runs[name])
+    if name == "loss_not_scaled":  # the logged loss is the sum over the micro-steps: K times too big
+        assert loss_mismatch(ref_losses, broken_losses) > 1.0
+    else:  # the parameters, and with them the losses after the first step, go elsewhere
+        assert loss_mismatch(ref_losses, broken_losses) > LOSS_RTOL
+        assert not params_match(model_state(reference), model_state(broken_runs[name]))
+    # the first step's loss is computed before any update, so every variant logs the right one
+    # there, except where the optimizer has already stepped inside the first global batch
+    logged_factor = BROKEN_FLAGS["grad_accum"] if name == "loss_not_scaled" else 1
+    first_off = abs(broken_losses[1] / logged_factor - ref_losses[1]) / ref_losses[1]
+    assert (first_off > LOSS_RTOL) == (name == "step_every_micro_batch")
+
+
+# ---- checkpoints load across chapters -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, data_dir, tmp_path_factory) -> dict:
+    """(from, to) -> (out_dir, process): a copy of one chapter's 10-step run resumed to 14 steps."""
+    root = tmp_path_factory.mktemp("ch02_03_resume")
+    flags = {"01": (CH01, {"batch_size": 8}), "02": (CH02, {"batch_size": 2, "grad_accum": 4}),
+             "03": (CH03, {"batch_size": 8})}
+    source = {"01": "01_b8", "02": "02_b2x4", "03": "03_b8"}
+
+    def run(frm, to):
+        out = root / f"{frm}_to_{to}"
+        shutil.copytree(runs[source[frm]][0], out)
+        script, extra = flags[to]
+        proc = run_python([script, *tiny_run_args(data_dir, out, RESUMED_ITERS, resume=True, **extra, **SCHEDULE)],
+                          **CPU_ONLY)
+        return (frm, to), (out, proc)
+
+    pairs = [("03", "01"), ("03", "02"), ("01", "03"), ("02", "03")]
+    return dict(in_parallel(*[lambda p=p: run(*p) for p in pairs]))
+
+
+def test_checkpoints_resume_in_the_other_chapters(resumed):
+    runs_ = list(resumed.values())
+    for out, proc in runs_:
+        assert f"resuming from {out / 'ckpt.pt'} at step {ITERS}" in proc.stdout
+        assert sorted(train_losses(out)) == list(range(1, RESUMED_ITERS + 1))
+    # all four continue the same run: the same losses for steps 11..14 and the same parameters
+    (ref_dir, _), *others = runs_
+    for out, _ in others:
+        assert_same_run(ref_dir, out)
+
+
+def test_no_module_prefix_in_any_checkpoint(runs, resumed):
+    reference = model_state(runs["01_b8"][0]).keys()
+    for out, _ in [*runs.values(), *resumed.values()]:
+        keys = model_state(out).keys()
+        assert not [k for k in keys if "module." in k], out
+        assert keys == reference, out
+
+
+# ---- mistakes the reader can make -------------------------------------------------------------------
+
+
+def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
+    proc = run_python([CH01, *tiny_run_args(data_dir, tmp_path, 2, grad_accum=4)], check=False, **CPU_ONLY)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "chapter 02" in lines[0] and "02_grad_accumulation" in lines[0]
+
+
+def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
+    proc = run_python([CH03, *tiny_run_args(data_dir, tmp_path, 2, gpus=2)], check=False, **CPU_ONLY)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("error: --gpus 2") and "0 CUDA GPU" in lines[0], lines[0]
+
+
+# ---- the memory measurement of chapter 02 ------------------------------------------------------------
+
+
+def test_measure_memory_prints_a_table(data_dir):
+    proc = run_python([REPO / "02_grad_accumulation" / "measure_memory.py", "--preset", "tiny", "--batch-size", "4",
+                       "--micro-batch-sizes", "4", "1", "--steps", "1", "--device", "cpu", "--data-dir", data_dir],
+                      **CPU_ONLY)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 2, proc.stdout  # header, rule, one row per configuration
+    full, micro = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:])
+    assert full[0] == "4 x 1" and micro[0] == "1 x 4"
+    # both rows train on the same 4 sequences: the same loss; one sequence at a time needs less memory
+    assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)
+    assert float(full[3].replace(",", "")) > float(micro[3].replace(",", ""))
