@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Static rendezvous: every node is told the whole layout up front. Run this on EVERY node, with
+# NODE_RANK=0 on the node whose address is MASTER_ADDR (it hosts the meeting point), 1, 2, ... on
+# the others. Arguments after the script name go to train.py.
+#
+#   node 0:  NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh --max-iters 2000
+#   node 1:  NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh --max-iters 2000
+#
+# Settings (environment variables, with defaults):
+#   NODE_RANK        this node's number, 0 .. NNODES-1 (required)
+#   MASTER_ADDR      address of node 0 that every node can reach (required)
+#   MASTER_PORT      a free TCP port on node 0, open to the other nodes (29500)
+#   NNODES           number of nodes (2)
+#   NPROC_PER_NODE   processes per node, one per GPU (the GPUs nvidia-smi lists, else 1)
+#   MAX_RESTARTS     how often torchrun restarts this node's processes after a failure (0)
+#   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to check)
+set -euo pipefail
+cd "$(dirname "$0")/.."  # the repository root, so the paths below work from anywhere
+
+: "${NODE_RANK:?set NODE_RANK: 0 on the node at MASTER_ADDR, 1, 2, ... on the others}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0, reachable from every node}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+NNODES="${NNODES:-2}"
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+    NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+    [[ "$NPROC_PER_NODE" -gt 0 ]] || NPROC_PER_NODE=1
+fi
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+SCRIPT="${SCRIPT:-05_multinode/train.py}"
+
+echo "launch_static: node $NODE_RANK of $NNODES, $NPROC_PER_NODE process(es), meeting at $MASTER_ADDR:$MASTER_PORT" >&2
+exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE" \
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --max-restarts="$MAX_RESTARTS" \
+    "$SCRIPT" "$@"

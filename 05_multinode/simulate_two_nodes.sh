@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Two "nodes" on one machine: two torchrun invocations that meet over 127.0.0.1, exactly as two
+# machines meet over the network, each starting NPROC_PER_NODE training processes on the CPU.
+# For a reader without a cluster: watch the ranks, node ranks and the per-node data preparation.
+#
+#   bash 05_multinode/simulate_two_nodes.sh                        # 2 nodes x 2 processes, tiny model
+#   NPROC_PER_NODE=1 bash 05_multinode/simulate_two_nodes.sh --max-iters 300
+#   RDZV=c10d bash 05_multinode/simulate_two_nodes.sh              # elastic rendezvous instead of static
+#   SHARED_FS=1 bash 05_multinode/simulate_two_nodes.sh            # both nodes share one data folder
+#   MAX_RESTARTS=1 bash 05_multinode/simulate_two_nodes.sh         # then kill -9 a training process
+#
+# Each node runs the chapter's own recipe (launch_static.sh or launch_c10d.sh). Arguments go to
+# train.py after these defaults, so they override them.
+#
+# Settings (environment variables, with defaults):
+#   NPROC_PER_NODE   processes per simulated node (2)
+#   RDZV             static or c10d (static)
+#   PORT             the meeting port on 127.0.0.1 (a free one)
+#   RUN_DIR          where logs, metrics.jsonl, ckpt.pt and the nodes' data folders go
+#                    (out/05_multinode/two_nodes)
+#   SHARED_FS        1: one data folder for both nodes and --shared-fs (0: a folder per node,
+#                    as node-local disks would be)
+#   MAX_RESTARTS     how often torchrun restarts the processes after one fails (0)
+set -euo pipefail
+cd "$(dirname "$0")/.."  # the repository root
+
+NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+RDZV="${RDZV:-static}"
+PYTHON="${PYTHON:-python}"
+PORT="${PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+RUN_DIR="${RUN_DIR:-out/05_multinode/two_nodes}"
+SHARED_FS="${SHARED_FS:-0}"
+# a short CPU run of the tiny model; the processes share this machine's cores, one thread each
+DEFAULTS=(--preset tiny --max-iters 200 --eval-interval 50 --log-interval 10 --device cpu --dtype float32)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+mkdir -p "$RUN_DIR"
+pids=()
+for NODE in 0 1; do
+    if [[ "$SHARED_FS" == 1 ]]; then
+        data=(--data-dir "$RUN_DIR/data" --shared-fs)
+    else
+        data=(--data-dir "$RUN_DIR/node$NODE/data")  # this "node's" local disk
+    fi
+    args=("${DEFAULTS[@]}" --out-dir "$RUN_DIR" "${data[@]}" "$@")
+    if [[ "$RDZV" == c10d ]]; then
+        NNODES=2 NPROC_PER_NODE="$NPROC_PER_NODE" RDZV_ENDPOINT="127.0.0.1:$PORT" RDZV_ID="two-nodes-$PORT" \
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_c10d.sh "${args[@]}" > "$RUN_DIR/node$NODE.log" 2>&1 &
+    elif [[ "$RDZV" == static ]]; then
+        NNODES=2 NODE_RANK="$NODE" NPROC_PER_NODE="$NPROC_PER_NODE" MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT" \
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_static.sh "${args[@]}" > "$RUN_DIR/node$NODE.log" 2>&1 &
+    else
+        echo "error: RDZV must be static or c10d, not '$RDZV'" >&2
+        exit 2
+    fi
+    pids+=($!)
+done
+# a background job ignores Ctrl-C in a script: pass it on, so no node is left running
+trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
+
+echo "two nodes x $NPROC_PER_NODE process(es), $RDZV rendezvous on 127.0.0.1:$PORT; following both logs:"
+tail -q -n +1 -F "$RUN_DIR/node0.log" "$RUN_DIR/node1.log" 2>/dev/null &
+follower=$!
+
+# Wait for both nodes. If one fails, stop the other: alone, it would wait for its peer until the
+# rendezvous or collective timeout.
+status=0
+remaining=2
+while [[ $remaining -gt 0 ]]; do
+    sleep 1
+    for i in 0 1; do
+        pid="${pids[$i]}"
+        if [[ "$pid" == done ]] || kill -0 "$pid" 2>/dev/null; then
+            continue
+        fi
+        code=0
+        wait "$pid" || code=$?
+        pids[i]=done
+        remaining=$((remaining - 1))
+        if [[ $code -ne 0 && $status -eq 0 ]]; then
+            echo "node $i exited with status $code; stopping the other node" >&2
+            status=$code
+            for other in "${pids[@]}"; do
+                [[ "$other" == done ]] || kill "$other" 2>/dev/null || true
+            done
+        fi
+    done
+done
+sleep 1  # let the follower print the last lines
+kill "$follower" 2>/dev/null || true
+
+echo
+echo "node logs:       $RUN_DIR/node0.log  $RUN_DIR/node1.log"
+echo "metrics (rank 0): $RUN_DIR/metrics.jsonl"
+echo "checkpoint:       $RUN_DIR/ckpt.pt"
+exit "$status"
