@@ -1,0 +1,446 @@
+"""The course's figures, from real runs: loss parity, tokens/s and (on GPUs) memory per stage.
+
+    python tools/make_plots.py                      # run every stage the same way, then plot (minutes on a CPU)
+    python tools/make_plots.py --iters 300 --global-batch 16
+    python tools/make_plots.py --from-runs out/plots   # plot runs already made, run nothing
+
+Every stage trains the same model on the same data with the same global batch G sequences per
+optimizer step, launched the way its chapter teaches:
+
+    01  python 01_single_gpu/train.py --batch-size G
+    02  python 02_grad_accumulation/train.py --batch-size G/K --grad-accum K
+    03  python 03_dataparallel/train.py --batch-size G/GPUS          (one replica per GPU; 1 on a CPU)
+    04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
+    05  two torchrun "nodes" on 127.0.0.1, W/2 processes each: 05_multinode/train.py --batch-size G/W
+
+and writes <out-root>/<stage>/{metrics.jsonl, stdout.log, run.json}. Then it draws, into
+docs/figures/ (or --figures):
+
+    parity_loss.png        training loss against tokens seen for every stage, and each stage's
+                           distance from chapter 01 step by step
+    tokens_per_sec.png     training throughput per stage (median over the run's log lines)
+    memory_per_device.png  peak memory of rank 0's device per stage, only where a run was on a GPU
+    CAPTIONS.md            what each figure shows, the machine and the settings that made it
+
+Every figure says in its subtitle which machine (CPU model and cores or GPU name, torch version)
+and which settings made it. On a CPU every stage gets the same number of cores in all (--threads,
+default W): one process with W threads, or W processes with one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STAGES = ["01_single_gpu", "02_grad_accumulation", "03_dataparallel", "04_ddp", "05_multinode"]
+LABELS = {
+    "01_single_gpu": "01 one device",
+    "02_grad_accumulation": "02 gradient accumulation",
+    "03_dataparallel": "03 DataParallel",
+    "04_ddp": "04 DDP",
+    "05_multinode": "05 two nodes",
+}
+
+
+# ---- what machine is this ----------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_description(device: str) -> dict:
+    import torch
+
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "os": platform.system()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+    return info
+
+
+def machine_text(info: dict) -> str:
+    if info.get("gpu"):
+        hardware = f"{info.get('gpus', 1)} x {info['gpu']}"
+    else:
+        hardware = f"CPU {info.get('cpu', '?')}, {info.get('cores', '?')} cores"
+    return f"{hardware}; torch {info.get('torch', '?')}"
+
+
+# ---- running the stages ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def largest_divisor(n: int, candidates=(4, 2, 1)) -> int:
+    return next(k for k in candidates if n % k == 0)
+
+
+def stage_plans(args, device: str) -> dict[str, dict]:
+    """For each stage: its launch (one or more commands), its flags and how it is laid out."""
+    import torch
+
+    G, W = args.global_batch, args.nproc
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    common = ["--preset", args.preset, "--max-iters", args.iters, "--log-interval", args.log_interval,
+              "--eval-interval", args.iters, "--eval-batches", 4, "--sample-tokens", 0, "--dropout", 0,
+              "--seed", args.seed, "--device", device, "--dtype", "float32" if device == "cpu" else "auto",
+              "--data-dir", args.data_dir]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    K = largest_divisor(G)
+    replicas = max(gpus, 1)
+    plans = {
+        "01_single_gpu": dict(layout="1 process", procs=1,
+                              commands=[[sys.executable, "01_single_gpu/train.py", "--batch-size", G]]),
+        "02_grad_accumulation": dict(layout=f"1 process, {K} micro-batches of {G // K}", procs=1,
+                                     commands=[[sys.executable, "02_grad_accumulation/train.py",
+                                                "--batch-size", G // K, "--grad-accum", K]]),
+        "03_dataparallel": dict(layout=f"1 process, {replicas} replica(s)", procs=1,
+                                commands=[[sys.executable, "03_dataparallel/train.py", "--batch-size", G // replicas]]),
+        "04_ddp": dict(layout=f"{W} processes", procs=W,
+                       commands=[[*torchrun, "--standalone", f"--nproc-per-node={W}", "04_ddp/train.py",
+                                  "--batch-size", G // W]]),
+    }
+    if W % 2 == 0:
+        port, per_node = free_port(), W // 2
+        plans["05_multinode"] = dict(
+            layout=f"2 nodes x {per_node} process(es)", procs=per_node,
+            commands=[[*torchrun, "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={per_node}",
+                       "--master-addr=127.0.0.1", f"--master-port={port}", "05_multinode/train.py",
+                       "--batch-size", G // W, "--shared-fs"] for node in (0, 1)])
+    if replicas > 1 and G % replicas:
+        plans.pop("03_dataparallel")
+    for stage, plan in plans.items():
+        for cmd in plan["commands"]:
+            cmd += common + ["--out-dir", Path(args.out_root) / stage]
+        plan["commands"] = [[str(c) for c in cmd] for cmd in plan["commands"]]
+    return plans
+
+
+def run_stage(stage: str, plan: dict, args, machine: dict, device: str) -> Path:
+    out = Path(args.out_root) / stage
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if device == "cpu":  # the same cores for every stage: W threads in one process, or one thread per process
+        env["OMP_NUM_THREADS"] = str(max(1, args.threads // plan["procs"]))
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    shown = [" ".join(shlex.quote(c.replace(sys.executable, "python").replace(str(ROOT) + "/", "")) for c in cmd)
+             .replace("python -m torch.distributed.run", "torchrun") for cmd in plan["commands"]]
+    print(f"{stage}: " + "\n    & ".join(shown), flush=True)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    start = time.perf_counter()
+    log = open(out / "stdout.log", "w")
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for cmd in plan["commands"]]
+    try:
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = [None]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        log.close()
+    wall = time.perf_counter() - start
+    if any(code != 0 for code in codes):
+        tail = "\n".join((out / "stdout.log").read_text().splitlines()[-20:])
+        raise SystemExit(f"error: {stage} failed (exit {codes}); the end of {out / 'stdout.log'}:\n{tail}")
+    # Other programs on the machine slow a run down: the load average says whether there were any.
+    load = max(filter(None, [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]), default=None)
+    info = {"stage": stage, "layout": plan["layout"], "commands": shown, "made_by": args.command, "wall_s": round(wall, 1),
+            "load_average": round(load, 1) if load is not None else None,
+            "threads_per_process": env.get("OMP_NUM_THREADS"), "machine": machine,
+            "settings": settings_dict(args, device)}
+    (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"    done in {wall:.0f} s", flush=True)
+    return out
+
+
+def settings_dict(args, device: str) -> dict:
+    return {"preset": args.preset, "iters": args.iters, "global_batch": args.global_batch, "nproc": args.nproc,
+            "threads": args.threads if device == "cpu" else None, "seed": args.seed, "device": device}
+
+
+# ---- reading runs ------------------------------------------------------------------------------
+
+def find_runs(folders: list[Path]) -> dict[str, Path]:
+    """stage -> run folder, from folders that are runs themselves or hold one folder per stage."""
+    runs: dict[str, Path] = {}
+    for folder in folders:
+        candidates = [folder] if (folder / "metrics.jsonl").exists() else sorted(folder.iterdir()) if folder.is_dir() else []
+        for run in candidates:
+            if not (run / "metrics.jsonl").exists():
+                continue
+            stage = stage_of(run)
+            if stage and stage not in runs:
+                runs[stage] = run
+    if not runs:
+        raise SystemExit(f"error: no runs (folders with metrics.jsonl) in {', '.join(map(str, folders))}")
+    return dict(sorted(runs.items()))
+
+
+def stage_of(run: Path) -> str | None:
+    info = run / "run.json"
+    if info.exists():
+        return json.loads(info.read_text())["stage"]
+    for stage in STAGES:  # a folder named after its stage (out/01_single_gpu), or its checkpoint says
+        if stage in run.name:
+            return stage
+    ckpt = run / "ckpt.pt"
+    if ckpt.exists():
+        import torch
+
+        chapter = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {}).get("chapter")
+        if chapter:
+            return STAGES[int(chapter) - 1]
+    return None
+
+
+def run_info(run: Path) -> dict:
+    info = run / "run.json"
+    if info.exists():
+        return json.loads(info.read_text())
+    settings = {}
+    ckpt = run / "ckpt.pt"
+    if ckpt.exists():
+        import torch
+
+        config = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {})
+        settings = {k: config.get(k) for k in ("preset", "max_iters", "global_batch", "device", "seed")}
+    return {"stage": stage_of(run), "layout": "", "machine": {}, "settings": settings}
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+# ---- figures -----------------------------------------------------------------------------------
+
+def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
+    """(machine, settings) in words, from the runs' records; 'mixed' where runs differ."""
+    machines = {machine_text(i["machine"]) if i.get("machine") else "machine not recorded" for i in infos.values()}
+    settings = [i.get("settings", {}) for i in infos.values()]
+    first = settings[0] if settings else {}
+    same = all(s == first for s in settings)
+    if first.get("iters") is not None:
+        words = (f"preset {first['preset']}, global batch {first['global_batch']} sequences, {first['iters']} steps, "
+                 f"seed {first['seed']}, dropout 0, {first['device']}")
+        if first.get("threads"):
+            words += f", {first['threads']} CPU threads per stage in all"
+    else:
+        words = ", ".join(f"{k} {v}" for k, v in first.items() if v is not None) or "settings not recorded"
+    loads = [i["load_average"] for i in infos.values() if i.get("load_average") is not None]
+    cores = next((i["machine"].get("cores") for i in infos.values() if i.get("machine")), None)
+    if loads and cores and max(loads) > 1.5 * cores:  # busy with other work: say so next to the numbers
+        words += f"; machine shared with other work (load average up to {max(loads):.0f} on {cores} cores)"
+    return (" / ".join(sorted(machines)), words if same else words + " (settings differ between runs)")
+
+
+def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common.metrics import read_metrics
+
+    figures.mkdir(parents=True, exist_ok=True)
+    metrics = {stage: read_metrics(run / "metrics.jsonl") for stage, run in runs.items()}
+    train = {stage: [m for m in rows if "loss" in m] for stage, rows in metrics.items()}
+    infos = {stage: run_info(run) for stage, run in runs.items()}
+    machine, settings = caption_lines(infos)
+    subtitle = "\n".join(textwrap.wrap(machine, 100) + textwrap.wrap(settings, 100))
+    written, captions = [], []
+
+    # 1. parity: loss against tokens seen, and the distance from chapter 01 at every logged step
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=[3, 1.4])
+    styles = [dict(lw=6, alpha=0.3, color="black"), dict(ls="--", lw=1.6), dict(ls=":", lw=2.2),
+              dict(ls="-.", lw=1.4), dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4)]
+    reference = train.get("01_single_gpu")
+    worst: dict[str, float] = {}  # stage -> its largest distance from chapter 01
+    for (stage, rows), style in zip(train.items(), styles):
+        label = LABELS[stage] + (f" ({infos[stage]['layout']})" if infos[stage].get("layout") else "")
+        top.plot([m["tokens_seen"] for m in rows], [m["loss"] for m in rows], label=label, **style)
+        if reference is not None and stage != "01_single_gpu":
+            ref_by_iter = {m["iter"]: m["loss"] for m in reference}
+            pairs = [(m["tokens_seen"], abs(m["loss"] - ref_by_iter[m["iter"]])) for m in rows if m["iter"] in ref_by_iter]
+            if pairs:
+                worst[stage] = max(p[1] for p in pairs)
+                style = {k: v for k, v in style.items() if k not in ("alpha", "color")}
+                bottom.plot([p[0] for p in pairs], [p[1] for p in pairs], label=LABELS[stage], **style)
+    top.set_ylabel("training loss")
+    top.legend()
+    top.grid(alpha=0.3)
+    top.set_title(f"The same run on every stage: training loss against tokens seen\n{subtitle}", fontsize=10)
+    bottom.set_yscale("symlog", linthresh=1e-6)
+    bottom.set_ylim(0, max([1e-4, *worst.values()]) * 3)
+    bottom.set_ylabel("|loss - loss of 01|")
+    bottom.set_xlabel("tokens seen")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    path = figures / "parity_loss.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    captions.append(("parity_loss.png", "Training loss against tokens seen for every stage (top) and each stage's "
+                     "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6). "
+                     "Largest distance: "
+                     + (", ".join(f"{LABELS[s]} {d:.1e}" for s, d in worst.items()) or "no stage to compare") + ". "
+                     "The stages add the same numbers in different orders, so their losses differ by float32 "
+                     "rounding at first; in a long run at a high learning rate these differences are amplified "
+                     "from step to step (training is chaotic in that sense) and level off below the "
+                     "loss's own step-to-step noise. The tests compare short runs, where the distance stays at "
+                     "rounding level."))
+
+    # 2. throughput: the median tokens/s of each run's log lines (the first fifth is warm-up and left out)
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    names, speeds, spread = [], [], []
+    for stage, rows in train.items():
+        rates = sorted(m["tokens_per_sec"] for m in rows[len(rows) // 5:] if m.get("tokens_per_sec"))
+        if rates:
+            names.append(LABELS[stage] + (f"\n{infos[stage]['layout']}" if infos[stage].get("layout") else ""))
+            speeds.append(median(rates))
+            # the middle half of the log lines: how steady the measurement was
+            spread.append((speeds[-1] - rates[len(rates) // 4], rates[(3 * len(rates)) // 4] - speeds[-1]))
+    bars = ax.bar(range(len(names)), speeds, color="tab:blue",
+                  yerr=[[s[0] for s in spread], [s[1] for s in spread]], capsize=6, ecolor="gray")
+    ax.bar_label(bars, labels=[f"{s:,.0f}" for s in speeds], label_type="center", color="white", fontweight="bold")
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("tokens per second (median; bars: middle half)")
+    ax.set_title(f"Training throughput per stage\n{subtitle}", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = figures / "tokens_per_sec.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    captions.append(("tokens_per_sec.png", "Training tokens per second of each stage: the median over its log "
+                     "lines after the first fifth, with the middle half of them as the error bar. On a CPU every "
+                     "stage gets the same cores in all, so none of them adds computing power: the differences "
+                     "come from each technique's bookkeeping and communication, from how well one process spreads "
+                     "its work over several threads (processes with one thread each avoid that cost, which can "
+                     "make DDP faster here), and, on a busy machine, from whatever else ran at the time. Real "
+                     "speed-ups need devices that work in parallel (GPUs)."))
+
+    # 3. memory: peak memory of rank 0's device (only GPU runs report max_mem_mb)
+    memory = {stage: max(m["max_mem_mb"] for m in rows if "max_mem_mb" in m)
+              for stage, rows in train.items() if any("max_mem_mb" in m for m in rows)}
+    stale = figures / "memory_per_device.png"
+    if memory:
+        fig, ax = plt.subplots(figsize=(9, 4.8))
+        bars = ax.bar(range(len(memory)), list(memory.values()), color="tab:orange")
+        ax.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in memory.values()])
+        ax.set_xticks(range(len(memory)), [LABELS[s] + f"\n{infos[s].get('layout', '')}" for s in memory], fontsize=8)
+        ax.set_ylabel("peak memory allocated on rank 0's device (MiB)")
+        ax.set_title(f"Peak memory per device\n{subtitle}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(stale, dpi=110)
+        plt.close(fig)
+        written.append(stale)
+        captions.append(("memory_per_device.png", "Peak memory allocated by PyTorch on rank 0's device during "
+                         "training (max_mem_mb in metrics.jsonl), per stage. Gradient accumulation lowers it by "
+                         "holding one micro-batch's activations at a time."))
+    elif stale.exists():
+        stale.unlink()  # a memory figure from older runs would not match these
+
+    made_by = sorted({i["made_by"] for i in infos.values() if i.get("made_by")})
+    lines = ["# Figures", "", "Drawn by `" + command + "` from real runs"
+             + (" made by `" + "`, `".join(made_by) + "`" if made_by and made_by != [command] else "")
+             + "; do not edit by hand.", "",
+             f"- Machine: {machine}", f"- Settings: {settings}", ""]
+    for stage, info in infos.items():
+        if info.get("commands"):
+            commands = [c.replace("python -m torch.distributed.run", "torchrun") for c in info["commands"]]
+            lines.append(f"- {LABELS[stage]}: `" + "` and `".join(commands) + "`")
+    lines.append("")
+    for name, text in captions:
+        lines += [f"## {name}", "", f"![{name}]({name})", "", text, "", f"*{machine}; {settings}.*", ""]
+    if not memory:
+        lines += ["No `memory_per_device.png`: none of these runs was on a GPU (only GPU runs report peak memory).", ""]
+    (figures / "CAPTIONS.md").write_text("\n".join(lines))
+    written.append(figures / "CAPTIONS.md")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from-runs", nargs="+", type=Path, default=None, metavar="DIR",
+                   help="plot these runs (a run folder, or a folder of them) instead of running the stages")
+    p.add_argument("--stages", default=",".join(s[:2] for s in STAGES), help="which stages to run, e.g. 01,02,04")
+    p.add_argument("--preset", default="tiny", help="model preset for every stage")
+    p.add_argument("--iters", type=int, default=150, help="optimizer steps per stage")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, the same in every stage")
+    p.add_argument("--nproc", type=int, default=2, help="processes (W) for chapters 04 and 05")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per stage in all (default: --nproc)")
+    p.add_argument("--log-interval", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="cpu (default; the same numbers on every machine) or cuda (also draws memory per device)")
+    p.add_argument("--data-dir", default=str(ROOT / "data"))
+    p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
+    p.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one stage may take")
+    args = p.parse_args(argv)
+    args.command = command = "python tools/make_plots.py" + "".join(
+        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
+
+    if args.from_runs:
+        runs = find_runs(args.from_runs)
+    else:
+        import torch
+
+        device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise SystemExit("error: --device cuda, but this PyTorch sees no CUDA GPU")
+            args.nproc = min(args.nproc, torch.cuda.device_count())
+        args.threads = args.threads or min(args.nproc, os.cpu_count() or 1)
+        if args.global_batch % args.nproc:
+            raise SystemExit(f"error: --global-batch {args.global_batch} must be a multiple of --nproc {args.nproc}")
+        machine = machine_description(device)
+        plans = stage_plans(args, device)
+        wanted = {s.strip().zfill(2) for s in args.stages.split(",") if s.strip()}
+        runs = {}
+        for stage in STAGES:
+            if stage[:2] not in wanted:
+                continue
+            if not (ROOT / stage / "train.py").exists():
+                print(f"{stage}: no train.py yet, skipped")
+                continue
+            if stage not in plans:
+                print(f"{stage}: needs an even --nproc (two nodes), skipped")
+                continue
+            runs[stage] = run_stage(stage, plans[stage], args, machine, device)
+        if not runs:
+            raise SystemExit("error: no stage to run")
+    for path in plot_all(runs, args.figures, command):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
