@@ -1,0 +1,126 @@
+"""The bare training step: forward + backward + clip + optimizer step of the course model, nothing else.
+
+    python bench/bare_step.py --preset small --batch-size 8 --iters 30 --warmup 5 --out bare.json
+
+The reference a stage's step time is divided by. Same model, initialisation, optimizer and
+micro-batch as chapter 01 (built with `common`), fed the batches chapter 01 would read, but all
+built and moved to the device before the clock starts: no DataLoader, no learning-rate schedule,
+no logging, no `.item()`, no evaluation. The step time is measured as the stages measure theirs
+(wall time over groups of --group steps, after --warmup steps) and the median group is reported;
+so is the CPU time of the process (all its threads) per step, which other programs on a shared
+machine disturb less than wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.utils.data import RandomSampler  # noqa: E402
+
+from common.data import batch_loader, load_splits, prepare  # noqa: E402
+from common.device import autocast_context, pick_device, pick_dtype, setup_math  # noqa: E402
+from common.model import GPT, PRESETS, model_config  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default="small")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--iters", type=int, default=30, help="steps timed, warm-up included")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing")
+    p.add_argument("--group", type=int, default=5, help="steps per timed group (the stages' --log-interval)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data-dir", default="data")
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    if args.iters <= args.warmup:
+        p.error("--iters must be larger than --warmup")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device)
+    autocast = autocast_context(device, dtype)
+    config = model_config(args.preset, dropout=0.0)
+
+    # chapter 01's first batches, all in device memory before timing starts
+    train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
+    order = torch.Generator().manual_seed(args.seed)
+    loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size))
+    batches = []
+    for _ in range(args.iters):
+        try:
+            x, y = next(loader)
+        except StopIteration:  # a tiny corpus for a big batch: start the same order again
+            loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order.manual_seed(args.seed)), args.batch_size))
+            x, y = next(loader)
+        batches.append((x.to(device), y.to(device)))
+
+    model = GPT(config).to(device)
+    optimizer = torch.optim.AdamW(model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99),
+                                  fused=device.type == "cuda")
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    step_model = torch.compile(model) if args.compile else model
+    model.train()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    group_ms, group_cpu_ms = [], []
+    sync()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for i, (x, y) in enumerate(batches):
+        with autocast if dtype != torch.float32 else contextlib.nullcontext():
+            _, loss = step_model(x, y)
+        scaler.scale(loss).backward()
+        if args.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        done = i + 1
+        if done == args.warmup or (done > args.warmup and ((done - args.warmup) % args.group == 0 or done == args.iters)):
+            sync()
+            now, now_cpu = time.perf_counter(), time.process_time()
+            if done > args.warmup:
+                steps = (done - args.warmup) % args.group or args.group
+                group_ms.append(1000 * (now - start) / steps)
+                group_cpu_ms.append(1000 * (now_cpu - start_cpu) / steps)
+            start, start_cpu = now, now_cpu
+    result = {"preset": args.preset, "batch_size": args.batch_size, "block_size": config.block_size,
+              "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+              "compile": args.compile, "timed_steps": args.iters - args.warmup,
+              "step_ms": statistics.median(group_ms), "group_ms": [round(g, 3) for g in group_ms],
+              "step_cpu_ms": statistics.median(group_cpu_ms), "group_cpu_ms": [round(g, 3) for g in group_cpu_ms],
+              "final_loss": loss.item()}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"bare step: {result['step_ms']:.1f} ms (median of {len(group_ms)} groups of {args.group} steps; "
+          f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, {result['dtype']})")
+    return result
+
+
+if __name__ == "__main__":
+    main()

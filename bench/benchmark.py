@@ -1,0 +1,490 @@
+"""Benchmark every chapter under identical settings and write a table of where the time goes.
+
+    python bench/benchmark.py                                   # small model, CPU or GPU, all stages
+    python bench/benchmark.py --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
+    python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --stages 01,03,04x1
+
+Every stage runs as a real process (`python SCRIPT` or `torchrun ... SCRIPT`, through
+bench/probe.py, which records data wait, peak RSS and threads without changing the script) for the
+same number of optimizer steps on the same global batch of --batch-size sequences. The figures come
+from the metrics.jsonl each stage writes, with the first log interval (the warm-up) left out:
+
+    tokens/s, step time, MFU, CUDA memory  medians of the stage's own metrics lines
+    peak memory on the CPU                 the peak RSS of each rank's process (bench/probe.py)
+    data wait                              time in `next(batches)` / step time (bench/probe.py)
+    communication                          1 - step without all-reduce / step with it, from
+                                           bench/ddp_worker.py in the same launch layout
+    step / bare                            the stage's step time over that of the bare model math
+                                           on pre-built batches (bench/bare_step.py)
+
+With --repeats R, the stages run R times in turn (interleaved, so a burst of load from elsewhere
+hits one repeat, not one stage), and each stage keeps its fastest repeat. Results go to
+<results-dir>/benchmark.md and benchmark.json; every run's logs stay under <work-dir>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+
+from common.metrics import read_metrics  # noqa: E402
+from common.model import PRESETS  # noqa: E402
+
+PROBE = BENCH / "probe.py"
+
+
+@dataclass
+class Stage:
+    key: str  # as --stages names it
+    label: str
+    script: str  # relative to the repository root
+    launch: str  # "python", "torchrun" or "two_nodes"
+    ranks: int = 1  # processes in all
+    micro_batches: int = 1  # grad-accum micro-steps per optimizer step
+    flags: list[str] = field(default_factory=list)
+
+
+def stage_list(args) -> list[Stage]:
+    g, k = args.batch_size, args.grad_accum
+    return [
+        Stage("01", "01 one device", "01_single_gpu/train.py", "python", flags=["--batch-size", g]),
+        Stage("02", f"02 grad accum x{k}", "02_grad_accumulation/train.py", "python", micro_batches=k,
+              flags=["--batch-size", g // k, "--grad-accum", k]),
+        # On the CPU (or one GPU) DataParallel has one replica: the whole batch goes through it.
+        Stage("03", "03 DataParallel", "03_dataparallel/train.py", "python",
+              flags=["--batch-size", g // args.dp_replicas] + (["--gpus", args.dp_replicas] if args.cuda_devices else [])),
+        Stage("04x1", "04 DDP, 1 rank", "04_ddp/train.py", "torchrun", ranks=1, flags=["--batch-size", g]),
+        Stage("04x2", "04 DDP, 2 ranks", "04_ddp/train.py", "torchrun", ranks=2, flags=["--batch-size", g // 2]),
+        # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone prepares
+        Stage("05", "05 2 nodes x 1 rank", "05_multinode/train.py", "two_nodes", ranks=2,
+              flags=["--batch-size", g // 2, "--shared-fs"]),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_commands(launch: str, ranks: int, script_and_args: list[str]) -> list[list[str]]:
+    """One command per simulated node: `python X`, `torchrun --standalone X`, or two torchruns."""
+    py = sys.executable
+    if launch == "python":
+        return [[py, *script_and_args]]
+    run = [py, "-m", "torch.distributed.run"]
+    if launch == "torchrun":
+        return [[*run, "--standalone", f"--nproc-per-node={ranks}", *script_and_args]]
+    port = free_port()  # two torchruns meeting on 127.0.0.1, as two machines would over the network
+    return [[*run, "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={ranks // 2}", "--master-addr=127.0.0.1",
+             f"--master-port={port}", *script_and_args] for node in (0, 1)]
+
+
+def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple[int, str]:
+    """Start the commands together (the nodes of one run), wait for all; (exit status, output tail)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for i, cmd in enumerate(commands):
+        log = open(log_path.with_suffix(f".node{i}.log") if len(commands) > 1 else log_path, "w")
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        logs.append(log)
+        # a session of its own, so a timeout can end the process with all its children
+        procs.append(subprocess.Popen(commands[i], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout
+    status = 0
+    try:
+        for proc in procs:
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = 124
+            if code != 0 and status == 0:
+                status = code
+                for other in procs:  # one node failed: its peer would wait for it until its timeout
+                    if other.poll() is None:
+                        os.killpg(other.pid, signal.SIGTERM)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    tail = []
+    for i in range(len(commands)):
+        path = log_path.with_suffix(f".node{i}.log") if len(commands) > 1 else log_path
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        tail += lines[-3:]
+    return status, "\n".join(tail)
+
+
+def child_env(args, threads: int | None) -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    else:
+        env.pop("OMP_NUM_THREADS", None)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # DataParallel would otherwise take the GPUs
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading what a run left behind
+
+
+def stage_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interval: int) -> dict:
+    """Medians over the metrics lines after the first (warm-up) interval, plus the probe's figures."""
+    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
+    timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
+    if not timed:
+        raise RuntimeError(f"{out_dir / 'metrics.jsonl'} has no training lines")
+
+    def median(key):
+        values = [m[key] for m in timed if m.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    fig = {"step_ms": median("dt_ms"), "tokens_per_sec": median("tokens_per_sec"), "mfu": median("mfu"),
+           "cuda_max_mem_mb": max((m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None), default=None),
+           "timed_intervals": len(timed)}
+    probes = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("probe_rank*.json"))]
+    fig["threads_per_rank"] = max((p["threads"] for p in probes), default=None)
+    fig["cpu_peak_rss_mb"] = max((p["maxrss_mb"] for p in probes), default=None)
+    # Data wait: steps start at the calls 0, K, 2K, ... of next(batches) (K micro-batches per
+    # step); from the start of the first step after the warm-up interval to the start of the last.
+    shares = []
+    for p in probes:
+        starts = list(range(log_interval * micro_batches, len(p["call_wall_s"]), micro_batches))
+        if len(starts) < 2:
+            continue
+        first, last = starts[0], starts[-1]
+        wall = p["call_wall_s"][last] - p["call_wall_s"][first]
+        shares.append(sum(p["data_wait_s"][first:last]) / wall if wall > 0 else 0.0)
+    fig["data_wait_share"] = statistics.mean(shares) if shares else None
+    # CPU seconds (all threads of rank 0) per step over the same intervals as the timed metrics lines
+    marks = next((p["log_marks"] for p in probes if p["rank"] == 0), [])
+    steps = marks[-1]["iter"] - marks[0]["iter"] if len(marks) >= 2 else 0
+    fig["step_cpu_ms"] = 1000 * (marks[-1]["cpu_s"] - marks[0]["cpu_s"]) / steps if steps > 0 else None
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step, in every stage")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step in chapter 02")
+    p.add_argument("--iters", type=int, default=30, help="optimizer steps per run")
+    p.add_argument("--log-interval", type=int, default=5, help="steps per metrics line; the first interval is warm-up")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each stage; the fastest counts")
+    p.add_argument("--stages", default="01,02,03,04x1,04x2,05", help="comma-separated: 01 02 03 04x1 04x2 05")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true", help="torch.compile in every stage and in the bare step")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="OMP_NUM_THREADS of every training process, single-process stages and ranks alike "
+                        "(default: CPU cores / 2, at least 1): the same compute per device in every row, "
+                        "so 2 ranks fill the machine and scaling compares like with like")
+    p.add_argument("--no-comm", action="store_true", help="skip the communication measurement (bench/ddp_worker.py)")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)")
+    p.add_argument("--data-dir", default="data", help="where the prepared corpus is (prepared here if missing)")
+    p.add_argument("--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl, probes")
+    p.add_argument("--results-dir", default=str(BENCH / "results"), help="benchmark.md and benchmark.json go here")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take before it is stopped")
+    args = p.parse_args(argv)
+    if args.log_interval < 1 or args.iters < 2 * args.log_interval:
+        p.error("--iters must be at least twice --log-interval: the first interval is dropped as warm-up")
+    if args.batch_size % 2 or args.batch_size % args.grad_accum:
+        p.error(f"--batch-size {args.batch_size} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}")
+    known = {"01", "02", "03", "04x1", "04x2", "05"}
+    args.stage_keys = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if not args.stage_keys or set(args.stage_keys) - known:
+        p.error(f"--stages takes a comma-separated subset of {', '.join(sorted(known))}")
+    return args
+
+
+def resolve_device(args) -> None:
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but this PyTorch sees no CUDA GPU; use --device cpu")
+    args.cuda_devices = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+    args.dp_replicas = 1  # DataParallel over one device: the same work as chapter 01 through the wrapper
+    if args.threads_per_rank is None:
+        args.threads_per_rank = max(1, (os.cpu_count() or 1) // 2)
+    args.default_threads = torch.get_num_threads()
+    args.device_name = torch.cuda.get_device_name(0) if args.cuda_devices else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def stage_args(args, stage: Stage, out_dir: Path) -> list[str]:
+    flags = ["--preset", args.preset, "--max-iters", args.iters, "--log-interval", args.log_interval,
+             "--eval-interval", args.iters, "--eval-batches", 1, "--sample-tokens", 0, "--dropout", 0,
+             "--device", args.device, "--dtype", args.dtype, "--data-dir", args.data_dir, "--out-dir", out_dir,
+             *stage.flags]
+    if args.compile:
+        flags.append("--compile")
+    return [str(f) for f in flags]
+
+
+def run_stage(args, stage: Stage, repeat: int) -> dict:
+    run_dir = Path(args.work_dir) / f"stage_{stage.key}" / f"repeat{repeat}"
+    out_dir, probe_dir = run_dir / "out", run_dir / "probe"
+    for old in list(probe_dir.glob("*.json")) + ([out_dir / "metrics.jsonl"] if (out_dir / "metrics.jsonl").exists() else []):
+        old.unlink()
+    script_args = [str(PROBE), stage.script, *stage_args(args, stage, out_dir)]
+    commands = launch_commands(stage.launch, stage.ranks, script_args)
+    env = child_env(args, args.threads_per_rank) | {"BENCH_PROBE_DIR": str(probe_dir)}
+    started = time.monotonic()
+    status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
+    result = {"command": " ".join(commands[0]).replace(sys.executable, "python"), "seconds": round(time.monotonic() - started, 1)}
+    if status != 0:
+        return result | {"status": "failed", "note": f"exit status {status}: {tail.splitlines()[-1] if tail else ''}"[:300]}
+    try:
+        return result | {"status": "ok"} | stage_figures(out_dir, probe_dir, stage.micro_batches, args.log_interval)
+    except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as err:
+        return result | {"status": "failed", "note": f"no figures: {err}"[:300]}
+
+
+def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
+    out = Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(BENCH / "bare_step.py"), "--preset", args.preset, "--batch-size", str(batch_size),
+           "--iters", str(args.iters), "--warmup", str(args.log_interval), "--group", str(args.log_interval),
+           "--device", args.device, "--dtype", args.dtype, "--data-dir", args.data_dir, "--out", str(out)]
+    if args.compile:
+        cmd.append("--compile")
+    status, tail = run_commands([cmd], child_env(args, threads), out.with_suffix(".log"), args.timeout)
+    if status != 0 or not out.exists():
+        print(f"  bare step (batch {batch_size}) failed: {tail[-200:]}", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def run_comm(args, stage: Stage, repeat: int) -> dict | None:
+    out = Path(args.work_dir) / f"comm_{stage.key}" / f"repeat{repeat}.json"
+    out.unlink(missing_ok=True)
+    # short groups of 2 steps, alternating sync / no_sync: many pairs, each pair under the same load
+    group = min(2, args.log_interval)
+    iters = max(args.iters, args.log_interval + 4 * group)  # warm-up, then at least 2 groups of each kind
+    worker = [str(BENCH / "ddp_worker.py"), "--preset", args.preset, "--batch-size", str(args.batch_size // stage.ranks),
+              "--iters", str(iters), "--warmup", str(args.log_interval), "--group", str(group),
+              "--device", "cuda" if args.device.startswith("cuda") else "cpu", "--dtype", args.dtype,
+              "--data-dir", args.data_dir, "--out", str(out)]
+    commands = launch_commands(stage.launch, stage.ranks, worker)
+    status, tail = run_commands(commands, child_env(args, args.threads_per_rank), out.with_suffix(".log"), args.timeout)
+    if status != 0 or not out.exists():
+        print(f"  communication run for {stage.key} failed: {tail[-200:]}", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def best(results: list[dict | None], key: str) -> dict | None:
+    """The repeat with the smallest `key` (the least disturbed by other load on the machine)."""
+    ok = [r for r in results if r and r.get(key) is not None]
+    return min(ok, key=lambda r: r[key]) if ok else None
+
+
+def bare_key(args, s: Stage) -> tuple:
+    """The bare step a stage is compared with: one device's share of the batch, the same threads."""
+    return (args.batch_size // s.ranks, args.threads_per_rank)
+
+
+def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, skipped: dict, argv) -> dict:
+    """Rows of the table from every repeat of every run: the fastest repeat of each."""
+    block = PRESETS[args.preset].block_size
+    rows = []
+    for s in stages:
+        row = {"stage": s.key, "label": s.label, "script": s.script, "launch": s.launch, "processes": s.ranks,
+               "devices": s.ranks if s.launch != "python" else max(args.dp_replicas, 1),
+               "micro_batch": int(s.flags[1]), "grad_accum": s.micro_batches}
+        if s.key in skipped:
+            rows.append(row | {"status": "missing" if "exist" in skipped[s.key] else "skipped", "note": skipped[s.key]})
+            continue
+        ok = best([r for r in runs[s.key] if r["status"] == "ok"], "step_ms")
+        if ok is None:
+            rows.append(row | {"status": "failed", "note": runs[s.key][-1].get("note", ""), "command": runs[s.key][-1]["command"]})
+            continue
+        row |= {"status": "ok", "command": ok["command"],
+                "step_ms_repeats": [round(r["step_ms"], 2) for r in runs[s.key] if r["status"] == "ok"]}
+        row["step_ms"] = ok["step_ms"]
+        # CPU time: each repeat's own figure, the smallest (independently of the wall-clock pick)
+        cpu_runs = [r["step_cpu_ms"] for r in runs[s.key] if r["status"] == "ok" and r.get("step_cpu_ms") is not None]
+        row["step_cpu_ms"] = min(cpu_runs) if cpu_runs else None
+        row["step_cpu_ms_repeats"] = [round(c, 2) for c in cpu_runs]
+        row["tokens_per_sec"] = ok["tokens_per_sec"]
+        row["tokens_per_sec_per_device"] = ok["tokens_per_sec"] / row["devices"]
+        row["mfu"] = ok["mfu"]
+        row["threads_per_rank"] = ok["threads_per_rank"]
+        if args.device.startswith("cuda"):
+            row["peak_mem_mb"], row["peak_mem_source"] = ok["cuda_max_mem_mb"], "torch.cuda.max_memory_allocated, rank 0"
+        else:
+            row["peak_mem_mb"], row["peak_mem_source"] = ok["cpu_peak_rss_mb"], "peak RSS of the largest rank process"
+        row["data_wait_share"] = ok["data_wait_share"]
+        c = best(comm.get(s.key, []), "sync_ms")
+        row["comm_share"] = c["comm_share"] if c else None
+        row["comm"] = {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")} if c else None
+        b, b_cpu = best(bare.get(bare_key(args, s), []), "step_ms"), best(bare.get(bare_key(args, s), []), "step_cpu_ms")
+        row["bare_step_ms"] = b["step_ms"] if b else None
+        row["bare_step_cpu_ms"] = b_cpu["step_cpu_ms"] if b_cpu else None
+        row["bare_ratio"] = row["step_ms"] / b["step_ms"] if b else None
+        row["bare_cpu_ratio"] = row["step_cpu_ms"] / row["bare_step_cpu_ms"] if row["step_cpu_ms"] and row["bare_step_cpu_ms"] else None
+        rows.append(row)
+
+    by_key = {r["stage"]: r for r in rows}
+    scaling = {}
+    one = by_key.get("04x1")
+    for key in ("04x2", "05"):
+        two = by_key.get(key)
+        if one and two and one.get("status") == two.get("status") == "ok":
+            scaling[key] = {"ranks": 2, "against": "04x1", "efficiency": two["tokens_per_sec"] / (2 * one["tokens_per_sec"]),
+                            "speedup": two["tokens_per_sec"] / one["tokens_per_sec"]}
+    report = {
+        "settings": {"preset": args.preset, "block_size": block, "global_batch": args.batch_size,
+                     "tokens_per_step": args.batch_size * block, "iters": args.iters, "log_interval": args.log_interval,
+                     "warmup_steps_dropped": args.log_interval, "repeats": args.repeats, "device": args.device,
+                     "device_name": args.device_name, "dtype": args.dtype, "compile": args.compile,
+                     "threads_per_rank": args.threads_per_rank, "torch_default_threads": args.default_threads,
+                     "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                     "torch": __import__("torch").__version__,
+                     "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                     "command": "python bench/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+        "stages": rows,
+        "bare": [{"batch_size": k[0], "threads_env": k[1], "runs": v} for k, v in bare.items()],
+        "scaling": scaling,
+    }
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # stopped with SIGTERM: unwind, so that run_commands' cleanup ends the runs it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    resolve_device(args)
+    from common.data import prepare
+
+    prepare("shakespeare", args.data_dir)  # once, before any clock starts
+    block = PRESETS[args.preset].block_size
+    stages = [s for s in stage_list(args) if s.key in args.stage_keys]
+    gpu_short = args.device.startswith("cuda") and args.cuda_devices < 2
+    print(f"benchmark: {args.preset} preset, global batch {args.batch_size} x {block} tokens, {args.iters} steps "
+          f"(first {args.log_interval} dropped), {args.repeats} repeat(s), {args.device_name}", flush=True)
+
+    runs: dict[str, list[dict]] = {s.key: [] for s in stages}
+    comm: dict[str, list] = {s.key: [] for s in stages if s.ranks > 1}  # one rank has no one to talk to
+    bare: dict[tuple, list] = {}
+    skipped: dict[str, str] = {}
+    for s in stages:
+        if not (REPO / s.script).exists():
+            skipped[s.key] = f"not run: {s.script} does not exist yet"
+        elif gpu_short and s.ranks > args.cuda_devices:
+            skipped[s.key] = f"not run: {s.ranks} ranks need {s.ranks} GPUs, {args.cuda_devices} visible"
+
+    for repeat in range(args.repeats):
+        for s in stages:
+            if s.key in skipped:
+                continue
+            print(f"[repeat {repeat + 1}/{args.repeats}] {s.label} ...", end=" ", flush=True)
+            r = run_stage(args, s, repeat)
+            runs[s.key].append(r)
+            print(f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"] + ": " + r["note"],
+                  f"({r['seconds']} s)", flush=True)
+            if not args.no_comm and s.key in comm and r["status"] == "ok":
+                c = run_comm(args, s, repeat)
+                comm[s.key].append(c)
+                if c:
+                    print(f"    communication: {100 * c['comm_share']:.1f}% of a {c['sync_ms']:.1f} ms step", flush=True)
+        if not args.no_bare:
+            for key in sorted({bare_key(args, s) for s in stages if s.key not in skipped}, key=str):
+                b = run_bare(args, key[0], key[1], repeat)
+                bare.setdefault(key, []).append(b)
+                if b:
+                    print(f"  bare step, batch {key[0]}, {b['threads']} thread(s): {b['step_ms']:.1f} ms", flush=True)
+
+    report = build_report(args, stages, runs, comm, bare, skipped, argv)
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
+    table = markdown(report)
+    (results / "benchmark.md").write_text(table)
+    print("\n" + table)
+    print(f"written: {results / 'benchmark.md'}, {results / 'benchmark.json'}")
+    return 1 if any(r["status"] == "failed" for r in report["stages"]) else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+COLUMNS = ["Stage", "Processes x threads", "tokens/s", "tokens/s per device", "Step (ms)", "MFU",
+           "Peak memory per device (MB)", "Data wait", "Communication", "Step / bare", "Step / bare (CPU time)"]
+
+
+def _num(value, fmt: str = "{:,.0f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"# Benchmark: {s['preset']} preset on {s['device_name']}", "",
+             f"Global batch {s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens "
+             f"per step in every stage; {s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as "
+             f"warm-up; dtype {s['dtype']}{', torch.compile' if s['compile'] else ''}; fastest of {s['repeats']} "
+             f"repeat(s). torch {s['torch']}, {s['date']}.", "",
+             f"Command: `{s['command']}`", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    for r in report["stages"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | {r['note']} |" + " |" * (len(COLUMNS) - 2))
+            continue
+        mem = _num(r["peak_mem_mb"]) + (" (RSS)" if "RSS" in r["peak_mem_source"] and r["peak_mem_mb"] is not None else "")
+        lines.append("| " + " | ".join([
+            r["label"], f"{r['processes']} x {_num(r['threads_per_rank'], '{}')}", _num(r["tokens_per_sec"]),
+            _num(r["tokens_per_sec_per_device"]), _num(r["step_ms"], "{:,.1f}"), _pct(r["mfu"]), mem,
+            _pct(r["data_wait_share"]), _pct(r["comm_share"]) if r["processes"] > 1 else "-",
+            _num(r["bare_ratio"], "{:.3f}"), _num(r["bare_cpu_ratio"], "{:.3f}")]) + " |")
+    for key, sc in report["scaling"].items():
+        lines.append("")
+        lines.append(f"Scaling, {key} against 04x1 (same threads per rank): {sc['speedup']:.2f}x the tokens/s of one rank, "
+                     f"efficiency {100 * sc['efficiency']:.0f}% (tokens/s of 2 ranks / (2 x tokens/s of 1 rank)).")
+    bare = [(b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms")) for b in report["bare"]]
+    if any(b for _, b, _ in bare):
+        lines.append("")
+        lines.append("Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: " + "; ".join(
+            f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms ({c['step_cpu_ms']:.1f} ms CPU)"
+            for bs, b, c in bare if b) + ".")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

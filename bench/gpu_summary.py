@@ -1,0 +1,54 @@
+"""One table from what bench/gpu_check.sh wrote: the benchmark runs and the bf16-vs-float32 check.
+
+    python bench/gpu_summary.py bench/results/gpu
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _f(value, fmt="{:,.0f}"):
+    return "n/a" if value is None else fmt.format(value)
+
+
+def summary(out: Path) -> str:
+    lines = ["| Run | tokens/s | MFU | Peak memory (MB) | Step (ms) | Step / bare | Status |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    device = None
+    for variant in ("eager", "compile"):
+        report = _load(out / variant / "benchmark.json")
+        if report is None:
+            lines.append(f"| {variant} | | | | | | no results (see {variant}.log) |")
+            continue
+        s = report["settings"]
+        device = device or f"{s['device_name']}, {s['preset']} preset, batch {s['global_batch']} x {s['block_size']}, {s['dtype']}"
+        for r in report["stages"]:
+            name = f"{r['label']} ({variant})"
+            if r["status"] != "ok":
+                lines.append(f"| {name} | | | | | | {r['status']}: {r.get('note', '')} |")
+                continue
+            lines.append(f"| {name} | {_f(r['tokens_per_sec'])} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | "
+                         f"{_f(r['peak_mem_mb'])} | {_f(r['step_ms'], '{:.1f}')} | {_f(r['bare_ratio'], '{:.3f}')} | ok |")
+    check = _load(out / "gpu_vs_cpu.json")
+    text = [f"# GPU check: {device or 'no benchmark results'}", "", *lines, ""]
+    if check is None:
+        text.append("bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
+    else:
+        text.append(f"bf16 vs float32 check ({check['test']} against {check['reference']}, {check['steps']} steps): "
+                    f"{'PASS' if check['passed'] else 'FAIL'}, largest relative loss difference "
+                    f"{check['max_rel_diff']:.2e} (rtol {check['rtol']:g})")
+    return "\n".join(text) + "\n"
+
+
+if __name__ == "__main__":
+    print(summary(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/gpu")), end="")

@@ -1,0 +1,148 @@
+"""The benchmark command (bench/benchmark.py) and the CPU-runnable parts of the GPU check.
+
+One short benchmark run of the tiny model over every stage that exists; the tests check the shape
+of what it writes (the table's columns, the JSON's keys and types, a row per stage), never timings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from launch import REPO, run_python
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import benchmark  # noqa: E402
+import gpu_summary  # noqa: E402
+import gpu_vs_cpu  # noqa: E402
+
+ROW_NUMBERS = ["tokens_per_sec", "tokens_per_sec_per_device", "step_ms", "step_cpu_ms", "peak_mem_mb",
+               "data_wait_share", "bare_step_ms", "bare_ratio", "bare_cpu_ratio"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(data_dir, tmp_path_factory):
+    """One benchmark run: tiny model, 4 steps (the first 2 are warm-up), every stage, one repeat."""
+    tmp = tmp_path_factory.mktemp("bench")
+    proc = run_python(["bench/benchmark.py", "--preset", "tiny", "--iters", 4, "--log-interval", 2,
+                       "--batch-size", 4, "--repeats", 1, "--device", "cpu", "--data-dir", data_dir,
+                       "--work-dir", tmp / "work", "--results-dir", tmp / "results"], timeout=600)
+    results = tmp / "results"
+    return proc, json.loads((results / "benchmark.json").read_text()), (results / "benchmark.md").read_text(), tmp
+
+
+def expected_stages() -> list:
+    args = benchmark.parse_args(["--batch-size", "4"])
+    args.cuda_devices, args.dp_replicas = 0, 1  # what resolve_device finds on a CPU
+    return benchmark.stage_list(args)
+
+
+def test_json_has_a_complete_row_per_stage(bench_run):
+    proc, report, _, _ = bench_run
+    settings = report["settings"]
+    assert settings["preset"] == "tiny" and settings["global_batch"] == 4 and settings["tokens_per_step"] == 4 * 32
+    assert settings["warmup_steps_dropped"] == 2 and settings["device"] == "cpu"
+    rows = {r["stage"]: r for r in report["stages"]}
+    assert list(rows) == ["01", "02", "03", "04x1", "04x2", "05"]
+    for stage in expected_stages():
+        row = rows[stage.key]
+        if not (REPO / stage.script).exists():
+            assert row["status"] == "missing" and stage.script in row["note"]
+            continue
+        assert row["status"] == "ok", row
+        for key in ROW_NUMBERS:
+            assert isinstance(row[key], float), (key, row)
+            assert row[key] > 0 or key == "data_wait_share", (key, row)
+        assert 0 <= row["data_wait_share"] < 1
+        assert row["mfu"] is None  # no known peak FLOP/s for a CPU
+        assert row["peak_mem_source"].startswith("peak RSS")
+        assert isinstance(row["threads_per_rank"], int) and row["threads_per_rank"] >= 1
+        assert row["devices"] == row["processes"] == stage.ranks
+        assert row["micro_batch"] * row["grad_accum"] * row["devices"] == 4  # the same global batch everywhere
+        if stage.ranks == 1:
+            assert row["comm_share"] is None
+        else:  # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
+            assert isinstance(row["comm_share"], float) and row["comm"]["backend"] == "gloo"
+            assert row["comm"]["threads"] == row["threads_per_rank"]
+    if rows["04x2"]["status"] == "ok":
+        assert rows["04x1"]["threads_per_rank"] == rows["04x2"]["threads_per_rank"]  # like with like
+        assert isinstance(report["scaling"]["04x2"]["efficiency"], float)
+    assert "| 01 one device |" in proc.stdout  # the table is printed too
+
+
+def test_markdown_table_is_well_formed(bench_run):
+    _, report, table, _ = bench_run
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| Stage |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    assert columns == benchmark.COLUMNS
+    assert set(lines[header + 1].strip("|").split("|")) <= {"---", "---:"}
+    rows = [line for line in lines[header + 2:] if line.startswith("|")]
+    assert len(rows) == len(report["stages"])
+    for line, row in zip(rows, report["stages"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(columns) and cells[0] == row["label"]
+        if row["status"] == "ok":
+            assert cells[5] == "n/a"  # MFU on a CPU
+            assert float(cells[2].replace(",", "")) > 0
+        else:
+            assert "not run" in cells[1] or row["status"] in cells[1]
+
+
+def test_a_missing_stage_is_a_row_that_says_so():
+    report = {"settings": {"preset": "tiny", "device_name": "CPU", "global_batch": 4, "block_size": 32,
+                           "tokens_per_step": 128, "iters": 4, "warmup_steps_dropped": 2, "dtype": "auto",
+                           "compile": False, "repeats": 1, "torch": "x", "date": "today", "command": "c"},
+              "stages": [{"stage": "05", "label": "05 2 nodes x 1 rank", "status": "missing",
+                          "note": "not run: 05_multinode/train.py does not exist yet"}],
+              "bare": [], "scaling": {}}
+    row = [line for line in benchmark.markdown(report).splitlines() if line.startswith("| 05")][0]
+    assert "does not exist yet" in row and row.count("|") == len(benchmark.COLUMNS) + 1
+
+
+def test_bad_benchmark_flags_are_refused():
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.parse_args(["--stages", "01,06"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--iters", "5", "--log-interval", "5"])  # nothing left after the warm-up
+
+
+def test_gpu_vs_cpu_runs_on_the_cpu(data_dir, tmp_path):
+    """Both sides on the CPU: float32 against float32 must agree exactly; bf16 within the tolerance."""
+    out = tmp_path / "same.json"
+    assert gpu_vs_cpu.main(["--preset", "tiny", "--steps", "2", "--batch-size", "2", "--test-device", "cpu",
+                            "--test-dtype", "float32", "--data-dir", str(data_dir), "--out", str(out)]) == 0
+    same = json.loads(out.read_text())
+    assert same["passed"] and same["max_rel_diff"] == 0 and len(same["test_losses"]) == 2
+    out = tmp_path / "bf16.json"
+    assert gpu_vs_cpu.main(["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--test-device", "cpu",
+                            "--test-dtype", "bfloat16", "--data-dir", str(data_dir), "--out", str(out)]) == 0
+    bf16 = json.loads(out.read_text())
+    assert bf16["test"] == "cpu bfloat16" and 0 <= bf16["max_rel_diff"] <= 2e-2
+    # a tolerance that bf16 cannot meet fails the check (exit status 1)
+    assert gpu_vs_cpu.main(["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--test-device", "cpu",
+                            "--test-dtype", "bfloat16", "--rtol", "1e-12", "--data-dir", str(data_dir)]) == 1
+
+
+def test_gpu_vs_cpu_refuses_bad_arguments():
+    for bad in (["--rtol", "0"], ["--steps", "0"], ["--test-dtype", "float64"]):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_vs_cpu.parse_args(bad)
+        assert exit_info.value.code == 2
+
+
+def test_gpu_check_script_parses_and_summary_reads_results(bench_run, tmp_path):
+    subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")], check=True)
+    _, report, _, _ = bench_run
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "eager" / "benchmark.json").write_text(json.dumps(report))
+    (tmp_path / "gpu_vs_cpu.json").write_text(json.dumps({
+        "test": "cuda bfloat16", "reference": "cpu float32", "steps": 10, "passed": True,
+        "max_rel_diff": 3e-3, "rtol": 2e-2}))
+    text = gpu_summary.summary(tmp_path)
+    assert "| 01 one device (eager) |" in text and "PASS" in text
+    assert "| compile | | | | | | no results" in text  # a step that wrote nothing is named, not skipped
