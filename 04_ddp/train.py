@@ -67,10 +67,12 @@ def main():
             raise CourseError(f"LOCAL_RANK {local_rank}, but this machine has {torch.cuda.device_count()} GPU(s): "
                               f"start at most that many processes per machine (--nproc_per_node)")
         torch.cuda.set_device(device)  # before any CUDA work, or it would all land on cuda:0
-    elif "OMP_NUM_THREADS" not in os.environ:
-        # Ranks on one CPU share its cores: an equal share each, not all cores each (torch's default).
+    elif local_world_size > 1 and os.environ.get("OMP_NUM_THREADS", "1") == "1":
+        # Ranks on one CPU share its cores: an equal share each. Torch alone would give every rank all
+        # cores (oversubscribed); torchrun sets OMP_NUM_THREADS=1, which leaves a big CPU mostly idle.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    threads = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else f"{os.cpu_count()} cores / {local_world_size} rank(s)"
+    threads = (f"{os.cpu_count()} cores / {local_world_size} rank(s)" if local_world_size > 1 and os.environ.get("OMP_NUM_THREADS", "1") == "1"
+               else "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch's default")
     dtype = pick_dtype(args.dtype, device)
     setup_math(device)
     autocast = autocast_context(device, dtype)

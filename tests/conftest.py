@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# One thread per process: the tests start many processes (ranks, notebooks, scripts) on few cores,
+# and torch's default of a thread per core in each of them would oversubscribe the machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
