@@ -119,6 +119,9 @@ def test_only_rank0_writes_and_all_ranks_agree(runs):
     assert [m["iter"] for m in metrics if "loss" in m] == list(range(1, ITERS + 1))
     assert [m["iter"] for m in metrics if "val_loss" in m] == [ITERS]
     stdout = (folder / "stdout.txt").read_text()
+    # the ranks share one pipe and write text and newline separately, so one rank's line can land in
+    # the middle of another's: start a new line at every rank prefix found mid-line
+    stdout = re.sub(r"(?<=[^\n])(\[rank \d+\] )", r"\n\1", stdout)
     # every rank announces itself; after that only rank 0 speaks, and every line says who speaks
     assert re.search(r"^\[rank 1\] process \d+ on .*rank 1 of 2, local rank 1", stdout, re.M), stdout
     ours = [line for line in stdout.splitlines() if line and not line.startswith("*")]
@@ -187,9 +190,10 @@ def start_long_run(data_dir: Path, out_dir: Path, tiny_args, timeout_s: int):
     pids, output = {}, []
     for line in proc.stdout:  # ranks print "[rank R] process PID on HOST: ..." first
         output.append(line)
-        if m := re.match(r"\[rank (\d+)\] process (\d+) ", line):
+        # two ranks write to one pipe, so their lines can interleave: look anywhere in the line
+        for m in re.finditer(r"\[rank (\d+)\] process (\d+) ", line):
             pids[int(m.group(1))] = int(m.group(2))
-        if line.startswith("[rank 0] iter      2 "):  # training is under way, gradients flowing
+        if "[rank 0] iter      2 " in line:  # training is under way, gradients flowing
             break
     assert set(pids) == {0, 1}, "".join(output)
     return proc, pids, output
