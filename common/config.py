@@ -75,7 +75,7 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--batch-size", type=positive_int, default=8, help="micro-batch: sequences per forward pass on one device")
     later("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--max-iters", type=positive_int, default=500, help="optimizer steps to train for")
+    g.add_argument("--max-iters", type=positive_int, default=400, help="optimizer steps to train for")
     g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine decay")
     g.add_argument("--warmup-iters", type=_non_negative_int, default=50, help="steps of linear warm-up")

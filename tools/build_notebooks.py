@@ -596,7 +596,7 @@ def notebook_cells_04() -> list[tuple[str, str]]:
             print("rank 0 and rank 1, interleaved:", interleaved)
             assert interleaved == order
 
-            averaged = torch.load(RUNS / "averaged_grad.pt")
+            averaged = torch.load(RUNS / "averaged_grad.pt", weights_only=True)
             print(f"largest difference, averaged vs whole-batch gradient: {(averaged - full).abs().max():.2e}")
             assert torch.allclose(averaged, full, atol=1e-6)
         '''),
@@ -717,7 +717,7 @@ def notebook_cells_05() -> list[tuple[str, str]]:
             order, full = full_batch_gradient()
             interleaved = [w for group in zip(*(r["windows"] for r in ranks)) for w in group]
             assert interleaved == order, (interleaved, order)
-            averaged = torch.load(RUNS / "averaged_grad.pt")
+            averaged = torch.load(RUNS / "averaged_grad.pt", weights_only=True)
             print(f"\\nthe 4 ranks on 2 nodes read chapter 01's first batch {order};")
             print(f"their averaged gradient differs from the whole-batch gradient by {(averaged - full).abs().max():.2e}")
             assert torch.allclose(averaged, full, atol=1e-6)
