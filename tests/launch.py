@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,3 +64,19 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], timeout: float
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def stop_launchers(procs: list[subprocess.Popen]) -> None:
+    """Stop torchrun launchers that are still running, started with start_new_session=True.
+
+    torchrun passes SIGTERM on to the processes it started; a launcher that does not end within
+    15 s has its whole process group killed, so no worker outlives its test.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -22,7 +22,7 @@ import torch
 from common.data import shakespeare_texts
 from common.metrics import read_metrics
 from conftest import tiny_run_args
-from launch import REPO, child_env, free_port, run_python, torchrun_command
+from launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 
 CHAPTER = REPO / "05_multinode"
 TRAIN = CHAPTER / "train.py"
@@ -228,14 +228,7 @@ def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, 
     try:
         outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()  # torchrun passes it on to the processes it started
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        stop_launchers(procs)
     assert all(proc.returncode != 0 for proc in procs), outputs
     for rank, out in enumerate(outputs):
         assert (f"[rank {rank}] error: ranks [1] cannot see {out_dirs[rank] / 'ckpt.pt'}, which rank 0 wrote: "

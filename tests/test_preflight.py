@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 
-from launch import REPO, child_env, free_port, run_python, torchrun_command
+from launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 
 PREFLIGHT = REPO / "05_multinode" / "preflight.py"
 
@@ -27,14 +25,7 @@ def run_two_nodes(script, nproc: int, args: list[str], timeout: float = 120) -> 
             out, _ = proc.communicate(timeout=timeout)
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()  # torchrun passes it on to the processes it started
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        stop_launchers(procs)
     return results
 
 
