@@ -16,12 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import com
 import torch
 from torch.utils.data import RandomSampler
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, load_splits, prepare, validation_windows
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.errors import CourseError, run_main
-from common.metrics import MetricsLog, Progress, max_memory_mb, peak_flops
+from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text
 
 
@@ -58,11 +58,8 @@ def main():
                                   betas=(args.beta1, args.beta2), fused=device.type == "cuda")
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    iter_num = 0
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        iter_num = checkpoint["iter_num"]
-        torch.set_rng_state(checkpoint["rng_cpu"])
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
+    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
         model = torch.compile(model)
@@ -124,7 +121,7 @@ def main():
                 loss_value = loss.item()
                 elapsed = time.perf_counter() - last_log_time
                 tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
-                mfu = raw_model.flops_per_token() * tokens_per_sec / peak if peak else None
+                mfu = model_flops_utilization(raw_model.flops_per_token(), tokens_per_sec, peak)
                 metrics.write(iter=iter_num, loss=loss_value, lr=lr, tokens_seen=iter_num * tokens_per_step,
                               dt_ms=1000 * elapsed / (iter_num - last_log_iter), tokens_per_sec=tokens_per_sec,
                               mfu=mfu, max_mem_mb=max_memory_mb(device))
@@ -133,12 +130,14 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                val_loss = evaluate(model, val_set, val_windows, args.batch_size, device, autocast).item()
+                # the model uncompiled: eval mode and a shorter last batch would each be compiled
+                # anew, which takes longer than evaluating without compiling
+                val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save_checkpoint(out_dir, model_state=raw_model.state_dict(), optimizer_state=optimizer.state_dict(),
                                 iter_num=iter_num, model_config=model_config, train_config=train_config,
-                                best_val_loss=best_val_loss)
+                                best_val_loss=best_val_loss, scaler_state=scaler.state_dict())
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {out_dir / 'ckpt.pt'}")
                 last_log_time = time.perf_counter()  # evaluation time is not training time
     progress.close()

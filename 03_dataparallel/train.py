@@ -19,13 +19,31 @@ import torch
 from torch import nn
 from torch.utils.data import RandomSampler
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
+from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
 from common.errors import CourseError, run_main
-from common.metrics import MetricsLog, Progress, max_memory_mb, peak_flops
+from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text
+
+
+class DataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
+
+    DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
+    there without saying which format. The format belongs to the thread, and a new thread has the
+    default, float16: a bfloat16 run would silently compute in float16, with no loss scaling. So
+    each replica enters autocast itself, inside its thread, with the format this run chose.
+    """
+
+    def __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs):
+        super().__init__(module, **kwargs)
+        self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
 
 def main():
@@ -46,6 +64,10 @@ def main():
         raise CourseError("DataParallel takes every visible GPU: to train on the CPU here, hide them with CUDA_VISIBLE_DEVICES=")
     if n_gpus > 1 and device.index not in (None, 0):
         raise CourseError("with several GPUs DataParallel gathers on cuda:0: use --device cuda")
+    if n_gpus > 1 and args.compile:
+        # torch.compile works per thread, and the replicas run in threads it never enters
+        raise CourseError("--compile cannot speed up DataParallel over several GPUs: its replicas run in threads "
+                          "that compiled code does not reach; drop --compile, or compile under DDP in chapter 04")
     replicas = max(n_gpus, 1)
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
@@ -73,15 +95,16 @@ def main():
                                   betas=(args.beta1, args.beta2), fused=device.type == "cuda")
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    iter_num = 0
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        iter_num = checkpoint["iter_num"]
-        torch.set_rng_state(checkpoint["rng_cpu"])
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
+    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
-    model = nn.DataParallel(model, device_ids=list(range(n_gpus)) if n_gpus > 1 else [device.index or 0] if n_gpus else None)
+    gpu_ids = list(range(n_gpus)) if n_gpus > 1 else [device.index or 0]  # one GPU: the chosen one
+    if n_gpus == 0:
+        gpu_ids = None  # no CUDA GPU: DataParallel calls the model as it is
+    model = DataParallel(model, device, dtype, device_ids=gpu_ids)  # nn.DataParallel, see the class above
     raw_model = model.module
+    eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
@@ -150,7 +173,8 @@ def main():
                 loss_value = loss.item()
                 elapsed = time.perf_counter() - last_log_time
                 tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
-                mfu = raw_model.flops_per_token() * tokens_per_sec / peak if peak else None
+                # tokens_per_sec counts the tokens of all replicas, so it is measured against all GPUs' peak
+                mfu = model_flops_utilization(raw_model.flops_per_token(), tokens_per_sec, peak, devices=replicas)
                 metrics.write(iter=iter_num, loss=loss_value, lr=lr, tokens_seen=iter_num * tokens_per_step,
                               dt_ms=1000 * elapsed / (iter_num - last_log_iter), tokens_per_sec=tokens_per_sec,
                               mfu=mfu, max_mem_mb=max_memory_mb(device))
@@ -159,12 +183,14 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                val_loss = evaluate(model, val_set, val_windows, args.batch_size * replicas, device, autocast).item()
+                # the model uncompiled: eval mode and a shorter last batch would each be compiled
+                # anew, which takes longer than evaluating without compiling
+                val_loss = evaluate(eval_model, val_set, val_windows, args.batch_size * replicas, device, autocast).item()
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save_checkpoint(out_dir, model_state=model.module.state_dict(), optimizer_state=optimizer.state_dict(),
                                 iter_num=iter_num, model_config=model_config, train_config=train_config,
-                                best_val_loss=best_val_loss)
+                                best_val_loss=best_val_loss, scaler_state=scaler.state_dict())
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {out_dir / 'ckpt.pt'}")
                 last_log_time = time.perf_counter()  # evaluation time is not training time
     progress.close()

@@ -25,12 +25,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, load_splits, prepare, validation_windows
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.errors import CourseError, run_main
-from common.metrics import MetricsLog, Progress, max_memory_mb, peak_flops
+from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text
 
 
@@ -100,12 +100,15 @@ def main():
     model_config = gpt_config_from_args(args)
     # Local rank 0 of each machine prepares the token files once; the other ranks there wait at the
     # barrier (every rank calls it once), then find the files ready and prepare() does no work.
+    # Tokenizing a large data set can take hours, far longer than a training collective may wait,
+    # so they wait in a group of their own (gloo: a CPU barrier, whatever the backend) with a long timeout.
+    preparation = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
     if local_rank != 0:
-        dist.barrier()
+        dist.barrier(group=preparation)
     data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column,
                           log=lambda message: print(f"[rank {rank}] {message}", flush=True))
     if local_rank == 0:
-        dist.barrier()
+        dist.barrier(group=preparation)
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
@@ -128,11 +131,8 @@ def main():
                                   betas=(args.beta1, args.beta2), fused=device.type == "cuda")
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    iter_num = 0
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        iter_num = checkpoint["iter_num"]
-        torch.set_rng_state(checkpoint["rng_cpu"])
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
+    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
     # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     # into backward to average the gradients over ranks. The wrapper keeps the real model in
     # model.module. Its state dict would prefix every name with "module.", so checkpoints save
@@ -215,7 +215,7 @@ def main():
                 elapsed = time.perf_counter() - last_log_time
                 tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
                 # tokens_per_sec counts the tokens of all ranks, so it is measured against all devices' peak
-                mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * world_size) if peak else None
+                mfu = model_flops_utilization(raw_model.flops_per_token(), tokens_per_sec, peak, devices=world_size)
                 metrics.write(iter=iter_num, loss=loss_value, lr=lr, tokens_seen=iter_num * tokens_per_step,
                               dt_ms=1000 * elapsed / (iter_num - last_log_iter), tokens_per_sec=tokens_per_sec,
                               mfu=mfu, max_mem_mb=max_memory_mb(device))
@@ -237,7 +237,7 @@ def main():
                 if is_rank0:
                     save_checkpoint(out_dir, model_state=model.module.state_dict(), optimizer_state=optimizer.state_dict(),
                                     iter_num=iter_num, model_config=model_config, train_config=train_config,
-                                    best_val_loss=best_val_loss)
+                                    best_val_loss=best_val_loss, scaler_state=scaler.state_dict())
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {out_dir / 'ckpt.pt'}")
                 last_log_time = time.perf_counter()  # evaluation time is not training time
     progress.close()

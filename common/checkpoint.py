@@ -1,9 +1,10 @@
 """ckpt.pt: written atomically, read without unpickling code, loadable by every stage.
 
 A checkpoint holds plain tensors and Python values only (so `torch.load(weights_only=True)` reads
-it): the model's state dict without any `module.` prefix, the optimizer's state, the iteration,
-the model and training configuration, and the random state, so a resumed run continues the very
-same sequence of batches.
+it): the model's state dict without any `module.` prefix, the optimizer's state, the float16 loss
+scaler's state, the iteration, the model and training configuration, and the random state (the
+CPU's and, on a GPU, the GPU's, which draws the dropout masks), so a resumed run continues the very
+same sequence of batches and computations.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(out_dir: str | Path, *, model_state: dict, optimizer_state: dict, iter_num: int,
-                    model_config: GPTConfig, train_config: dict, best_val_loss: float | None = None) -> Path:
+                    model_config: GPTConfig, train_config: dict, best_val_loss: float | None = None,
+                    scaler_state: dict | None = None) -> Path:
     """Write <out_dir>/ckpt.pt through a temporary file and os.replace.
 
     A crash mid-write leaves a stray temporary file and the previous checkpoint untouched.
@@ -56,6 +58,10 @@ def save_checkpoint(out_dir: str | Path, *, model_state: dict, optimizer_state: 
         "train_config": {k: v for k, v in train_config.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "best_val_loss": best_val_loss,
         "rng_cpu": torch.get_rng_state(),
+        # the current GPU's generator, where this process has used CUDA (dropout on the GPU draws from it)
+        "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        # float16's loss scale, grown and cut during training: a resumed run must not restart at 65,536
+        "scaler": scaler_state or {},
     }
     with open(tmp, "wb") as f:
         torch.save(checkpoint, f)
@@ -82,6 +88,19 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     if not isinstance(checkpoint, dict) or not {"model", "model_config", "iter_num"} <= checkpoint.keys():
         raise CourseError(f"{path} is not a checkpoint of this course (it lacks model, model_config or iter_num)")
     return checkpoint
+
+
+def restore_training_state(checkpoint: dict, optimizer: torch.optim.Optimizer,
+                           scaler: torch.amp.GradScaler) -> int:
+    """Put the optimizer, the loss scaler and the random generators back where the checkpoint left
+    them, so the run continues as if it had never stopped; returns the step to continue from."""
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
+        scaler.load_state_dict(checkpoint["scaler"])
+    torch.set_rng_state(checkpoint["rng_cpu"])
+    if checkpoint.get("rng_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(checkpoint["rng_cuda"])  # the current GPU: each chapter has set it
+    return checkpoint["iter_num"]
 
 
 def checkpoint_model_config(checkpoint: dict) -> GPTConfig:

@@ -1,4 +1,8 @@
-"""Which device and number format a run uses, and the autocast context for it."""
+"""Which device and number format a run uses, and the autocast context for it.
+
+The GPU decisions are small functions of plain facts (a compute capability, a device name), so
+the tests can check them on a CPU with the values real GPUs report.
+"""
 
 from __future__ import annotations
 
@@ -29,19 +33,36 @@ def pick_device(requested: str = "auto") -> torch.device:
         raise CourseError(f"--device {requested}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise CourseError("--device mps asked for Apple's GPU, which is not available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None:
+        # Make it the current GPU now: pinned memory, capability queries and anything created on
+        # plain "cuda" would otherwise land on GPU 0, which may be someone else's.
+        torch.cuda.set_device(device)
     return device
 
 
+def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """--dtype auto from the device's facts: bfloat16 where NVIDIA GPUs compute it in tensor cores.
+
+    bfloat16 tensor cores came with compute capability 8.0 (Ampere: A100, RTX 30xx, then L4, H100,
+    ...). Older GPUs (V100 is 7.0, T4 7.5) can store bfloat16 and emulate its arithmetic, which
+    torch.cuda.is_bf16_supported() counts as support by default; there it is slow and
+    torch.compile skips it, so they get float16 (with loss scaling) instead. The CPU and Apple's
+    mps stay in float32.
+    """
+    if device_type == "cuda" and capability is not None:
+        return torch.bfloat16 if capability >= (8, 0) else torch.float16
+    return torch.float32
+
+
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on GPUs that support it, float16 on older GPUs, float32 elsewhere."""
+    """auto: bfloat16 on GPUs with bfloat16 tensor cores, float16 on older GPUs, float32 elsewhere."""
     if requested != "auto":
         dtype = DTYPES[requested]
         if device.type == "cpu" and dtype == torch.float16:
             raise CourseError("--dtype float16 is for GPUs; on the CPU use float32 or bfloat16")
         return dtype
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return auto_dtype(device.type, capability)
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype):
@@ -49,6 +70,22 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def in_autocast(module, device: torch.device, dtype: torch.dtype):
+    """`module`, called inside autocast(device, dtype): what nn.DataParallel's replicas need.
+
+    The autocast number format belongs to the thread that entered it. DataParallel runs each
+    replica in a thread of its own and turns autocast on there without saying which format, so a
+    new thread gets the default (float16 on CUDA, bfloat16 on the CPU), whatever the run chose.
+    Entering autocast inside the replica's call, in its own thread, gives it the run's format.
+    """
+
+    def call(*args, **kwargs):
+        with autocast_context(device, dtype):
+            return module(*args, **kwargs)
+
+    return call
 
 
 def setup_math(device: torch.device) -> None:
