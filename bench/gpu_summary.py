@@ -1,4 +1,4 @@
-"""One table from what bench/gpu_check.sh wrote: the benchmark runs and the bf16-vs-float32 check.
+"""One summary of what bench/gpu_check.sh wrote: the benchmark runs and the checks.
 
     python bench/gpu_summary.py bench/results/gpu
 """
@@ -42,12 +42,32 @@ def summary(out: Path) -> str:
     check = _load(out / "gpu_vs_cpu.json")
     text = [f"# GPU check: {device or 'no benchmark results'}", "", *lines, ""]
     if check is None:
-        text.append("bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
+        text.append("- bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
     else:
-        text.append(f"bf16 vs float32 check ({check['test']} against {check['reference']}, {check['steps']} steps): "
+        text.append(f"- bf16 vs float32 check ({check['test']} against {check['reference']}, {check['steps']} steps): "
                     f"{'PASS' if check['passed'] else 'FAIL'}, largest relative loss difference "
                     f"{check['max_rel_diff']:.2e} (rtol {check['rtol']:g})")
+    replica = _load(out / "replica_dtype.json")
+    if replica is None:
+        text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
+    else:
+        text.append(f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads compute in "
+                    f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
+                    f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})")
+    for name, marker in (("preflight", "preflight "), ("from_scratch", "mean step time")):
+        found = _lines(out / f"{name}.log", marker)
+        text.append(f"- {name}: " + ("; ".join(found) if found else f"no results (see {name}.log)"))
+    text += ["", "Not measured on one GPU: DataParallel's imbalance between GPUs (cuda:0 holds the gathered "
+             "outputs) and NCCL's scaling over GPUs and nodes need two GPUs or more."]
     return "\n".join(text) + "\n"
+
+
+def _lines(path: Path, marker: str) -> list[str]:
+    """The lines of a step's log that hold `marker`, without the torchrun rank prefix."""
+    try:
+        return [line.strip() for line in path.read_text(errors="replace").splitlines() if marker in line]
+    except OSError:
+        return []
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ of what it writes (the table's columns, the JSON's keys and types, a row per sta
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -135,8 +136,38 @@ def test_gpu_vs_cpu_refuses_bad_arguments():
         assert exit_info.value.code == 2
 
 
-def test_gpu_check_script_parses_and_summary_reads_results(bench_run, tmp_path):
-    subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")], check=True)
+def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
+    """The GPU check's mechanics, every step of it, as a dry run on the CPU with the tiny model."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, DEVICE="cpu", PRESET="tiny", CHECK_PRESET="tiny", ITERS="4", LOG_INTERVAL="2", BATCH="4",
+               OUT=str(out), WORK=str(work), DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all steps passed" in proc.stdout
+    summary = (out / "summary.md").read_text()
+    for row in ("01 one device (eager)", "03 DataParallel (eager)", "04 DDP, 1 rank (eager)", "01 one device (compile)"):
+        assert f"| {row} |" in summary and "| ok |" in summary.split(f"| {row} |")[1].splitlines()[0], summary
+    assert "bf16 vs float32 check" in summary and "PASS" in summary
+    assert json.loads((out / "replica_dtype.json").read_text())["passed"]
+    assert "preflight PASSED" in summary and "bucketed: mean step time" in summary
+    assert "need two GPUs or more" in summary  # what one GPU cannot show is said, not faked
+    # only small files come back: checkpoints and run folders stay in the work folder
+    assert not list(out.rglob("*.pt")) and list(work.rglob("ckpt.pt"))
+    assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 1_000_000
+
+
+def test_gpu_check_gives_every_step_no_more_than_the_time_left(data_dir, tmp_path):
+    """With TOTAL too small for anything, every step is skipped and named, and the script fails."""
+    env = dict(os.environ, DEVICE="cpu", TOTAL="1", OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"),
+               DATA_DIR=str(data_dir))
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "failed steps: prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile" in proc.stdout
+
+
+def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):
     _, report, _, _ = bench_run
     (tmp_path / "eager").mkdir()
     (tmp_path / "eager" / "benchmark.json").write_text(json.dumps(report))
@@ -146,3 +177,4 @@ def test_gpu_check_script_parses_and_summary_reads_results(bench_run, tmp_path):
     text = gpu_summary.summary(tmp_path)
     assert "| 01 one device (eager) |" in text and "PASS" in text
     assert "| compile | | | | | | no results" in text  # a step that wrote nothing is named, not skipped
+    assert "DataParallel replica dtype: no results" in text
