@@ -32,7 +32,9 @@ work the wall-clock time says as much about the neighbours as about the step, th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,9 +95,25 @@ def tensor_bytes(model, optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
 
 
+@contextlib.contextmanager
+def native_stderr_hidden():
+    """The profiler's C++ library writes a `profiler_start` / `profiler_stop` line straight to the
+    process's stderr (file descriptor 2) on every use, with no setting to turn it off: point
+    descriptor 2 at /dev/null meanwhile. Python's own errors are raised after it is restored."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def cpu_peak_added(step) -> int:
     """Peak bytes the CPU allocator held during step(), above what it held when step() began."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with native_stderr_hidden(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     from torch._C._profiler import _EventType  # the profiler's record of each allocation
 

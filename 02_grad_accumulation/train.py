@@ -22,6 +22,7 @@ from common.data import batch_loader, load_splits, prepare, validation_windows
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.errors import CourseError, run_main
 from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
+from common.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text
 
 
@@ -49,6 +50,10 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every stage
 
     # ---- model and optimizer ---------------------------------------------------------------------
+    # The run folder: refused if it holds another run (unless this one continues it) or another
+    # run is using it; then locked while `run_lock` stays open (the whole run), so no second run
+    # writes into it meanwhile.
+    run_lock = claim_out_dir(out_dir, resume=args.resume)
     checkpoint = load_checkpoint(out_dir) if args.resume else None
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)

@@ -35,7 +35,27 @@ DEFAULTS=(--preset tiny --max-iters 200 --eval-interval 50 --log-interval 10 --d
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 mkdir -p "$RUN_DIR"
+# One simulation per run folder, and never over another run: the node logs below would be the
+# first files lost. (train.py's rank 0 also refuses and locks the folder, but only after both
+# nodes have started and their logs have been opened.)
+exec 9>>"$RUN_DIR/node0.log"  # a lock on node 0's log (train.py's rank 0 locks the folder itself)
+if ! flock -n 9; then
+    echo "error: $RUN_DIR is in use by another simulation that is still going; wait for it, or set RUN_DIR" >&2
+    exit 2
+fi
+resuming=0
+for arg in "$@"; do [[ "$arg" == --resume ]] && resuming=1; done
+if [[ $resuming == 0 && ( -e "$RUN_DIR/ckpt.pt" || -s "$RUN_DIR/metrics.jsonl" ) ]]; then
+    echo "error: $RUN_DIR already holds a run (its ckpt.pt / metrics.jsonl); continue it with --resume," \
+         "start a new one with RUN_DIR=another/folder, or delete $RUN_DIR first" >&2
+    exit 2
+fi
 pids=()
+log_lines=()  # the node logs are appended to (a --resume continues them): follow only what is new
+for NODE in 0 1; do
+    touch "$RUN_DIR/node$NODE.log"
+    log_lines+=("$(wc -l < "$RUN_DIR/node$NODE.log")")
+done
 for NODE in 0 1; do
     if [[ "$SHARED_FS" == 1 ]]; then
         data=(--data-dir "$RUN_DIR/data" --shared-fs)
@@ -45,10 +65,10 @@ for NODE in 0 1; do
     args=("${DEFAULTS[@]}" --out-dir "$RUN_DIR" "${data[@]}" "$@")
     if [[ "$RDZV" == c10d ]]; then
         NNODES=2 NPROC_PER_NODE="$NPROC_PER_NODE" RDZV_ENDPOINT="127.0.0.1:$PORT" RDZV_ID="two-nodes-$PORT" \
-            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_c10d.sh "${args[@]}" > "$RUN_DIR/node$NODE.log" 2>&1 &
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_c10d.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
     elif [[ "$RDZV" == static ]]; then
         NNODES=2 NODE_RANK="$NODE" NPROC_PER_NODE="$NPROC_PER_NODE" MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT" \
-            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_static.sh "${args[@]}" > "$RUN_DIR/node$NODE.log" 2>&1 &
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_static.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
     else
         echo "error: RDZV must be static or c10d, not '$RDZV'" >&2
         exit 2
@@ -59,8 +79,10 @@ done
 trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
 
 echo "two nodes x $NPROC_PER_NODE process(es), $RDZV rendezvous on 127.0.0.1:$PORT; following both logs:"
-tail -q -n +1 -F "$RUN_DIR/node0.log" "$RUN_DIR/node1.log" 2>/dev/null &
-follower=$!
+tail -q -n +$((log_lines[0] + 1)) -F "$RUN_DIR/node0.log" 2>/dev/null &
+follower0=$!
+tail -q -n +$((log_lines[1] + 1)) -F "$RUN_DIR/node1.log" 2>/dev/null &
+follower1=$!
 
 # Wait for both nodes. If one fails, stop the other: alone, it would wait for its peer until the
 # rendezvous or collective timeout.
@@ -87,7 +109,7 @@ while [[ $remaining -gt 0 ]]; do
     done
 done
 sleep 1  # let the follower print the last lines
-kill "$follower" 2>/dev/null || true
+kill "$follower0" "$follower1" 2>/dev/null || true
 
 echo
 echo "node logs:       $RUN_DIR/node0.log  $RUN_DIR/node1.log"

@@ -33,6 +33,7 @@ from common.data import batch_loader, load_splits, prepare, validation_windows
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.errors import CourseError, run_main
 from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
+from common.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text
 
 
@@ -158,6 +159,10 @@ def main():
     if (args.resume or restarts) and any(visible) and not all(visible):
         raise CourseError(f"ranks {[r for r, found in enumerate(visible) if not found]} cannot see {out_dir / 'ckpt.pt'}, "
                           "which rank 0 wrote: put --out-dir on a file system that every node shares")
+    # The run folder: refused if it holds another run (unless this one continues it) or another
+    # run is using it; then locked by rank 0 while `run_lock` stays open (the whole run), so no
+    # second run writes into it meanwhile.
+    run_lock = claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     checkpoint = load_checkpoint(out_dir) if args.resume or (restarts and all(visible)) else None
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)

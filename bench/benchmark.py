@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -257,8 +258,10 @@ def stage_args(args, stage: Stage, out_dir: Path) -> list[str]:
 def run_stage(args, stage: Stage, repeat: int) -> dict:
     run_dir = Path(args.work_dir) / f"stage_{stage.key}" / f"repeat{repeat}"
     out_dir, probe_dir = run_dir / "out", run_dir / "probe"
-    for old in list(probe_dir.glob("*.json")) + ([out_dir / "metrics.jsonl"] if (out_dir / "metrics.jsonl").exists() else []):
-        old.unlink()
+    # this run folder is the benchmark's own, from an earlier benchmark: start it afresh (a stage
+    # refuses a folder that holds a run)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(probe_dir, ignore_errors=True)
     script_args = [str(PROBE), stage.script, *stage_args(args, stage, out_dir)]
     commands = launch_commands(stage.launch, stage.ranks, script_args)
     env = child_env(args, args.threads_per_rank) | {"BENCH_PROBE_DIR": str(probe_dir)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,13 +119,22 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [record for line in Path(path).read_text().splitlines() if (record := _parse(line)) is not None]
 
 
+def _terminal_columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 class Progress:
     """A tqdm bar on a terminal; plain lines every log interval when output goes to a file."""
 
     def __init__(self, total: int, initial: int, enabled: bool = True, prefix: str = ""):
         self.prefix = prefix
         self.enabled = enabled
-        self.on_terminal = enabled and sys.stderr.isatty()
+        # a bar needs a terminal that knows its width; a pseudo-terminal without a size (`script`,
+        # some CI runners and IDE consoles) reports 0 columns, where tqdm would draw nothing at all
+        self.on_terminal = enabled and sys.stderr.isatty() and _terminal_columns(sys.stderr) > 0
         self.bar = tqdm(total=total, initial=initial, disable=not self.on_terminal, dynamic_ncols=True,
                         desc=prefix.strip() or None)
 

@@ -265,3 +265,4 @@ def test_measure_memory_prints_a_table(data_dir):
     # both rows train on the same 4 sequences: the same loss; one sequence at a time needs less memory
     assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)
     assert float(full[3].replace(",", "")) > float(micro[3].replace(",", ""))
+    assert "profiler_start" not in proc.stderr + proc.stdout  # the profiler library's own lines are hidden

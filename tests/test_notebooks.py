@@ -56,3 +56,12 @@ def test_notebook_runs(chapter, data_dir, python3_kernel, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in outputs), "no figure was drawn"
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert f"{chapter}/train.py" in text, "the notebook did not run its chapter's script"
+
+
+def test_the_readme_set_up_installs_jupyter_lab():
+    """`pip install -r requirements-dev.txt`, the README's set-up, must give a working `jupyter lab`."""
+    assert any(line.split(">")[0].split("=")[0].strip() == "jupyterlab"
+               for line in (REPO / "requirements-dev.txt").read_text().splitlines())
+    assert "pip install -r requirements-dev.txt" in (REPO / "README.md").read_text()
+    proc = subprocess.run([sys.executable, "-m", "jupyter", "lab", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip().split(".")[0].isdigit(), proc.stdout + proc.stderr

@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,6 +141,9 @@ def stage_plans(args, device: str) -> dict[str, dict]:
 
 def run_stage(stage: str, plan: dict, args, machine: dict, device: str) -> Path:
     out = Path(args.out_root) / stage
+    # the plots' own run folder, from an earlier drawing: start it afresh (a stage refuses a folder
+    # that holds a run)
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     if device == "cpu":  # the same cores for every stage: W threads in one process, or one thread per process

@@ -1,0 +1,75 @@
+"""The run folder (--out-dir): one run at a time, and never another run's files overwritten.
+
+A run writes metrics.jsonl and ckpt.pt into its folder. Two rules keep those files safe:
+
+- A new run (no --resume) refuses a folder that already holds a run: it would replace that run's
+  checkpoint and metrics. The message says how to continue it or where to start a new one.
+- Two runs never write into one folder at the same time. The run that writes (global rank 0)
+  holds an exclusive lock on the folder itself (flock on the directory: no lock file is written)
+  for as long as it lives. The operating system drops the lock when the process ends, however it
+  ends (even kill -9), so a dead run leaves no stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .checkpoint import CKPT_NAME
+from .errors import CourseError
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def holds_a_run(out_dir: Path) -> bool:
+    """A checkpoint, or metrics with at least one line: the traces of an earlier run."""
+    metrics = out_dir / METRICS_NAME
+    return (out_dir / CKPT_NAME).exists() or (metrics.exists() and metrics.stat().st_size > 0)
+
+
+def claim_out_dir(out_dir: str | Path, resume: bool):
+    """Make sure `out_dir` can take this run's files, and lock it until this process ends.
+
+    In a process group only global rank 0 writes files, so it alone checks and locks the folder,
+    and every rank hears its verdict: when the folder is refused, all ranks stop with the same
+    line, and none is left waiting in a collective for the others.
+
+    Returns the locked folder's file descriptor on the rank that writes (None elsewhere): the lock
+    lasts while it is open, so keep it for the whole run.
+    Raises CourseError, with what to do, when the folder is a file, holds another run, or is in use.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    lock, problem = None, None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            lock = _claim(Path(out_dir), resume)
+        except CourseError as err:
+            problem = str(err)
+    if distributed:
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+    if problem:
+        raise CourseError(problem)
+    return lock
+
+
+def _claim(out_dir: Path, resume: bool) -> int:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CourseError(f"--out-dir {out_dir} is a file, not a folder; give a folder for the run's files")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        raise CourseError(f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
+                          "wait for it to end, or give this run another --out-dir") from None
+    if not resume and holds_a_run(out_dir):
+        os.close(lock)
+        raise CourseError(f"{out_dir} already holds a run (its {CKPT_NAME} / {METRICS_NAME}); continue it "
+                          f"with --resume, start a new run with another --out-dir, or delete {out_dir} first")
+    return lock

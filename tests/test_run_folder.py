@@ -1,0 +1,155 @@
+"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress always shows.
+
+- A new run refuses a folder that holds a run (chapter 01, chapter 04 under torchrun, and the
+  two-node simulation), and the earlier run's files stay byte for byte as they were.
+- A second run into a folder in use is refused while the first goes on; the lock of a killed run
+  does not outlive it.
+- Ctrl-C and SIGTERM under torchrun: one `[rank R]` line from every rank, no worker traceback.
+- Under a pseudo-terminal without a size, the run still prints its progress lines.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import tiny_run_args
+from launch import REPO, child_env, run_python, stop_launchers, torchrun_command
+
+
+def snapshot(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:
+    """Read proc's merged output until `needle` appears (or the process ends); returns what was read."""
+    seen, deadline = "", time.monotonic() + limit
+    while needle not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            seen += line
+    return seen
+
+
+def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
+    out = tmp_path / "run"
+    run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2)])
+    before = snapshot(out)
+    assert {"ckpt.pt", "metrics.jsonl"} <= before.keys()
+
+    # the classic sequence: a different quick run with the same --out-dir
+    proc = run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=3, preset="tiny")], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
+    assert "already holds a run" in proc.stderr and "--resume" in proc.stderr and "--out-dir" in proc.stderr
+    assert snapshot(out) == before  # nothing of the earlier run lost
+
+    # under torchrun every rank stops with rank 0's verdict (none is left waiting in a collective)
+    proc = subprocess.run(torchrun_command("04_ddp/train.py", 2, tiny_run_args(data_dir, out, batch_size=4)), cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "[rank 0] error: " in proc.stderr and "[rank 1] error: " in proc.stderr and "already holds a run" in proc.stderr
+    assert snapshot(out) == before
+
+    # continuing it is what --resume is for
+    run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=3), "--resume"])
+    assert snapshot(out)["ckpt.pt"] != before["ckpt.pt"]
+
+
+def test_the_two_node_simulation_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
+    run_dir = tmp_path / "two_nodes"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"iter": 1, "loss": 10.0}\n')
+    (run_dir / "node0.log").write_text("the earlier run's log\n")
+    proc = subprocess.run(["bash", "05_multinode/simulate_two_nodes.sh"], cwd=REPO, capture_output=True, text=True,
+                          env=child_env(RUN_DIR=str(run_dir)), timeout=60)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
+    assert (run_dir / "node0.log").read_text() == "the earlier run's log\n"
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goes_with_it(data_dir, tmp_path):
+    out = tmp_path / "busy"
+    first = subprocess.Popen([sys.executable, "01_single_gpu/train.py",
+                              *tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2)],
+                             cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "checkpoint saved" in wait_for(first, "checkpoint saved")
+        second = run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"],
+                            check=False)
+        assert second.returncode == 2 and second.stderr.startswith("error: ")
+        assert "in use by a run that is still going" in second.stderr
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()  # kill -9: no chance to clean up
+        first.wait()
+    # the operating system dropped the dead run's lock: continuing its run works
+    proc = run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"], check=False)
+    assert "in use" not in proc.stderr
+
+
+def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
+    run_dir = tmp_path / "sim"
+    env = child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="1")
+    flags = ["--max-iters", "100000", "--data-dir", str(data_dir), "--shared-fs", "--eval-batches", "1"]
+    first = subprocess.Popen(["bash", "05_multinode/simulate_two_nodes.sh", *flags], cwd=REPO, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert "iter" in wait_for(first, "iter")
+        second = subprocess.run(["bash", "05_multinode/simulate_two_nodes.sh", *flags], cwd=REPO, env=env, text=True,
+                                capture_output=True, timeout=60)
+        assert second.returncode == 2 and "in use by another simulation" in second.stderr
+        assert first.poll() is None
+    finally:
+        stop_launchers([first])
+
+
+def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_path):
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        out = tmp_path / sig.name
+        cmd = torchrun_command("04_ddp/train.py", 2, tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4))
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            seen = wait_for(proc, "iter")
+            assert "iter" in seen, seen
+            if sig == signal.SIGINT:
+                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground job
+            else:
+                proc.send_signal(signal.SIGTERM)  # torchrun alone: it passes SIGTERM on to its workers
+            rest, _ = proc.communicate(timeout=60)
+        finally:
+            stop_launchers([proc])
+        lines = (seen + rest).splitlines()
+        for rank in (0, 1):
+            assert sum(f"[rank {rank}] stopped by {sig.name}" in line for line in lines) == 1, seen + rest
+        assert not [line for line in lines if "stopped by" in line and not line.startswith("[rank ")]
+        assert "[rank 0] Traceback" not in seen + rest and "[rank 1] Traceback" not in seen + rest
+
+
+def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_path):
+    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: a terminal that reports 0 columns."""
+    parent, child = pty.openpty()
+    assert os.get_terminal_size(child).columns == 0
+    proc = subprocess.Popen([sys.executable, "01_single_gpu/train.py", *tiny_run_args(data_dir, tmp_path / "pty", max_iters=4)],
+                            cwd=REPO, env=child_env(), stdin=child, stdout=child, stderr=child)
+    os.close(child)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(parent, 4096)
+        except OSError:  # the child side closed
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert proc.wait(timeout=120) == 0
+    text = output.decode(errors="replace")
+    assert "iter      4 | loss" in text, text
