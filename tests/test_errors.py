@@ -173,3 +173,15 @@ def test_optimizer_values_are_checked_before_anything_runs(flag, value, message,
             parse_args(chapter, "", [flag, value])
         assert stop.value.code == 2
         assert capsys.readouterr().err.strip() == f"error: argument {flag}: {message} (see --help)"
+
+
+def test_resume_with_another_global_batch_or_seed_is_refused():
+    """The data order continues only with the same global batch and seed (checked before training)."""
+    from common.training import check_resume
+
+    checkpoint = {"train_config": {"global_batch": 8, "seed": 1337}}
+    check_resume(checkpoint, 8, 1337)  # e.g. chapter 01 with 8, or 2 ranks x 2 x K=2 in chapter 04
+    with pytest.raises(CourseError, match="trained with global_batch 8, this run has 16; resume with the same batch"):
+        check_resume(checkpoint, 16, 1337)
+    with pytest.raises(CourseError, match="trained with seed 1337, this run has 7"):
+        check_resume(checkpoint, 8, 7)
