@@ -54,18 +54,15 @@ CH = {n: REPO / d / "train.py" for n, d in
        ("05", "05_multinode"))}
 
 
-def run_command(cmd: list, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 
 def torchrun(script: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return run_command(torchrun_command(script, 2, args), **env)
+    """torchrun --standalone with 2 ranks; env: extra environment variables."""
+    return subprocess.run(torchrun_command(script, 2, args), cwd=REPO, env=child_env(**env), capture_output=True,
+                          text=True, timeout=300)
 
 
 def two_nodes(args: list[str]) -> list[str]:
