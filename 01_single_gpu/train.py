@@ -24,7 +24,7 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.errors import CourseError, run_main
 from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
 from common.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text
+from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 
 def main():
@@ -88,6 +88,7 @@ def main():
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     last_log_time, last_log_iter = time.perf_counter(), iter_num
+    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
@@ -108,7 +109,7 @@ def main():
             scaler.scale(loss).backward()  # gradients of the loss land in each parameter's .grad
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -118,6 +119,7 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
                 elapsed = time.perf_counter() - last_log_time
                 tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
                 mfu = model_flops_utilization(raw_model.flops_per_token(), tokens_per_sec, peak)
@@ -132,6 +134,7 @@ def main():
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
+                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save_checkpoint(out_dir, model_state=raw_model.state_dict(), optimizer_state=optimizer.state_dict(),

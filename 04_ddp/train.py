@@ -32,7 +32,7 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.errors import CourseError, run_main
 from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
 from common.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text
+from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 
 def main():
@@ -171,6 +171,7 @@ def main():
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     last_log_time, last_log_iter = time.perf_counter(), iter_num
+    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
@@ -205,7 +206,7 @@ def main():
             # clipping, the optimizer step and the learning rate act once per global batch
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -217,6 +218,7 @@ def main():
                 # the mean over all ranks: a collective, so every rank calls it (SUM works on every backend)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
                 elapsed = time.perf_counter() - last_log_time
                 tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
                 # tokens_per_sec counts the tokens of all ranks, so it is measured against all devices' peak
@@ -237,6 +239,7 @@ def main():
                 val_stats = torch.stack([val_sum, torch.tensor(float(len(my_windows)), device=device)])
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
+                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 if is_rank0:

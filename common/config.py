@@ -8,7 +8,9 @@ instead of argparse's "unrecognized arguments".
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 from .errors import CourseError
 from .model import PRESETS, GPTConfig, model_config
@@ -38,6 +40,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:  # AdamW would refuse it with a traceback, or train on nan
+        raise argparse.ArgumentTypeError(f"must be a finite number, zero or more, got {text}")
     return value
 
 
@@ -76,14 +85,14 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=positive_int, default=8, help="micro-batch: sequences per forward pass on one device")
     later("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--max-iters", type=positive_int, default=400, help="optimizer steps to train for")
-    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine decay")
+    g.add_argument("--lr", type=_non_negative_float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=_non_negative_float, default=2e-4, help="learning rate at the end of the cosine decay")
     g.add_argument("--warmup-iters", type=_non_negative_int, default=50, help="steps of linear warm-up")
     g.add_argument("--lr-decay-iters", type=positive_int, default=None, help="steps of cosine decay (default: --max-iters)")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.99)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables")
+    g.add_argument("--weight-decay", type=_non_negative_float, default=0.1)
+    g.add_argument("--beta1", type=_fraction, default=0.9)
+    g.add_argument("--beta2", type=_fraction, default=0.99)
+    g.add_argument("--grad-clip", type=_non_negative_float, default=1.0, help="clip the gradient norm to this; 0 disables")
     g.add_argument("--seed", type=int, default=1337)
 
     g = p.add_argument_group("model")
@@ -137,7 +146,19 @@ def parse_args(chapter: int, description: str, argv: list[str] | None = None) ->
         args.grad_accum = 1
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
+    check_out_dir(args.out_dir)
     return args
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir must be a folder, or a path where one can be made: not an existing file."""
+    path = Path(out_dir)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise CourseError(f"--out-dir {out_dir}: {folder} is a file, not a folder; "
+                                  "give a folder for metrics.jsonl and ckpt.pt (new or an earlier run's)")
+            return
 
 
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:

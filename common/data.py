@@ -12,6 +12,7 @@ sampler's business (see DESIGN.md): this module knows nothing about ranks.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -114,14 +115,40 @@ def corpus_source(name: str) -> tuple[str, str, str]:
     return "hub", _slug(name.replace("/", "__")), f"hub:{name}"
 
 
+def check_utf8_text(path: Path, name: str) -> None:
+    """Refuse, in one line, a text or JSON file that is not UTF-8 text, before `datasets` reads it.
+
+    `datasets` would fail with a generic "An error occurred while generating the dataset". Guessing
+    another encoding could turn bytes into the wrong letters without a word, so the reader converts.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8192)
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: iconv -f utf-16 -t utf-8 {name} > utf8.txt")
+        controls = sum(byte < 32 and byte not in b"\t\n\r\f" for byte in head)
+        if b"\0" in head or controls > len(head) // 10:
+            raise CourseError(f"{name} is not text (it looks like a binary file); give a plain text file in UTF-8")
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset, chunk = 0, head
+        while chunk:
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                bad = offset + err.start
+                raise CourseError(f"{name} is not UTF-8 (byte 0x{chunk[err.start]:02x} at offset {bad:,}); convert it, "
+                                  f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt") from None
+            offset += len(chunk)
+            chunk = f.read(1 << 20)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise CourseError(f"{name} is not UTF-8 (it ends in the middle of a character); convert it, "
+                              f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt") from None
+
+
 def _load_texts_dataset(kind: str, name: str, text_column: str):
     """The corpus as a `datasets.Dataset` with one document per row in a `text` column."""
-    import datasets  # imported here: the default corpus does not need it
-
-    datasets.disable_progress_bars()
-    if kind == "shakespeare":
-        return datasets.Dataset.from_dict({"text": shakespeare_texts()})
-    if kind == "file":
+    if kind == "file":  # what is wrong with a local file is said before the slow import below
         path = Path(name).expanduser().resolve()
         try:
             if path.stat().st_size == 0:
@@ -131,6 +158,14 @@ def _load_texts_dataset(kind: str, name: str, text_column: str):
         except PermissionError:
             raise CourseError(f"cannot read {name}: permission denied") from None
         builder = LOCAL_BUILDERS[path.suffix.lower()]
+        if builder in ("text", "json"):
+            check_utf8_text(path, name)
+    import datasets  # imported here: the default corpus does not need it
+
+    datasets.disable_progress_bars()
+    if kind == "shakespeare":
+        return datasets.Dataset.from_dict({"text": shakespeare_texts()})
+    if kind == "file":
         options = {"sample_by": "document"} if builder == "text" else {}
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **options)

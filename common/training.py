@@ -1,5 +1,5 @@
 """Pieces of a training run that no chapter teaches: building the model, the learning-rate
-schedule, evaluation and sampling. The loop itself is written out in each stage."""
+schedule, the divergence guard, evaluation and sampling. The loop itself is written out in each stage."""
 
 from __future__ import annotations
 
@@ -48,6 +48,39 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
         return args.min_lr
     progress = (iteration - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+def is_divergence(loss: float, grad_norm: float | None = None, skips_inf_steps: bool = False) -> bool:
+    """Whether a step's numbers mean the run has diverged.
+
+    A non-finite loss always does: the forward pass itself failed, and no loss scale changes that.
+    A non-finite gradient norm does too, because the optimizer step then writes inf or nan into the
+    parameters, unless float16's GradScaler is on (`skips_inf_steps`): it finds the same inf,
+    skips that one step on purpose, leaves the parameters alone and lowers its scale.
+    """
+    if not math.isfinite(loss):
+        return True
+    if grad_norm is None or math.isfinite(grad_norm):
+        return False
+    return not skips_inf_steps
+
+
+def stop_if_diverged(step: int, loss: float, grad_norm: torch.Tensor | None = None,
+                     scaler: torch.amp.GradScaler | None = None, what: str = "training loss") -> None:
+    """Stop the run with one clear line when `loss` (already on the host) or the gradient norm is not finite.
+
+    The stages call this only where they already wait for the device (the log interval, the
+    evaluation), so it costs no extra sync in the hot loop; the evaluation's check runs before the
+    checkpoint is written, so a checkpoint never holds the broken parameters. Under DDP the loss is
+    the all-reduced one and the gradient norm is computed from the averaged gradients, both equal on
+    every rank, so every rank stops at the same step and none is left waiting in a collective.
+    """
+    norm = None if grad_norm is None else float(grad_norm)  # the device is idle here: no stall
+    if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
+        norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
+        raise CourseError(f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was written "
+                          "from it (the last one, if any, is intact); try a lower --lr, --grad-clip 1.0 or "
+                          "--dtype float32, with --resume to continue from the checkpoint")
 
 
 @torch.no_grad()

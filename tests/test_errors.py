@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.errors import CourseError
 from conftest import tiny_run_args
 from launch import run_python
 
@@ -44,6 +45,16 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def latin1(path: Path) -> Path:
+    path.write_bytes("Café crème, à la française. Où est la bibliothèque ?\n".encode("latin-1") * 200)
+    return path
+
+
+def binary(path: Path) -> Path:
+    path.write_bytes(torch.arange(4096, dtype=torch.int32).numpy().tobytes())  # as a saved array would be
+    return path
+
+
 # name -> (flags given the test's tmp_path, the words the error line must hold)
 CASES = {
     "unknown corpus name": (lambda tmp: ["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
@@ -63,6 +74,10 @@ CASES = {
     "zero batch size": (lambda tmp: ["--batch-size", 0], "--batch-size: must be a positive whole number, got 0"),
     "negative max iters": (lambda tmp: ["--max-iters", -1], "--max-iters: must be a positive whole number, got -1"),
     "grad accum in chapter 01": (lambda tmp: ["--grad-accum", 2], "introduced in chapter 02 (02_grad_accumulation)"),
+    "negative learning rate": (lambda tmp: ["--lr", -1], "argument --lr: must be a finite number, zero or more, got -1"),
+    "latin-1 text": (lambda tmp: ["--dataset", latin1(tmp / "francais.txt")],
+                     "is not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8"),
+    "binary file": (lambda tmp: ["--dataset", binary(tmp / "weights.txt")], "is not text (it looks like a binary file)"),
 }
 if not torch.cuda.is_available():
     CASES["cuda asked for without a GPU"] = (lambda tmp: ["--device", "cuda"], "sees no CUDA GPU")
@@ -125,3 +140,48 @@ def test_resume_damaged_checkpoint(damage, data_dir, earlier_run, tmp_path):
     before = snapshot(out_dir)
     fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True), "unreadable, truncated or corrupted")
     assert snapshot(out_dir) == before  # left for the reader to inspect or restore
+
+
+def test_out_dir_that_is_a_file(data_dir, earlier_run, tmp_path):
+    """--out-dir naming an existing file (here an earlier run's metrics.jsonl), or a path under one."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, out_dir)
+    before = snapshot(out_dir)
+    fails_cleanly(tiny_run_args(data_dir, out_dir / "metrics.jsonl", 5), f"{out_dir / 'metrics.jsonl'} is a file, not a folder")
+    assert snapshot(out_dir) == before
+    from common.config import parse_args
+
+    with pytest.raises(CourseError, match="metrics.jsonl is a file, not a folder"):  # every chapter checks it first
+        parse_args(4, "", ["--out-dir", str(out_dir / "metrics.jsonl" / "run2")])
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--lr", "-1", "must be a finite number, zero or more, got -1"),
+    ("--min-lr", "-0.0001", "must be a finite number, zero or more, got -0.0001"),
+    ("--weight-decay", "-0.1", "must be a finite number, zero or more, got -0.1"),
+    ("--grad-clip", "-1", "must be a finite number, zero or more, got -1"),
+    ("--lr", "nan", "must be a finite number, zero or more, got nan"),
+    ("--beta1", "-0.9", "must be in [0, 1), got -0.9"),
+    ("--beta2", "1.5", "must be in [0, 1), got 1.5"),
+])
+def test_optimizer_values_are_checked_before_anything_runs(flag, value, message, capsys):
+    """Every optimizer value AdamW would refuse with a traceback (or train on as nan), in every chapter."""
+    from common.config import parse_args
+
+    for chapter in range(1, 6):
+        with pytest.raises(SystemExit) as stop:
+            parse_args(chapter, "", [flag, value])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip() == f"error: argument {flag}: {message} (see --help)"
+
+
+def test_resume_with_another_global_batch_or_seed_is_refused():
+    """The data order continues only with the same global batch and seed (checked before training)."""
+    from common.training import check_resume
+
+    checkpoint = {"train_config": {"global_batch": 8, "seed": 1337}}
+    check_resume(checkpoint, 8, 1337)  # e.g. chapter 01 with 8, or 2 ranks x 2 x K=2 in chapter 04
+    with pytest.raises(CourseError, match="trained with global_batch 8, this run has 16; resume with the same batch"):
+        check_resume(checkpoint, 16, 1337)
+    with pytest.raises(CourseError, match="trained with seed 1337, this run has 7"):
+        check_resume(checkpoint, 8, 7)

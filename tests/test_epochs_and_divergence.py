@@ -1,0 +1,311 @@
+"""Across epoch boundaries every chapter is still chapter 01's run, and a diverging run loses nothing.
+
+A corpus of 29 training windows (part of one play) with a global batch of 8: an epoch is 3 steps
+and drops 5 windows, a remainder the global batch does not divide. Every run takes 8 steps, so it
+crosses two epoch boundaries (after steps 3 and 6) and ends 2 steps into a third epoch:
+
+    01   --batch-size 8, in this process, recording the windows it reads   the reference
+    02   --batch-size 2 --grad-accum 4
+    03   --batch-size 8
+    04   2 ranks x --batch-size 2 --grad-accum 2: 5 steps, then --resume to 8 (a checkpoint one
+         step before the second boundary); chapter 01 resumes a copy of that step-5 checkpoint too
+    05   2 nodes x 2 ranks x --batch-size 2 (two torchrun launches meeting on 127.0.0.1)
+    04   a copy without sampler.set_epoch, as above: it must NOT pass the same check
+
+Each must log chapter 01's loss at every step and end with its parameters. With 2 ranks and
+--grad-accum 2 each rank holds 7 micro-batches per epoch, one more than 3 steps use: a loop that ran
+its loader dry would take a half step there. Then the finished runs of 01 and 04 are resumed with
+--lr 1e6 and diverge: the divergence guard must stop them with one line (on every rank alike) and
+leave the checkpoint and metrics as they were. The runs go two at a time, chapter 01 in this process.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import runpy
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.data import TokenWindows, epoch_permutation, load_splits, prepare, shakespeare_texts
+from common.errors import CourseError
+from common.metrics import read_metrics
+from common.training import is_divergence, stop_if_diverged
+from conftest import tiny_run_args
+from launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
+
+ITERS, RESUME_AT = 8, 5
+ACCUMULATE = {"batch_size": 2, "grad_accum": 2}  # with 2 ranks: the global batch of 8
+GLOBAL_BATCH, N_WINDOWS, STEPS_PER_EPOCH = 8, 29, 3
+SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": ITERS, "eval_batches": 1}
+SEED = 1337  # the default --seed
+LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
+PARAM_RTOL = 1e-4  # of the whole parameter vector
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+SET_EPOCH = "        sampler.set_epoch(epoch)"
+
+CH = {n: REPO / d / "train.py" for n, d in
+      (("01", "01_single_gpu"), ("02", "02_grad_accumulation"), ("03", "03_dataparallel"), ("04", "04_ddp"),
+       ("05", "05_multinode"))}
+
+
+def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def torchrun(script: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """torchrun --standalone with 2 ranks; env: extra environment variables."""
+    return subprocess.run(torchrun_command(script, 2, args), cwd=REPO, env=child_env(**env), capture_output=True,
+                          text=True, timeout=300)
+
+
+def two_nodes(args: list[str]) -> list[str]:
+    """Chapter 05 as 2 nodes x 2 processes: two torchrun launches that meet on 127.0.0.1."""
+    port = free_port()
+    procs = [subprocess.Popen(torchrun_command(CH["05"], 2, args, nnodes=2, node_rank=node, port=port), cwd=REPO,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for node in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    finally:
+        stop_launchers(procs)
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)
+    return outputs
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
+
+
+def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int | None:
+    """The first step whose loss differs from the reference's (by more than rounding), or None."""
+    assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (sorted(other), sorted(reference))
+    return next((i for i in sorted(reference) if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i])), None)
+
+
+def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
+    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn it into
+    ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data gives ~1e-2."""
+    a, b = model_state(out_dir), model_state(reference_dir)
+    assert a.keys() == b.keys()
+    a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
+    return ((a - b).norm() / b.norm()).item()
+
+
+DIVERGED_ITERS = ITERS + 6
+DIVERGE = {"lr": 1e6, "warmup_iters": 0, "lr_decay_iters": 100}
+
+
+def folder_state(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# ---- the corpus and the runs, made once per module ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """(the corpus file, a data root where it is prepared)."""
+    root = tmp_path_factory.mktemp("epochs")
+    path = root / "act1.txt"
+    path.write_text(shakespeare_texts()[0][:3500], encoding="utf-8")
+    folder = prepare(str(path), root / "data", log=lambda *a: None)
+    train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
+    assert len(train_set) == N_WINDOWS and N_WINDOWS % GLOBAL_BATCH and N_WINDOWS // GLOBAL_BATCH == STEPS_PER_EPOCH
+    return path, root / "data"
+
+
+def chapter01_in_this_process(args: list[str]) -> list[int]:
+    """Chapter 01's script, run here as `python 01_single_gpu/train.py ARGS` would run it, while
+    recording which training windows it reads, in order (its own loader, untouched, reads them)."""
+    read: list[int] = []
+    original = TokenWindows.__getitem__
+
+    def recording(self, i):
+        if self.path.name == "train.bin":
+            read.append(int(i))
+        return original(self, i)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TokenWindows, "__getitem__", recording)
+        mp.setattr("sys.argv", [str(CH["01"]), *args])
+        namespace = runpy.run_path(str(CH["01"]), run_name="chapter01")  # defines main() without running it
+        namespace["main"]()
+    return read
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory) -> dict:
+    """name -> out_dir for every run in the module docstring, "01_read" -> the windows 01 read, and
+    "diverged" -> name -> (folder, its files before, process) for the two diverging runs."""
+    path, data = corpus
+    root = tmp_path_factory.mktemp("epoch_runs")
+    out = {name: root / name for name in ("01", "02", "03", "04", "01_resumed", "05", "04_no_set_epoch",
+                                          "01_diverged", "04_diverged")}
+    before = {}
+
+    def args(name, iters=ITERS, **flags):
+        return tiny_run_args(data, out[name], iters, dataset=path, **SCHEDULE, **flags)
+
+    def diverge(name, base, **flags):
+        shutil.copytree(out[base], out[name])
+        before[name] = folder_state(out[name])
+        flags = SCHEDULE | DIVERGE | flags
+        return tiny_run_args(data, out[name], DIVERGED_ITERS, dataset=path, **flags, resume=True)
+
+    def first_half():
+        succeeded(torchrun(CH["04"], args("04", RESUME_AT, **ACCUMULATE)))
+        shutil.copytree(out["04"], out["01_resumed"])  # chapter 04's checkpoint at step 5
+
+    def resume_then_diverge(first_half_done):
+        first_half_done.result()
+        succeeded(torchrun(CH["04"], args("04", resume=True, **ACCUMULATE)))
+        # logs every step: the training loss or the gradient norm shows the divergence first
+        return torchrun(CH["04"], diverge("04_diverged", "04", dist_timeout=60, **ACCUMULATE))
+
+    def without_set_epoch():
+        broken = root / "broken" / "train.py"
+        broken.parent.mkdir()
+        source = CH["04"].read_text()
+        assert source.count(SET_EPOCH) == 1, "04_ddp/train.py changed: no single sampler.set_epoch(epoch) line"
+        broken.write_text(source.replace(SET_EPOCH, "        pass  # sampler.set_epoch(epoch) forgotten"))
+        # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
+        succeeded(torchrun(broken, args("04_no_set_epoch", **ACCUMULATE), PYTHONPATH=str(REPO)))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two launches at a time; chapter 01 runs here meanwhile
+        first = pool.submit(first_half)
+        futures = [pool.submit(job) for job in (
+            lambda: two_nodes(args("05", batch_size=2, shared_fs=True)),
+            without_set_epoch,
+            lambda: run_python([CH["02"], *args("02", batch_size=2, grad_accum=4)]),
+            lambda: run_python([CH["03"], *args("03", batch_size=8)], **CPU_ONLY),
+            lambda: (first.result(), run_python([CH["01"], *args("01_resumed", batch_size=8, resume=True)])),
+        )]
+        last = pool.submit(resume_then_diverge, first)
+        read = chapter01_in_this_process(args("01", batch_size=8))
+        # logs only every 100 steps and evaluates at step 12: its evaluation meets the broken parameters first
+        chapter01_diverged = run_python([CH["01"], *diverge("01_diverged", "01", log_interval=100, eval_interval=12)],
+                                        check=False)
+        for future in futures:
+            future.result()
+        chapter04_diverged = last.result()
+    diverged = {"01": (out["01_diverged"], before["01_diverged"], chapter01_diverged),
+                "04": (out["04_diverged"], before["04_diverged"], chapter04_diverged)}
+    return out | {"01_read": read, "diverged": diverged}
+
+
+# ---- every chapter is chapter 01's run, through the epoch boundaries --------------------------------
+
+
+@pytest.mark.parametrize("name", ["02", "03", "04", "01_resumed", "05"])
+def test_every_chapter_equals_chapter01_across_epoch_boundaries(runs, name):
+    reference = runs["01"]
+    step = first_mismatch(train_losses(reference), train_losses(runs[name]))
+    assert step is None, f"{name}: the loss of step {step} differs from chapter 01's"
+    assert parameter_distance(runs[name], reference) < PARAM_RTOL, f"{name}: the final parameters differ from chapter 01's"
+
+
+def test_chapter01_visits_every_epoch_in_a_new_order(runs):
+    read = runs["01_read"]
+    per_epoch = STEPS_PER_EPOCH * GLOBAL_BATCH  # 24 of the 29 windows; the other 5 are dropped
+    assert len(read) == ITERS * GLOBAL_BATCH
+    epochs = [read[start:start + per_epoch] for start in range(0, len(read), per_epoch)]
+    for e, windows in enumerate(epochs):
+        assert len(set(windows)) == len(windows), f"epoch {e} reads a window twice"
+        assert windows == epoch_permutation(N_WINDOWS, SEED, e)[:len(windows)].tolist(), f"epoch {e}"
+    assert epochs[0] != epochs[1] and epochs[1][:len(epochs[2])] != epochs[2]
+    # the dropped remainder is another 5 windows each epoch, so no window is left out for good
+    dropped = [set(range(N_WINDOWS)) - set(epochs[e]) for e in (0, 1)]
+    assert all(len(d) == N_WINDOWS - per_epoch for d in dropped) and dropped[0] != dropped[1]
+
+
+def test_without_set_epoch_the_second_epoch_repeats_the_first(runs):
+    """The chapter 04 text says it: without set_epoch every epoch repeats epoch 0's order. The
+    parity check catches it at the first step of the second epoch, and not before."""
+    step = first_mismatch(train_losses(runs["01"]), train_losses(runs["04_no_set_epoch"]))
+    assert step == STEPS_PER_EPOCH + 1
+    assert parameter_distance(runs["04_no_set_epoch"], runs["01"]) > 100 * PARAM_RTOL
+
+
+# ---- the divergence guard ------------------------------------------------------------------------
+
+def assert_finite_metrics(out_dir: Path) -> None:
+    for record in read_metrics(out_dir / "metrics.jsonl"):
+        assert all(math.isfinite(v) for k, v in record.items() if k in ("loss", "val_loss")), record
+
+
+@pytest.fixture(scope="module")
+def diverged(runs) -> dict:
+    return runs["diverged"]
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
+    folder, before, proc = diverged["01"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(r"error: the run diverged at step 12: validation loss (nan|inf); no checkpoint was written from "
+                        r"it \(the last one, if any, is intact\); try a lower --lr, --grad-clip 1\.0 or --dtype "
+                        r"float32, with --resume to continue from the checkpoint", lines[0]), lines[0]
+    assert folder_state(folder) == before, "the checkpoint and metrics of the good run must stay as they were"
+
+
+def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
+    folder, before, proc = diverged["04"]
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    stops = re.findall(r"\[rank (\d)\] error: the run diverged at step (\d+): (?:training loss|gradient)", proc.stderr)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], proc.stderr  # both ranks, none left waiting
+    assert len({step for _, step in stops}) == 1, stops
+    assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
+    assert "timed out" not in (proc.stdout + proc.stderr).lower()
+    assert (folder / "ckpt.pt").read_bytes() == before["ckpt.pt"]
+    # the good run's lines are kept; the steps after it that were still finite are logged, nothing else
+    kept = before["metrics.jsonl"].decode()
+    assert (folder / "metrics.jsonl").read_text().startswith(kept)
+    assert_finite_metrics(folder)
+
+
+def test_float16_skipped_steps_are_not_divergence():
+    """float16's GradScaler finds an inf in the gradients, skips that step and lowers its scale: the
+    parameters stay finite and the run goes on. Without the scaler the same inf would be stepped
+    into the parameters, so there it is divergence. A non-finite loss is divergence either way."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    loss = model(torch.ones(2, 4)).mean()
+    scaler.scale(loss).backward()
+    model.weight.grad[0, 0] = float("inf")  # what an overflow in the scaled float16 backward leaves
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    weight = model.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(model.weight, weight) and scaler.get_scale() == 2.0**15  # the step was skipped
+    assert not math.isfinite(grad_norm.item()) and math.isfinite(loss.item())
+
+    stop_if_diverged(7, loss.item(), grad_norm, scaler)  # a skipped step: no error
+    with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss [-\d.]+, gradient norm inf;"):
+        stop_if_diverged(7, loss.item(), grad_norm, None)
+    with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss nan;"):
+        stop_if_diverged(7, float("nan"), None, scaler)
+
+
+@pytest.mark.parametrize("loss, grad_norm, skips_inf_steps, expected", [
+    (2.5, 1.0, False, False), (2.5, None, False, False), (2.5, 1.0, True, False),
+    (math.inf, 1.0, False, True), (math.nan, None, True, True), (-math.inf, 1.0, True, True),
+    (2.5, math.inf, False, True), (2.5, math.nan, False, True),
+    (2.5, math.inf, True, False), (2.5, math.nan, True, False),
+])
+def test_divergence_decision(loss, grad_norm, skips_inf_steps, expected):
+    assert is_divergence(loss, grad_norm, skips_inf_steps) is expected
