@@ -48,18 +48,18 @@ class _ShardedBucket(_Bucket):
     """A bucket whose flat layout is padded to a multiple of W and cut into W equal slices."""
 
     def __init__(self, params: list[nn.Parameter], world_size: int, rank: int):
-        super().__init__(params)
         # W may not divide the bucket's size: pad with zeros up to a multiple of W, so every rank
         # gets a slice of the same length (the collectives need that); the last rank's slice ends
         # in padding, which is never a parameter. Uneven shards, by at most W - 1 numbers.
-        self.shard_numel = math.ceil(self.numel / world_size)
-        self.buffer = torch.zeros(self.shard_numel * world_size, dtype=params[0].dtype, device=params[0].device)
+        numel = sum(p.numel() for p in params)
+        self.shard_numel = math.ceil(numel / world_size)
+        super().__init__(params, buffer_numel=self.shard_numel * world_size)
         self.lo = rank * self.shard_numel  # this rank owns [lo, hi) of the flat layout
         self.hi = min(self.lo + self.shard_numel, self.numel)
         # The reduce-scatter writes this rank's slice of the averaged gradient here.
         self.grad_shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
-        # (param, start, end): the pieces of parameters that fall in [lo, hi), offsets within the
-        # parameter's flattened values, and where they sit in the slice.
+        # (param, start, end, at): the pieces of parameters that fall in [lo, hi): values start..end
+        # of the flattened parameter, which sit at position `at` of this rank's slice.
         self.pieces: list[tuple[nn.Parameter, int, int, int]] = []
         offset = 0
         for p in params:
@@ -78,17 +78,13 @@ class ZeroOneDataParallel(BucketedDataParallel):
         super().__init__(module, bucket_cap_mb, process_group)
         self.grads_ready = False  # set by finish_gradient_sync, consumed by ShardedOptimizer.step
 
-    def _make_buckets(self, bucket_cap_mb: float) -> list[_ShardedBucket]:
-        # The same grouping as BucketedDataParallel, with sharded buckets.
-        return [_ShardedBucket(b.params, self.world_size, self.rank) for b in super()._make_buckets(bucket_cap_mb)]
+    def _new_bucket(self, params: list[nn.Parameter]) -> _ShardedBucket:
+        # The same grouping into buckets as BucketedDataParallel's, each bucket sharded.
+        return _ShardedBucket(params, self.world_size, self.rank)
 
     @torch.no_grad()
     def _launch(self, bucket: _ShardedBucket) -> None:
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+        self._pack(bucket)  # the gradients, flattened into the buffer as for an all-reduce
         bucket.buffer[bucket.numel:].zero_()  # the padding: zeros, so it sums to zero
         bucket.buffer.div_(self.world_size)  # the sum of the 1/W's is the average
         # reduce-scatter: rank r receives the sum over ranks of slice r of everyone's buffer, and
@@ -98,18 +94,14 @@ class ZeroOneDataParallel(BucketedDataParallel):
                                                  group=self.process_group, async_op=True)
         self.comm_calls += 1
 
+    def _unpack(self, bucket: _ShardedBucket) -> None:
+        pass  # the reduce-scatter wrote this rank's averaged slice straight into bucket.grad_shard
+
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
         if not self._require_sync:
             return  # the last backward ran inside no_sync(): nothing was launched
-        if self._next_bucket < len(self.buckets):
-            missing = [i for i, b in enumerate(self.buckets) if b.ready < len(b.params)]
-            raise RuntimeError(f"buckets {missing} never became ready: some parameters received no gradient")
-        for bucket in self.buckets:
-            bucket.work.wait()  # this rank's slice of the averaged gradient is in bucket.grad_shard
-            bucket.work = None
-            bucket.ready = 0
-        self._next_bucket = 0
+        super().finish_gradient_sync()  # wait for every bucket's reduce-scatter
         # The full .grad of every parameter still holds this rank's LOCAL gradient, never averaged:
         # drop it, so that nothing (a clip_grad_norm_ over model.parameters(), say) reads it by
         # mistake. Only the slices in grad_shard are the gradient from here on.

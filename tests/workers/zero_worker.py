@@ -88,10 +88,7 @@ class SumNotAverage(ZeroOneDataParallel):
 
     @torch.no_grad()
     def _launch(self, bucket):
-        offset = 0
-        for p in bucket.params:
-            bucket.buffer[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
+        self._pack(bucket)
         bucket.buffer[bucket.numel:].zero_()
         bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
         self.comm_calls += 1
