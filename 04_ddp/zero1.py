@@ -244,7 +244,8 @@ class ShardedOptimizer:
         # the parameters numbered as a plain optimizer numbers them: in group order, from 0.
         groups, first = [], 0
         for group, size in zip(self.optimizer.param_groups, self.group_sizes):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(first, first + size))})
+            hyperparameters = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyperparameters, "params": list(range(first, first + size))})
             first += size
         return {"state": dict(sorted(full.items())), "param_groups": groups}
 
