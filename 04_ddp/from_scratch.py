@@ -129,13 +129,13 @@ class NaiveDataParallel(_DataParallelBase):
 class _Bucket:
     """A group of parameters whose gradients travel together in one flat buffer."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], buffer_numel: int | None = None):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         # The flat buffer is allocated once and reused every step. Gradients are copied into it,
         # reduced there, and copied back out (DDP's gradient_as_bucket_view=True avoids both
         # copies by making each .grad a view into this buffer).
-        self.buffer = torch.empty(self.numel, dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.empty(buffer_numel or self.numel, dtype=params[0].dtype, device=params[0].device)
         self.ready = 0  # how many of `params` have their final gradient in this backward
         self.work: dist.Work | None = None  # the handle of the asynchronous all-reduce
 
@@ -168,13 +168,16 @@ class BucketedDataParallel(_DataParallelBase):
             nbytes = p.numel() * p.element_size()
             same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
             if current and (current_bytes + nbytes > cap_bytes or not same_kind):
-                buckets.append(_Bucket(current))
+                buckets.append(self._new_bucket(current))
                 current, current_bytes = [], 0
             current.append(p)  # a parameter larger than the cap gets a bucket of its own
             current_bytes += nbytes
         if current:
-            buckets.append(_Bucket(current))
+            buckets.append(self._new_bucket(current))
         return buckets
+
+    def _new_bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        return _Bucket(params)  # zero1.py's wrapper makes sharded buckets here
 
     def _make_hook(self, bucket_index: int):
         def hook(param: torch.Tensor) -> None:
@@ -212,11 +215,7 @@ class BucketedDataParallel(_DataParallelBase):
     def _launch(self, bucket: _Bucket) -> None:
         # Flatten the bucket's gradients into its buffer: one big all-reduce instead of many small
         # ones. Divide first (by a power of two with 2 ranks, exact), so the sum is already the mean.
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+        self._pack(bucket)
         bucket.buffer.div_(self.world_size)
         # async_op=True returns at once with a handle; the reduction runs in the background (gloo's
         # or NCCL's own threads/streams) while autograd goes on with earlier layers.
@@ -236,10 +235,24 @@ class BucketedDataParallel(_DataParallelBase):
         for bucket in self.buckets:
             bucket.work.wait()  # the averaged values are in bucket.buffer from here on
             bucket.work = None
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad.copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
-                offset += n
+            self._unpack(bucket)
             bucket.ready = 0
         self._next_bucket = 0
+
+    @torch.no_grad()
+    def _pack(self, bucket: _Bucket) -> None:
+        # Copy every parameter's .grad, flattened, into its place in the bucket's buffer.
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+
+    @torch.no_grad()
+    def _unpack(self, bucket: _Bucket) -> None:
+        # Copy the averaged values from the flat buffer back into each parameter's .grad.
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            p.grad.copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
+            offset += n

@@ -4,11 +4,15 @@
     torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl naive
     torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl ddp
     torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl all  # side by side
+    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero1            # next to DDP
+    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero_redundancy  # next to DDP
 
 A measuring bench, not a training run: the batches are random tokens from a seeded generator, so
 the script needs no data set. Every rank draws the same global batch and takes its rows r::W.
-Rank 0 prints the mean step time and the final loss; with the same seed, all three --impl choices
-print the same loss (up to rounding), because they compute the same gradients.
+Rank 0 prints the mean step time, the final loss and the bytes of optimizer state on each rank;
+with the same seed, every --impl prints the same loss (up to rounding), because they compute the
+same gradients and take the same AdamW steps. zero1 (zero1.py, ZeRO-1 from scratch) and
+zero_redundancy (torch's ZeroRedundancyOptimizer with DDP) run next to DDP, taking turns with it.
 """
 
 import argparse
@@ -24,18 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, for `fr
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from common.model import GPT, PRESETS, model_config
 from from_scratch import BucketedDataParallel, NaiveDataParallel
+from zero1 import ShardedOptimizer, ZeroOneDataParallel
+
+IMPLS = {"naive": ["naive"], "bucketed": ["bucketed"], "ddp": ["ddp"], "zero1": ["ddp", "zero1"],
+         "zero_redundancy": ["ddp", "zero_redundancy"], "all": ["naive", "bucketed", "ddp"]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--impl", choices=["naive", "bucketed", "ddp", "all"], default="bucketed",
+    p.add_argument("--impl", choices=list(IMPLS), default="bucketed",
                    help="naive/bucketed: from_scratch.py; ddp: torch's DistributedDataParallel; "
-                        "all: the three taking turns, step by step")
+                        "all: the three taking turns, step by step; zero1 (zero1.py) and "
+                        "zero_redundancy (ZeroRedundancyOptimizer): each taking turns with ddp")
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch: sequences per rank per forward")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (K)")
@@ -43,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean step time")
     p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this; 0: off")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's block size)")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
     if args.steps <= args.warmup:
@@ -76,11 +88,30 @@ def wrap(impl: str, args, rank: int, local_rank: int, device: torch.device, conf
         return NaiveDataParallel(model)
     if impl == "bucketed":
         return BucketedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    if impl == "zero1":
+        return ZeroOneDataParallel(model, bucket_cap_mb=args.bucket_mb)
     return DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
                                    bucket_cap_mb=args.bucket_mb)
 
 
-def train_step(impl: str, model, optimizer, x, y, B: int, K: int) -> torch.Tensor:
+def make_optimizer(impl: str, model, args):
+    groups = model.module.optimizer_groups(weight_decay=0.1)  # decay on matrices only
+    if impl == "zero1":
+        return ShardedOptimizer(model, groups, torch.optim.AdamW, lr=args.lr)  # AdamW on this rank's slice
+    if impl == "zero_redundancy":
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=args.lr)  # whole tensors per rank
+    return torch.optim.AdamW(groups, lr=args.lr)
+
+
+def state_bytes(impl: str, optimizer) -> int:
+    """Bytes of the optimizer-state tensors this rank holds (AdamW: two moments and the step counts)."""
+    if impl == "zero1":
+        return optimizer.state_bytes()
+    state = optimizer.optim.state if impl == "zero_redundancy" else optimizer.state
+    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def train_step(impl: str, model, optimizer, x, y, B: int, K: int, clip: float) -> tuple[torch.Tensor, int]:
     loss_sum = torch.zeros((), device=x.device)
     for micro in range(K):
         # all micro-steps but the last only accumulate into .grad; the last one communicates
@@ -89,53 +120,68 @@ def train_step(impl: str, model, optimizer, x, y, B: int, K: int) -> torch.Tenso
             _, loss = model(x[micro * B:(micro + 1) * B], y[micro * B:(micro + 1) * B])
             (loss / K).backward()
         loss_sum += loss.detach() / K
-    if impl != "ddp":
+    # every rank holds a full .grad of every parameter here (ZeRO-2 would not)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.module.parameters() if p.grad is not None)
+    if impl not in ("ddp", "zero_redundancy"):
         model.finish_gradient_sync()  # wait for the all-reduces; DDP does this inside backward
+    if clip > 0 and impl == "zero1":
+        optimizer.clip_grad_norm_(clip)  # the norm of the whole gradient, from every rank's slice
+    elif clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # every rank holds the whole gradient
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum
+    return loss_sum, grad_bytes
 
 
 def train(args, rank: int, world: int, local_rank: int, device: torch.device) -> None:
     config = model_config(args.preset, dropout=0.0)
     # --impl all: the three side by side, taking turns step by step, so that a busy machine slows
     # them all alike and the comparison stays fair.
-    impls = ["naive", "bucketed", "ddp"] if args.impl == "all" else [args.impl]
+    impls = IMPLS[args.impl]
     models = {impl: wrap(impl, args, rank, local_rank, device, config) for impl in impls}
-    optimizers = {impl: torch.optim.AdamW(m.module.optimizer_groups(weight_decay=0.1), lr=args.lr)
-                  for impl, m in models.items()}
+    optimizers = {impl: make_optimizer(impl, m, args) for impl, m in models.items()}
 
-    B, K, T = args.batch_size, args.grad_accum, config.block_size
+    B, K, T = args.batch_size, args.grad_accum, args.seq_len or config.block_size
     G = B * K * world  # the global batch: sequences per optimizer step, over all ranks
     if rank == 0:
         n_params = sum(p.numel() for p in models[impls[0]].module.parameters())
         print(f"impl {args.impl}, bucket {args.bucket_mb} MB | {world} ranks on {device.type} | preset "
               f"{args.preset}, {n_params / 1e6:.2f}M parameters | global batch {G} sequences = {G * T} tokens "
               f"(batch {B} x grad_accum {K} x {world} ranks)")
+        param_bytes = sum(p.numel() * p.element_size() for p in models[impls[0]].module.parameters())
+        print(f"per rank: parameters {param_bytes:,} bytes" + (f" | gradient clipping at {args.grad_clip}"
+                                                                 if args.grad_clip > 0 else ""))
 
     gen = torch.Generator().manual_seed(args.seed)  # the same global batches on every rank
     step_times = {impl: [] for impl in impls}
-    losses = {}
+    losses, grad_bytes = {}, {}
     for step in range(args.steps):
         data = torch.randint(0, config.vocab_size, (G, T + 1), generator=gen)
         x, y = data[rank::world, :-1].to(device), data[rank::world, 1:].to(device)  # this rank's rows
         for impl in impls[step % len(impls):] + impls[:step % len(impls)]:  # rotate who goes first
             t0 = time.perf_counter()
-            losses[impl] = train_step(impl, models[impl], optimizers[impl], x, y, B, K)
+            losses[impl], grad_bytes[impl] = train_step(impl, models[impl], optimizers[impl], x, y, B, K,
+                                                        args.grad_clip)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times[impl].append(time.perf_counter() - t0)
 
     for impl in impls:
         dist.all_reduce(losses[impl], op=dist.ReduceOp.SUM)  # the last step's loss, global batch
+        per_rank = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(per_rank, torch.tensor(state_bytes(impl, optimizers[impl]), dtype=torch.int64, device=device))
         if rank == 0:
             timed = step_times[impl][args.warmup:]
             mean_ms = 1000 * sum(timed) / len(timed)
             median_ms = 1000 * sorted(timed)[len(timed) // 2]  # robust to a busy machine's outliers
-            calls = f" | {models[impl].comm_calls / args.steps:.0f} all-reduces/step" if impl != "ddp" else ""
-            print(f"{impl:>8}: mean step time {mean_ms:.1f} ms (median {median_ms:.1f}) over steps "
+            kind = "reduce-scatters" if impl == "zero1" else "all-reduces"
+            calls = (f" | {models[impl].comm_calls / args.steps:.0f} {kind}/step"
+                     if impl in ("naive", "bucketed", "zero1") else "")
+            print(f"{impl:>15}: mean step time {mean_ms:.1f} ms (median {median_ms:.1f}) over steps "
                   f"{args.warmup + 1}..{args.steps} | {G * T / (mean_ms / 1000):,.0f} tokens/s | "
                   f"final loss {losses[impl].item() / world:.6f}{calls}")
+            print(f"{'':>15}  per rank: gradients {grad_bytes[impl]:,} bytes | optimizer state "
+                  + " / ".join(f"{b.item():,}" for b in per_rank) + f" bytes (ranks 0..{world - 1})")
 
 
 if __name__ == "__main__":

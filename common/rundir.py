@@ -39,7 +39,8 @@ def claim_out_dir(out_dir: str | Path, resume: bool):
 
     Returns the locked folder's file descriptor on the rank that writes (None elsewhere): the lock
     lasts while it is open, so keep it for the whole run.
-    Raises CourseError, with what to do, when the folder is a file, holds another run, or is in use.
+    Raises CourseError, with what to do, when the folder holds another run or is in use (an
+    --out-dir that is a file was refused earlier, by common.config).
     """
     distributed = dist.is_available() and dist.is_initialized()
     lock, problem = None, None
@@ -58,8 +59,6 @@ def claim_out_dir(out_dir: str | Path, resume: bool):
 
 
 def _claim(out_dir: Path, resume: bool) -> int:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CourseError(f"--out-dir {out_dir} is a file, not a folder; give a folder for the run's files")
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = os.open(out_dir, os.O_RDONLY)
     try:
