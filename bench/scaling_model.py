@@ -157,7 +157,7 @@ def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
     layout = gradient_layout("gpt2")
     seconds_per_token = layout["flops_per_token"] / (hw["peak_flops"] * hw["mfu"])
     links = [("NVLink, one node", hw["nvlink_busbw"], [2, 4, 8])]
-    links += [(name, min(bw, hw["nvlink_busbw"]), [8 * n for n in (2, 4, 8, 16, 32, 64)]) for name, bw in hw["links"].items()]
+    links += [(name, min(bw, hw["nvlink_busbw"]), [8 * n for n in (2, 4, 16, 64)]) for name, bw in hw["links"].items()]
     rows = []
     for name, busbw, worlds in links:
         for world in worlds:
@@ -175,10 +175,10 @@ def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dic
     return {"tokens_to_hide": hide, "tokens_for_90": max(hide, 9 * last / seconds_per_token)}
 
 
-def paper_markdown(tokens_per_gpu: int) -> str:
-    rows = paper_rows(tokens_per_gpu)
+def paper_markdown(tokens_per_gpu: int, hw: dict = HARDWARE) -> str:
+    rows = paper_rows(tokens_per_gpu, hw)
     lines = [f"GPT-2 124M, bf16 autocast (float32 gradients), {tokens_per_gpu:,} tokens per GPU per step, "
-             f"H100 SXM at {HARDWARE['mfu']:.0%} MFU:", "",
+             f"H100 SXM at {hw['mfu']:.0%} MFU:", "",
              "| link | busbw (GB/s) | GPUs | compute (ms) | all-reduce (ms) | not hidden (ms) | efficiency "
              "| tokens/GPU to hide all but the last bucket | tokens/GPU for 90% |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -189,14 +189,14 @@ def paper_markdown(tokens_per_gpu: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None) -> None:
+def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None, hw: dict = HARDWARE) -> None:
     """Predicted efficiency against W for each link, with the measured CPU point of the benchmark."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = paper_rows(tokens_per_gpu)
+    rows = paper_rows(tokens_per_gpu, hw)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for link in dict.fromkeys(r["link"] for r in rows):
         pts = [(r["world"], r["efficiency"]) for r in rows if r["link"] == link]
@@ -212,7 +212,7 @@ def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None) -> None:
     ax.set_ylabel("predicted scaling efficiency")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
-    ax.set_title(f"Data parallel, {tokens_per_gpu:,} tokens per GPU per step")
+    ax.set_title(f"Data parallel, {tokens_per_gpu:,} tokens per GPU per step, {hw['mfu']:.0%} MFU")
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,18 +222,20 @@ def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens-per-gpu", type=int, default=16 * 1024, help="per-GPU batch in tokens (default: 16 x 1024)")
+    p.add_argument("--mfu", type=float, default=HARDWARE["mfu"], help="the GPU's share of its peak FLOP/s (default: 0.4)")
     p.add_argument("--plot", type=Path, default=None, help="write the efficiency plot here (PNG)")
     p.add_argument("--benchmark", type=Path, default=Path(__file__).parent / "results" / "benchmark.json",
                    help="the benchmark run whose measured point goes on the plot")
     args = p.parse_args(argv)
-    print(paper_markdown(args.tokens_per_gpu))
+    hw = HARDWARE | {"mfu": args.mfu}
+    print(paper_markdown(args.tokens_per_gpu, hw))
     layout = gradient_layout("gpt2")
     print(f"gradients {layout['grad_bytes'] / 1e6:.1f} MB in {layout['buckets']} buckets, the last "
           f"{layout['last_bucket_bytes'] / 1e6:.1f} MB (tied embedding {layout['wte_bytes'] / 1e6:.1f} MB); "
           f"{layout['flops_per_token'] / 1e9:.3f} GFLOP per token; the JAX scaling book: about "
           f"{JAX_TOKENS_PER_GPU:,} tokens per GPU within a node")
     if args.plot:
-        plot(args.plot, args.tokens_per_gpu, args.benchmark)
+        plot(args.plot, args.tokens_per_gpu, args.benchmark, hw)
         print(f"written: {args.plot}")
     return 0
 
