@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import re
 import signal
 import socket
 import statistics
@@ -43,6 +44,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
+import scaling_model  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
@@ -309,6 +311,25 @@ def run_comm(args, stage: Stage, repeat: int) -> dict | None:
     return json.loads(out.read_text())
 
 
+def predict_two_ranks(args, report: dict) -> dict | None:
+    """bench/scaling_model.py's 04 DDP step with 2 ranks, from this run's measured inputs: the bare
+    step and the bus bandwidth that 05_multinode/preflight.py measures in the same launch layout,
+    for one all-reduce of all the gradients."""
+    if args.no_comm or args.no_bare or not any(r["stage"] == "04x2" and r["status"] == "ok" for r in report["stages"]):
+        return None
+    mb = scaling_model.gradient_layout(args.preset)["grad_bytes"] / 1e6
+    preflight = [str(REPO / "05_multinode" / "preflight.py"), "--backend", "nccl" if args.device.startswith("cuda") else "gloo",
+                 "--sizes-mb", f"{mb:.3f}", "--iters", "5"]
+    log = Path(args.work_dir) / "preflight.log"
+    status, tail = run_commands(launch_commands("torchrun", 2, preflight), child_env(args, args.threads_per_rank), log, args.timeout)
+    rows = re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", log.read_text(errors="replace"), re.MULTILINE)
+    if status != 0 or not rows:
+        print(f"  preflight failed, no prediction: {tail[-200:]}", flush=True)
+        return None
+    size, busbw = map(float, rows[-1])
+    return scaling_model.against_benchmark(report, busbw, f"05_multinode/preflight.py, 2 ranks, all-reduce of {size:g} MB")
+
+
 def best(results: list[dict | None], key: str) -> dict | None:
     """The repeat with the smallest `key` (the least disturbed by other load on the machine)."""
     ok = [r for r in results if r and r.get(key) is not None]
@@ -432,6 +453,7 @@ def main(argv=None) -> int:
                     print(f"  bare step, batch {key[0]}, {b['threads']} thread(s): {b['step_ms']:.1f} ms", flush=True)
 
     report = build_report(args, stages, runs, comm, bare, skipped, argv)
+    report["prediction"] = predict_two_ranks(args, report)
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     (results / "benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -486,6 +508,7 @@ def markdown(report: dict) -> str:
         lines.append("Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: " + "; ".join(
             f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms ({c['step_cpu_ms']:.1f} ms CPU)"
             for bs, b, c in bare if b) + ".")
+    lines += scaling_model.markdown_lines(report.get("prediction"))
     return "\n".join(lines) + "\n"
 
 

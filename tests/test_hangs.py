@@ -1,0 +1,167 @@
+"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed, and is fixed.
+
+The launches are slow to start (each imports torch three times) and the hang cases spend most of
+their time waiting for a timeout, so the module starts all of them at once and each test reads
+the output of its own. Every launch has a short process-group timeout (a few seconds) and a hard
+limit on the whole launch, so no case can hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from launch import REPO, child_env, stop_launchers, torchrun_command
+
+HANGS = REPO / "05_multinode" / "hangs.py"
+PG_TIMEOUT = 3  # seconds a collective waits before it fails
+STUCK_TIMEOUT = 12  # the stuck case waits longer: the test inspects the stuck rank meanwhile
+LAUNCH_LIMIT = 150  # seconds a whole launch may take, start-up of three processes included
+
+
+class Launch:
+    """One torchrun of hangs.py in the background; its output is read line by line as it comes."""
+
+    def __init__(self, args: list, tmp_path, extra: list | None = None, **env: str):
+        cmd = torchrun_command(HANGS, 2, [*args, "--out-dir", tmp_path], extra=extra)
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def wait_for(self, pattern: str, limit: float = LAUNCH_LIMIT) -> re.Match:
+        deadline = self.started + limit
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if found := re.search(pattern, line):
+                    return found
+            if self.proc.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern!r}:\n" + "".join(self.lines))
+
+    def finish(self) -> tuple[int, str, float]:
+        """(exit status, all output, seconds from start to end); stopped if over the limit."""
+        try:
+            self.proc.wait(timeout=max(1.0, self.started + LAUNCH_LIMIT - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop_launchers([self.proc])
+            raise AssertionError("the launch did not end within its limit:\n" + "".join(self.lines)) from None
+        self.reader.join(timeout=10)
+        return self.proc.returncode, "".join(self.lines), time.monotonic() - self.started
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hangs")
+    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    timeout = ["--timeout", PG_TIMEOUT]
+    runs = {
+        "eval-on-rank0": Launch(["--case", "eval-on-rank0", *timeout], tmp / "eval", **detail),
+        "shape": Launch(["--case", "shape", *timeout], tmp / "shape", **detail),
+        "order": Launch(["--case", "order", *timeout], tmp / "order", TORCH_FR_BUFFER_SIZE="100"),
+        "stuck": Launch(["--case", "stuck", "--timeout", STUCK_TIMEOUT], tmp / "stuck", **detail),
+        "dies": Launch(["--case", "dies", *timeout], tmp / "dies"),
+        # every fix in one run; the dying rank's fix is the launch line: torchrun restarts the group
+        "fixed": Launch(["--case", "all", "--fixed", *timeout], tmp / "fixed", extra=["--max-restarts=1"],
+                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+    }
+    # and the script started without torchrun, at the same time
+    alone = subprocess.Popen([sys.executable, str(HANGS), "--case", "order"], cwd=REPO, env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield runs | {"alone": alone}
+    stop_launchers([run.proc for run in runs.values()] + [alone])
+
+
+def ended_with_failure(run: Launch) -> str:
+    status, out, seconds = run.finish()
+    assert status != 0, out
+    assert seconds < LAUNCH_LIMIT
+    return out
+
+
+def test_eval_on_rank0_only_is_named_by_the_collective_check(launches):
+    out = ended_with_failure(launches["eval-on-rank0"])
+    # rank 0's all-reduce of (sum, count) meets rank 1's all-reduce of the 17 gradients
+    assert re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
+                     r"TensorShape=\[2\]", out), out
+    assert re.search(r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
+                     r"TensorShape=\[17\]", out), out
+    assert re.search(r"\[rank0\]:.*in evaluate", out), out  # rank 0's traceback: inside evaluate()
+
+
+def test_different_shapes_are_named_by_the_collective_check(launches):
+    out = ended_with_failure(launches["shape"])
+    assert re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
+                     r"TensorShape=\[3\]", out), out
+    assert re.search(r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
+                     r"TensorShape=\[2\]", out), out
+    assert "Tensor shapes: 3vs 2" in out
+
+
+def test_different_order_is_named_by_the_flight_recorder(launches):
+    out = ended_with_failure(launches["order"])
+    assert f"Timed out waiting {PG_TIMEOUT * 1000}ms" in out  # the default: each rank's timeout, nothing more
+    # each rank's last collective, the same sequence number, different operations and callers
+    last = dict(re.findall(r"\[rank (\d)\] flight recorder: last collective (#\d+ gloo:\w+ of shapes \S+, "
+                           r"called from \w+\(\))", out))
+    assert last.keys() == {"0", "1"}, out
+    assert re.fullmatch(r"#(\d+) gloo:broadcast of shapes \[\[1\]\], called from case_order\(\)", last["0"]), last
+    assert re.fullmatch(r"#(\d+) gloo:all_reduce of shapes \[\[\]\], called from mean_loss\(\)", last["1"]), last
+    assert last["0"].split()[0] == last["1"].split()[0]  # the same collective number
+
+
+def test_a_rank_stuck_in_python_is_found_by_its_stack(launches):
+    run = launches["stuck"]
+    pid = int(run.wait_for(r"\[rank 1\] pid (\d+):").group(1))
+    run.wait_for(r"\[rank 1\] step 2:")  # from here rank 1 polls for the file
+    time.sleep(0.5)
+    stacks = []
+    if shutil.which("py-spy"):  # requirements-dev.txt installs it; it needs permission to trace
+        spy = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+        assert spy.returncode == 0, spy.stdout + spy.stderr
+        stacks.append(spy.stdout)
+    os.kill(pid, signal.SIGUSR1)  # faulthandler: the rank prints its own stack
+    run.wait_for(r'File ".*hangs\.py", line \d+ in case_stuck')
+    out = ended_with_failure(run)
+    stacks.append(out)
+    for stack in stacks:
+        assert re.search(r"case_stuck", stack), stack
+    if len(stacks) == 2:
+        assert re.search(r"case_stuck \(.*hangs\.py:\d+\)", stacks[0])  # py-spy's line for the loop
+    # the collective check names the rank that never arrived
+    assert f"Ranks 1 failed to pass monitoredBarrier in {STUCK_TIMEOUT * 1000} ms" in out, out
+
+
+def test_a_rank_that_dies_is_the_root_cause_in_torchruns_summary(launches):
+    out = ended_with_failure(launches["dies"])
+    summary = out.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)", summary), summary
+    assert "error_file: <N/A>" not in summary  # @record wrote the traceback where torchrun finds it
+    assert "RuntimeError: rank 1: simulated fault at step 2" in summary
+
+
+def test_every_fixed_case_finishes(launches):
+    status, out, _ = launches["fixed"].finish()
+    assert status == 0, out
+    assert out.count("rank 1: simulated fault at step 2") >= 1  # the first attempt failed ...
+    for rank in (0, 1):
+        assert f"[rank {rank}] finished 4 steps" in out  # ... and the restarted group finished
+    for line in ("val loss", "mean loss", "worst validation loss"):
+        assert re.search(rf"\[rank 0\] step 2: {line} \d", out), line
+
+
+def test_hangs_outside_torchrun_is_one_clear_error(launches):
+    _, stderr = launches["alone"].communicate(timeout=LAUNCH_LIMIT)
+    assert launches["alone"].returncode == 2
+    assert stderr.strip().splitlines() == ["error: hangs.py runs under torchrun, e.g. torchrun --standalone "
+                                           "--nproc_per_node=2 05_multinode/hangs.py --case eval-on-rank0"]
