@@ -31,7 +31,7 @@ def main():
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    setup_math(device)
+    setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 

@@ -85,7 +85,7 @@ def main():
     threads = (f"{os.cpu_count()} cores / {local_world_size} rank(s)" if local_world_size > 1 and os.environ.get("OMP_NUM_THREADS", "1") == "1"
                else "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch's default")
     dtype = pick_dtype(args.dtype, device)
-    setup_math(device)
+    setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 

@@ -124,8 +124,9 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("hardware")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: bfloat16 on GPUs that support it, float16 on older ones, float32 on the CPU")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
+                   help="auto: bfloat16 on GPUs with bf16 tensor cores, float16 on older ones, float32 on the CPU; "
+                        "float64: slow, to tell rounding from bugs")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     later("--gpus", type=positive_int, default=None, help="GPUs DataParallel spreads over (default: all visible)")
     later("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process group backend: NCCL with CUDA, gloo without")

@@ -12,7 +12,7 @@ import torch
 
 from .errors import CourseError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -60,14 +60,19 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
         dtype = DTYPES[requested]
         if device.type == "cpu" and dtype == torch.float16:
             raise CourseError("--dtype float16 is for GPUs; on the CPU use float32 or bfloat16")
+        if device.type == "mps" and dtype == torch.float64:
+            raise CourseError("--dtype float64: Apple's mps has no float64; use --device cpu for it")
         return dtype
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return auto_dtype(device.type, capability)
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype):
-    """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32."""
-    if dtype == torch.float32:
+    """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32.
+
+    float32 and float64 need none: everything already computes in that format.
+    """
+    if dtype in (torch.float32, torch.float64):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
@@ -88,9 +93,16 @@ def in_autocast(module, device: torch.device, dtype: torch.dtype):
     return call
 
 
-def setup_math(device: torch.device) -> None:
-    """TF32 matmuls on Ampere and newer: float32 ranges at tensor-core speed."""
-    if device.type == "cuda":
+def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """TF32 matmuls on Ampere and newer: float32 ranges at tensor-core speed.
+
+    --dtype float64 makes float64 torch's default, so the model, the optimizer's state and every
+    tensor the loop creates are float64: slow, but with rounding errors about 1e-16 instead of
+    float32's 1e-7, which shows what part of a difference between two runs is rounding.
+    """
+    if dtype == torch.float64:
+        torch.set_default_dtype(torch.float64)
+    if device.type == "cuda" and dtype != torch.float64:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 

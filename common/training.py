@@ -95,7 +95,7 @@ def evaluate(model: torch.nn.Module, dataset, windows: list[int], batch_size: in
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
-        total += loss.float().mean() * len(x)  # mean(): DataParallel returns one loss per GPU
+        total += loss.mean().to(total.dtype) * len(x)  # mean(): DataParallel returns one loss per GPU
         seen += len(x)
     model.train(was_training)
     return total / max(seen, 1)

@@ -1,4 +1,4 @@
-"""The course's figures, from real runs: loss parity, tokens/s and (on GPUs) memory per stage.
+"""The course's figures, from real runs: loss parity (with a float64 control) and, on GPUs, memory.
 
     python tools/make_plots.py                      # run every stage the same way, then plot (minutes on a CPU)
     python tools/make_plots.py --iters 300 --global-batch 16
@@ -13,14 +13,19 @@ optimizer step, launched the way its chapter teaches:
     04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
     05  two torchrun "nodes" on 127.0.0.1, W/2 processes each: 05_multinode/train.py --batch-size G/W
 
-and writes <out-root>/<stage>/{metrics.jsonl, stdout.log, run.json}. Then it draws, into
-docs/figures/ (or --figures):
+and writes <out-root>/<stage>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
+chapters 01 and 04 once more in float64 (--float64-stages; <out-root>/<stage>-float64): the same
+runs with rounding errors about 1e-16 instead of 1e-7, so their distance shows how much of the
+float32 distance is rounding. Then it draws, into docs/figures/ (or --figures):
 
     parity_loss.png        training loss against tokens seen for every stage, and each stage's
-                           distance from chapter 01 step by step
-    tokens_per_sec.png     training throughput per stage (median over the run's log lines)
+                           distance from chapter 01 step by step, float32 and float64
     memory_per_device.png  peak memory of rank 0's device per stage, only where a run was on a GPU
     CAPTIONS.md            what each figure shows, the machine and the settings that made it
+
+Throughput is not drawn here: these runs share one machine with whatever else runs on it, and
+their log lines are too short to time. bench/benchmark.py measures it, under the conditions its
+table states.
 
 Every figure says in its subtitle which machine (CPU model and cores or GPU name, torch version)
 and which settings made it. On a CPU every stage gets the same number of cores in all (--threads,
@@ -53,6 +58,11 @@ LABELS = {
     "04_ddp": "04 DDP",
     "05_multinode": "05 two nodes",
 }
+FLOAT64 = "-float64"  # the key (and run folder) of a stage's float64 control run: 04_ddp-float64
+
+
+def label(key: str) -> str:
+    return LABELS[key.removesuffix(FLOAT64)] + (" in float64" if key.endswith(FLOAT64) else "")
 
 
 # ---- what machine is this ----------------------------------------------------------------------
@@ -110,23 +120,27 @@ def stage_plans(args, device: str) -> dict[str, dict]:
               "--data-dir", args.data_dir]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     K = largest_divisor(G)
+
+    def count(n: int, word: str) -> str:
+        return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith(("s", "h")) else "s")
+
     replicas = max(gpus, 1)
     plans = {
         "01_single_gpu": dict(layout="1 process", procs=1,
                               commands=[[sys.executable, "01_single_gpu/train.py", "--batch-size", G]]),
-        "02_grad_accumulation": dict(layout=f"1 process, {K} micro-batches of {G // K}", procs=1,
+        "02_grad_accumulation": dict(layout=f"1 process, {count(K, 'micro-batch')} of {G // K}", procs=1,
                                      commands=[[sys.executable, "02_grad_accumulation/train.py",
                                                 "--batch-size", G // K, "--grad-accum", K]]),
-        "03_dataparallel": dict(layout=f"1 process, {replicas} replica(s)", procs=1,
+        "03_dataparallel": dict(layout=f"1 process, {count(replicas, 'replica')}", procs=1,
                                 commands=[[sys.executable, "03_dataparallel/train.py", "--batch-size", G // replicas]]),
-        "04_ddp": dict(layout=f"{W} processes", procs=W,
+        "04_ddp": dict(layout=count(W, "process"), procs=W,
                        commands=[[*torchrun, "--standalone", f"--nproc-per-node={W}", "04_ddp/train.py",
                                   "--batch-size", G // W]]),
     }
     if W % 2 == 0:
         port, per_node = free_port(), W // 2
         plans["05_multinode"] = dict(
-            layout=f"2 nodes x {per_node} process(es)", procs=per_node,
+            layout=f"2 nodes x {count(per_node, 'process')}", procs=per_node,
             commands=[[*torchrun, "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={per_node}",
                        "--master-addr=127.0.0.1", f"--master-port={port}", "05_multinode/train.py",
                        "--batch-size", G // W, "--shared-fs"] for node in (0, 1)])
@@ -139,8 +153,13 @@ def stage_plans(args, device: str) -> dict[str, dict]:
     return plans
 
 
-def run_stage(stage: str, plan: dict, args, machine: dict, device: str) -> Path:
-    out = Path(args.out_root) / stage
+def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: str = "float32") -> Path:
+    """Run one stage; with dtype float64 its control run, in <out-root>/<stage>-float64."""
+    key = stage + (FLOAT64 if dtype == "float64" else "")
+    out = Path(args.out_root) / key
+    if dtype == "float64":  # the same commands, with --dtype float64 and their own --out-dir
+        swap = {"--dtype": "float64", "--out-dir": str(out)}
+        plan = dict(plan, commands=[[swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]])
     # the plots' own run folder, from an earlier drawing: start it afresh (a stage refuses a folder
     # that holds a run)
     shutil.rmtree(out, ignore_errors=True)
@@ -151,7 +170,7 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str) -> Path:
         env["CUDA_VISIBLE_DEVICES"] = ""
     shown = [" ".join(shlex.quote(c.replace(sys.executable, "python").replace(str(ROOT) + "/", "")) for c in cmd)
              .replace("python -m torch.distributed.run", "torchrun") for cmd in plan["commands"]]
-    print(f"{stage}: " + "\n    & ".join(shown), flush=True)
+    print(f"{key}: " + "\n    & ".join(shown), flush=True)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     log = open(out / "stdout.log", "w")
@@ -172,7 +191,7 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str) -> Path:
         raise SystemExit(f"error: {stage} failed (exit {codes}); the end of {out / 'stdout.log'}:\n{tail}")
     # Other programs on the machine slow a run down: the load average says whether there were any.
     load = max(filter(None, [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]), default=None)
-    info = {"stage": stage, "layout": plan["layout"], "commands": shown, "made_by": args.command, "wall_s": round(wall, 1),
+    info = {"stage": stage, "dtype": dtype, "layout": plan["layout"], "commands": shown, "made_by": args.command, "wall_s": round(wall, 1),
             "load_average": round(load, 1) if load is not None else None,
             "threads_per_process": env.get("OMP_NUM_THREADS"), "machine": machine,
             "settings": settings_dict(args, device)}
@@ -207,7 +226,8 @@ def find_runs(folders: list[Path]) -> dict[str, Path]:
 def stage_of(run: Path) -> str | None:
     info = run / "run.json"
     if info.exists():
-        return json.loads(info.read_text())["stage"]
+        record = json.loads(info.read_text())
+        return record["stage"] + (FLOAT64 if record.get("dtype") == "float64" else "")
     for stage in STAGES:  # a folder named after its stage (out/01_single_gpu), or its checkpoint says
         if stage in run.name:
             return stage
@@ -233,12 +253,6 @@ def run_info(run: Path) -> dict:
         config = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {})
         settings = {k: config.get(k) for k in ("preset", "max_iters", "global_batch", "device", "seed")}
     return {"stage": stage_of(run), "layout": "", "machine": {}, "settings": settings}
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 # ---- figures -----------------------------------------------------------------------------------
@@ -280,74 +294,65 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     written, captions = [], []
 
     # 1. parity: loss against tokens seen, and the distance from chapter 01 at every logged step
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=[3, 1.4])
-    styles = [dict(lw=6, alpha=0.3, color="black"), dict(ls="--", lw=1.6), dict(ls=":", lw=2.2),
-              dict(ls="-.", lw=1.4), dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4)]
-    reference = train.get("01_single_gpu")
-    worst: dict[str, float] = {}  # stage -> its largest distance from chapter 01
-    for (stage, rows), style in zip(train.items(), styles):
-        label = LABELS[stage] + (f" ({infos[stage]['layout']})" if infos[stage].get("layout") else "")
-        top.plot([m["tokens_seen"] for m in rows], [m["loss"] for m in rows], label=label, **style)
-        if reference is not None and stage != "01_single_gpu":
-            ref_by_iter = {m["iter"]: m["loss"] for m in reference}
-            pairs = [(m["tokens_seen"], abs(m["loss"] - ref_by_iter[m["iter"]])) for m in rows if m["iter"] in ref_by_iter]
-            if pairs:
-                worst[stage] = max(p[1] for p in pairs)
-                style = {k: v for k, v in style.items() if k not in ("alpha", "color")}
-                bottom.plot([p[0] for p in pairs], [p[1] for p in pairs], label=LABELS[stage], **style)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=[3, 1.6])
+    styles = {"01_single_gpu": dict(lw=6, alpha=0.3, color="black"),
+              "02_grad_accumulation": dict(ls="--", lw=1.6, color="tab:blue"),
+              "03_dataparallel": dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
+              "04_ddp": dict(ls="-.", lw=1.4, color="tab:green"),
+              "05_multinode": dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red")}
+    floor = 1e-7  # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
+    worst: dict[str, float] = {}  # run key -> its largest distance from chapter 01 (of the same dtype)
+    for key, rows in train.items():
+        stage = key.removesuffix(FLOAT64)
+        float64 = key.endswith(FLOAT64)
+        style = styles[stage]
+        if not float64:
+            layout = infos[key].get("layout")
+            top.plot([m["tokens_seen"] for m in rows], [m["loss"] for m in rows],
+                     label=label(key) + (f" ({layout})" if layout else ""), **style)
+        reference = train.get("01_single_gpu" + (FLOAT64 if float64 else ""))
+        if reference is None or stage == "01_single_gpu":
+            continue
+        ref_by_iter = {m["iter"]: m["loss"] for m in reference}
+        pairs = [(m["tokens_seen"], abs(m["loss"] - ref_by_iter[m["iter"]])) for m in rows if m["iter"] in ref_by_iter]
+        if not pairs:
+            continue
+        worst[key] = max(p[1] for p in pairs)
+        line = {k: v for k, v in style.items() if k != "alpha"}
+        if float64:
+            line = dict(lw=2.2, color="tab:purple")
+        name = label(key) + (": identical to 01, distance 0 at every step" if worst[key] == 0 else "")
+        bottom.plot([p[0] for p in pairs], [max(p[1], floor) for p in pairs], label=name, **line)
     top.set_ylabel("training loss")
     top.legend()
     top.grid(alpha=0.3)
     top.set_title(f"The same run on every stage: training loss against tokens seen\n{subtitle}", fontsize=10)
-    bottom.set_yscale("symlog", linthresh=1e-6)
-    bottom.set_ylim(0, max([1e-4, *worst.values()]) * 3)
-    bottom.set_ylabel("|loss - loss of 01|")
+    bottom.set_yscale("log")
+    bottom.set_ylim(floor / 2, max([1e-4, *worst.values()]) * 3)
+    bottom.set_ylabel("|loss - loss of 01|\n(0 drawn at 1e-7)")
     bottom.set_xlabel("tokens seen")
+    bottom.legend(fontsize=7, loc="upper left")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     path = figures / "parity_loss.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
+    float32_worst = {k: d for k, d in worst.items() if not k.endswith(FLOAT64)}
+    float64_worst = {k: d for k, d in worst.items() if k.endswith(FLOAT64)}
     captions.append(("parity_loss.png", "Training loss against tokens seen for every stage (top) and each stage's "
-                     "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6). "
-                     "Largest distance: "
-                     + (", ".join(f"{LABELS[s]} {d:.1e}" for s, d in worst.items()) or "no stage to compare") + ". "
-                     "The stages add the same numbers in different orders, so their losses differ by float32 "
-                     "rounding at first; in a long run at a high learning rate these differences are amplified "
-                     "from step to step (training is chaotic in that sense) and level off below the "
-                     "loss's own step-to-step noise. The tests compare short runs, where the distance stays at "
-                     "rounding level."))
-
-    # 2. throughput: the median tokens/s of each run's log lines (the first fifth is warm-up and left out)
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    names, speeds, spread = [], [], []
-    for stage, rows in train.items():
-        rates = sorted(m["tokens_per_sec"] for m in rows[len(rows) // 5:] if m.get("tokens_per_sec"))
-        if rates:
-            names.append(LABELS[stage] + (f"\n{infos[stage]['layout']}" if infos[stage].get("layout") else ""))
-            speeds.append(median(rates))
-            # the middle half of the log lines: how steady the measurement was
-            spread.append((speeds[-1] - rates[len(rates) // 4], rates[(3 * len(rates)) // 4] - speeds[-1]))
-    bars = ax.bar(range(len(names)), speeds, color="tab:blue",
-                  yerr=[[s[0] for s in spread], [s[1] for s in spread]], capsize=6, ecolor="gray")
-    ax.bar_label(bars, labels=[f"{s:,.0f}" for s in speeds], label_type="center", color="white", fontweight="bold")
-    ax.set_xticks(range(len(names)), names, fontsize=8)
-    ax.set_ylabel("tokens per second (median; bars: middle half)")
-    ax.set_title(f"Training throughput per stage\n{subtitle}", fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = figures / "tokens_per_sec.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-    captions.append(("tokens_per_sec.png", "Training tokens per second of each stage: the median over its log "
-                     "lines after the first fifth, with the middle half of them as the error bar. On a CPU every "
-                     "stage gets the same cores in all, so none of them adds computing power: the differences "
-                     "come from each technique's bookkeeping and communication, from how well one process spreads "
-                     "its work over several threads (processes with one thread each avoid that cost, which can "
-                     "make DDP faster here), and, on a busy machine, from whatever else ran at the time. Real "
-                     "speed-ups need devices that work in parallel (GPUs)."))
+                     "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
+                     "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
+                     + (", ".join(f"{label(k)} {d:.1e}" for k, d in float32_worst.items()) or "no stage to compare")
+                     + ". The stages add the same numbers in different orders, so their float32 losses differ by "
+                     "rounding at first, and over a long run at a high learning rate training amplifies those "
+                     "differences from step to step. The control is the same runs in float64, whose rounding is "
+                     "about a billion times smaller: "
+                     + (", ".join(f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items())
+                        or "no float64 runs were made")
+                     + ". What a bug would change (the data, the gradient's scale) does not depend on the number "
+                     "format, so a distance that shrinks with the rounding is rounding. The tests compare short "
+                     "float32 runs, where the distance stays at rounding level."))
 
     # 3. memory: peak memory of rank 0's device (only GPU runs report max_mem_mb)
     memory = {stage: max(m["max_mem_mb"] for m in rows if "max_mem_mb" in m)
@@ -357,7 +362,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         fig, ax = plt.subplots(figsize=(9, 4.8))
         bars = ax.bar(range(len(memory)), list(memory.values()), color="tab:orange")
         ax.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in memory.values()])
-        ax.set_xticks(range(len(memory)), [LABELS[s] + f"\n{infos[s].get('layout', '')}" for s in memory], fontsize=8)
+        ax.set_xticks(range(len(memory)), [label(s) + f"\n{infos[s].get('layout', '')}" for s in memory], fontsize=8)
         ax.set_ylabel("peak memory allocated on rank 0's device (MiB)")
         ax.set_title(f"Peak memory per device\n{subtitle}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
@@ -379,7 +384,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     for stage, info in infos.items():
         if info.get("commands"):
             commands = [c.replace("python -m torch.distributed.run", "torchrun") for c in info["commands"]]
-            lines.append(f"- {LABELS[stage]}: `" + "` and `".join(commands) + "`")
+            lines.append(f"- {label(stage)}: `" + "` and `".join(commands) + "`")
     lines.append("")
     for name, text in captions:
         lines += [f"## {name}", "", f"![{name}]({name})", "", text, "", f"*{machine}; {settings}.*", ""]
@@ -408,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
     p.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one stage may take")
+    p.add_argument("--float64-stages", default="01,04",
+                   help="stages run once more in float64 as the control for rounding (empty: none)")
     args = p.parse_args(argv)
     args.command = command = "python tools/make_plots.py" + "".join(
         f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
@@ -439,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{stage}: needs an even --nproc (two nodes), skipped")
                 continue
             runs[stage] = run_stage(stage, plans[stage], args, machine, device)
+        # the control: the same runs in float64, where rounding is a billion times smaller
+        for stage in STAGES:
+            if stage in runs and stage[:2] in {s.strip().zfill(2) for s in args.float64_stages.split(",") if s.strip()}:
+                runs[stage + FLOAT64] = run_stage(stage, plans[stage], args, machine, device, dtype="float64")
         if not runs:
             raise SystemExit("error: no stage to run")
     for path in plot_all(runs, args.figures, command):
