@@ -7,7 +7,7 @@ file, or a Hub data set by name when online.
 
 The training set is a list of windows 0..N-1: window i holds tokens [i*T, i*T + T] (T = block_size,
 one extra token so inputs and targets can be shifted by one). Which windows a step reads is the
-sampler's business (see DESIGN.md): this module knows nothing about ranks.
+sampler's business (README.md, "How the chapters stay the same run"): this module knows nothing about ranks.
 """
 
 from __future__ import annotations
@@ -273,7 +273,8 @@ def load_splits(folder: Path, block_size: int) -> tuple[TokenWindows, TokenWindo
 
 
 def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order DESIGN.md fixes for epoch e: randperm(N) from a generator seeded with seed + e."""
+    """The order every chapter uses for epoch e (README.md, "How the chapters stay the same run"):
+    randperm(N) from a generator seeded with seed + e."""
     g = torch.Generator()
     g.manual_seed(seed + epoch)
     return torch.randperm(n_windows, generator=g)

@@ -175,7 +175,7 @@ def test_validation_windows_fixed_and_spread(data_dir):
     assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)
 
 
-# ---- the data order DESIGN.md fixes -------------------------------------------------------------------
+# ---- the data order of README.md, "How the chapters stay the same run" ----------------------------------
 
 
 def test_epoch_permutation_is_seeded_randperm():
