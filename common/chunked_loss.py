@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import torch
 
-# Positions per chunk. On a CPU, 128 (measured, see bench/README.md): a chunk's logits, 128 x 50,304
-# float32 = 26 MB, fit in this machine's 32 MB L3 cache, so the softmax and the gradient products
-# read them from cache; each matrix product is still large enough to run at full speed. On a GPU,
-# 1,024: a chunk is then ~0.5 GB of temporaries for GPT-2's vocabulary (against the plain path's
-# tens of GB) and big enough that the GPU, not the Python loop launching its kernels, sets the pace.
-# The GPU figure is reasoned, not yet measured: bench/gpu_check.sh measures it.
+# Positions per chunk. Each chunk reads the whole output matrix (V x C) three times, so a chunk much
+# smaller than the width C costs more in re-reading the matrix than it saves; a chunk whose logits
+# (chunk x V float32) outgrow the cache loses what chunking gains. On a CPU, 128 measured fastest
+# for the small model (C = 128, bench/README.md): 128 x 50,304 float32 = 26 MB, inside this
+# machine's 32 MB L3 cache. On a GPU, 1,024: about 0.5 GB of temporaries for GPT-2's vocabulary
+# (against the plain path's tens of GB) and big enough that the GPU, not the Python loop launching
+# its kernels, sets the pace. The GPU figure is reasoned, not yet measured: bench/gpu_check.sh
+# measures it.
 CPU_CHUNK = 128
 GPU_CHUNK = 1024
 
@@ -56,17 +58,18 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         # the chunk's logits, in float32 for the softmax as the plain path does: the one large tensor
         log_probs = torch.log_softmax((h_c @ weight.t()).float(), dim=1)  # (c, V)
         loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
-        if not (want_grad_h or want_grad_w):
-            continue
-        # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
-        grad_logits = log_probs.exp_().scatter_add_(1, y_c, torch.full_like(y_c, -1, dtype=log_probs.dtype))
-        grad_logits = grad_logits.to(h.dtype)  # the products run in the matmul's precision, as in the plain path
-        if want_grad_h:
-            grad_h[rows] = (grad_logits @ weight) * keep  # (c, C); an ignored position gets zero
-        if want_grad_w and grad_logits.dtype == grad_w.dtype:  # float32: the product adds itself into grad_w
-            grad_w.addmm_(grad_logits.t(), h_c * keep)  # (V, C), summed over the chunks
-        elif want_grad_w:  # bfloat16 or float16 products, summed in float32
-            grad_w += (grad_logits.t() @ (h_c * keep)).float()
+        if want_grad_h or want_grad_w:
+            # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
+            grad_logits = log_probs.exp_().scatter_add_(1, y_c, torch.full_like(y_c, -1, dtype=log_probs.dtype))
+            grad_logits = grad_logits.to(h.dtype)  # the products run in the matmul's precision, as in the plain path
+            if want_grad_h:
+                grad_h[rows] = (grad_logits @ weight) * keep  # (c, C); an ignored position gets zero
+            if want_grad_w and grad_logits.dtype == grad_w.dtype:  # float32: the product adds itself into grad_w
+                grad_w.addmm_(grad_logits.t(), h_c * keep)  # (V, C), summed over the chunks
+            elif want_grad_w:  # bfloat16 or float16 products, summed in float32
+                grad_w += (grad_logits.t() @ (h_c * keep)).float()
+            del grad_logits
+        del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
     return loss_sum, valid.sum(), grad_h, grad_w
 
 
