@@ -56,6 +56,12 @@ step compile 200 "$PYTHON" bench/benchmark.py "${common[@]}" --stages 01 --compi
 step gpu_vs_cpu 60 "$PYTHON" bench/gpu_vs_cpu.py --preset small --steps 10 --batch-size 8 --ref-device cpu \
     --ref-dtype float32 --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" --out "$OUT/gpu_vs_cpu.json"
 
+# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): bare steps, eager and compiled
+# (tokens/s, peak memory), then the loss alone at the model's width by chunk size; table in $OUT/loss_chunked.md
+step loss_chunked 300 "$PYTHON" bench/loss_bench.py check --configs "$PRESET" --device "$DEVICE" --dtype bfloat16 \
+    --batch-size "$BATCH" --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --compile --data-dir "$DATA_DIR" \
+    --work-dir "$OUT/work/loss_chunked" --timeout 140 --out "$OUT/loss_chunked.json"
+
 "$PYTHON" bench/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "failed steps: ${failed[*]}"

@@ -39,14 +39,16 @@ CPU_CHUNK = 128
 GPU_CHUNK = 1024
 
 
-def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                    ignore_index: int, want_grad_h: bool, want_grad_w: bool):
+def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, ignore_index: int,
+                    dtype: torch.dtype, want_grad_h: bool, want_grad_w: bool):
     """The summed loss and (if wanted) the gradients of that sum, chunk by chunk.
 
-    h (N, C), weight (V, C), targets (N,). Returns the summed loss (float32, 0-dim), the number
-    of positions that count, grad_h (N, C) and grad_w (V, C), in float32 or None.
+    h (N, C), weight (V, C), targets (N,); the matrix products run in `dtype`, the softmax in
+    float32. Returns the summed loss (float32, 0-dim), the number of positions that count, and
+    grad_h (N, C) and grad_w (V, C) in float32, or None where not wanted.
     """
     n = h.shape[0]
+    h_lo, w_lo = h.to(dtype), weight.to(dtype)  # no copy when already in dtype (float32 on the CPU)
     valid = targets != ignore_index  # (N,) positions that count, as F.cross_entropy's ignore_index
     safe_targets = targets.clamp(min=0).unsqueeze(1)  # (N, 1) an ignored position gathers column 0, then counts 0
     loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -54,20 +56,20 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad_w else None
     for start in range(0, n, chunk):
         rows = slice(start, start + chunk)
-        h_c, y_c, keep = h[rows], safe_targets[rows], valid[rows].unsqueeze(1)  # (c, C), (c, 1), (c, 1)
+        h_c, y_c, keep = h_lo[rows], safe_targets[rows], valid[rows].unsqueeze(1)  # (c, C), (c, 1), (c, 1)
         # the chunk's logits, in float32 for the softmax as the plain path does: the one large tensor
-        log_probs = torch.log_softmax((h_c @ weight.t()).float(), dim=1)  # (c, V)
+        log_probs = torch.log_softmax((h_c @ w_lo.t()).float(), dim=1)  # (c, V)
         loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
         if want_grad_h or want_grad_w:
             # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
             grad_logits = log_probs.exp_().scatter_add_(1, y_c, torch.full_like(y_c, -1, dtype=log_probs.dtype))
-            grad_logits = grad_logits.to(h.dtype)  # the products run in the matmul's precision, as in the plain path
+            grad_logits = grad_logits.to(dtype)  # the products run in the matmul's precision, as in the plain path
             if want_grad_h:
-                grad_h[rows] = (grad_logits @ weight) * keep  # (c, C); an ignored position gets zero
-            if want_grad_w and grad_logits.dtype == grad_w.dtype:  # float32: the product adds itself into grad_w
+                grad_h[rows] = (grad_logits @ w_lo) * keep  # (c, C); an ignored position gets zero
+            if want_grad_w and dtype == torch.float32:  # the product adds itself into grad_w
                 grad_w.addmm_(grad_logits.t(), h_c * keep)  # (V, C), summed over the chunks
-            elif want_grad_w:  # bfloat16 or float16 products, summed in float32
-                grad_w += (grad_logits.t() @ (h_c * keep)).float()
+            elif want_grad_w:  # bfloat16 or float16 products, summed in float32 (no float32 copy of each)
+                grad_w += grad_logits.t() @ (h_c * keep)
             del grad_logits
         del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
     return loss_sum, valid.sum(), grad_h, grad_w
@@ -77,9 +79,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean cross-entropy of (h @ weight.T) against targets; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, ignore_index):
+    def forward(ctx, h, weight, targets, chunk, ignore_index, dtype):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum, count, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk, ignore_index, want_h, want_w)
+        loss_sum, count, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk, ignore_index, dtype, want_h, want_w)
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss_sum / count
@@ -90,7 +92,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / count  # d(mean)/d(sum), times what came from above
         h_dtype, w_dtype = ctx.dtypes
         return (None if grad_h is None else (grad_h * scale).to(h_dtype),
-                None if grad_w is None else (grad_w * scale).to(w_dtype), None, None, None)
+                None if grad_w is None else (grad_w * scale).to(w_dtype), None, None, None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -98,18 +100,19 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     """`F.cross_entropy(h @ weight.T, targets)` (mean over positions), computed `chunk` positions at a time.
 
     h (N, C) hidden states, weight (V, C) the output matrix, targets (N,) token ids; `chunk`
-    positions at a time (default: CPU_CHUNK on a CPU, GPU_CHUNK elsewhere). Under autocast
-    the products run in the autocast dtype and the softmax in float32, as the plain
-    `F.cross_entropy(lm_head(h).float(), targets)` does.
+    positions at a time (default: CPU_CHUNK on a CPU, GPU_CHUNK elsewhere). Under autocast the
+    products run in the autocast dtype and the softmax in float32, as in the plain
+    `F.cross_entropy(lm_head(h).float(), targets)`; the gradients come back in the inputs' dtypes
+    (float32 for the model's weight: summed over the chunks in float32, never rounded to bfloat16).
     """
     device_type = h.device.type
     chunk = chunk or (CPU_CHUNK if device_type == "cpu" else GPU_CHUNK)
     if torch.is_autocast_enabled(device_type):
-        # what autocast does to the plain path's lm_head: both operands in the lower precision
-        dtype = torch.get_autocast_dtype(device_type)
-        h, weight = h.to(dtype), weight.to(dtype)
+        dtype = torch.get_autocast_dtype(device_type)  # what autocast gives the plain path's lm_head
+    else:
+        dtype = torch.promote_types(h.dtype, weight.dtype)
     with torch.autocast(device_type, enabled=False):  # the function chooses its own precisions
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, ignore_index)
-        loss_sum, count, _, _ = _loss_and_grads(h, weight, targets, chunk, ignore_index, False, False)
+            return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, ignore_index, dtype)
+        loss_sum, count, _, _ = _loss_and_grads(h, weight, targets, chunk, ignore_index, dtype, False, False)
         return loss_sum / count
