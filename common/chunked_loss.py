@@ -8,7 +8,7 @@ the two matrix products of the backward pass. In the course's small model that t
 a training step on a CPU, and on a GPU it is most of the memory a step needs beyond the weights.
 
 `chunked_cross_entropy` computes the same loss and the same gradients a few rows (positions) at a
-time. For each chunk of positions it computes the chunk's logits, their log-sum-exp and loss, and
+time. For each chunk of positions it computes the chunk's logits, their log-softmax and loss, and
 right away the chunk's gradient with respect to the logits (softmax minus one-hot), which it turns
 into its share of the two gradients that matter: of the hidden states `h` (chunk x n_embd) and of
 the output matrix `W` (added up over the chunks). The chunk's logits are then dropped. Nothing of
@@ -19,8 +19,8 @@ always calls backward, and it saves computing the logits a second time. The back
 multiplies them by the incoming gradient (1 for `loss.backward()`, the loss scale under float16,
 1/K with gradient accumulation). Under `torch.no_grad()` (evaluation) no gradient work is done.
 
-This is the technique of Liger Kernel's fused linear cross-entropy and of Apple's "Cut Your Losses"
-(arXiv 2411.09009), written in plain PyTorch operations.
+It is the idea of Liger Kernel's fused linear cross-entropy (which also computes the gradients
+in the forward pass), written in plain PyTorch operations.
 """
 
 from __future__ import annotations
