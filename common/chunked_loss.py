@@ -68,8 +68,8 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
                 grad_h[rows] = (grad_logits @ w_lo) * keep  # (c, C); an ignored position gets zero
             if want_grad_w and dtype == torch.float32:  # the product adds itself into grad_w
                 grad_w.addmm_(grad_logits.t(), h_c * keep)  # (V, C), summed over the chunks
-            elif want_grad_w:  # bfloat16 or float16 products, summed in float32 (no float32 copy of each)
-                grad_w += grad_logits.t() @ (h_c * keep)
+            elif want_grad_w:  # bfloat16 or float16 products, summed in float32 (on the CPU the add
+                grad_w += grad_logits.t() @ (h_c * keep)  # makes a float32 copy of each product first)
             del grad_logits
         del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
     return loss_sum, valid.sum(), grad_h, grad_w
