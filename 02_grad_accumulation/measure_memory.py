@@ -8,6 +8,7 @@ the loss of the first step is the same in every row; what differs is the memory 
 
     python 02_grad_accumulation/measure_memory.py                       # small model, CPU: ~30 s
     python 02_grad_accumulation/measure_memory.py --preset gpt2 --batch-size 32 --micro-batch-sizes 32 8 2 1
+    python 02_grad_accumulation/measure_memory.py --no-chunked-loss      # with the plain loss's full logits
 
 How memory is measured. "Resting" memory is what lives between steps: the weights and AdamW's
 two running averages per weight. The step adds the gradients, the activations every layer keeps
@@ -65,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model's chunked output layer + loss (the default); --no-chunked-loss: the plain one")
     args = p.parse_args()
     if args.batch_size < 1 or args.steps < 1:
         raise CourseError("--batch-size and --steps must be positive")
@@ -132,7 +135,7 @@ def main():
     dtype = pick_dtype(args.dtype, device)
     setup_math(device)
     autocast = autocast_context(device, dtype)
-    config = model_config(args.preset, block_size=args.block_size)
+    config = model_config(args.preset, block_size=args.block_size, chunked_loss=args.chunked_loss)
 
     # real windows of the training data, in the order the training scripts visit them
     train_set, _ = load_splits(prepare(args.dataset, args.data_dir), config.block_size)
@@ -186,7 +189,7 @@ def main():
 
     n_params = sum(p.numel() for p in GPT(config).parameters())
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {args.preset}: "
-          f"{n_params / 1e6:.2f}M parameters, block {T}; global batch {G} sequences = {G * T:,} tokens per step")
+          f"{n_params / 1e6:.2f}M parameters, block {T}, {'chunked' if args.chunked_loss else 'plain'} loss; global batch {G} sequences = {G * T:,} tokens per step")
     print(f"resting memory (weights + AdamW state): {rows[0][3] - rows[0][4]:,.0f} bytes = "
           f"{(rows[0][3] - rows[0][4]) / MiB:,.1f} MiB; memory measured with "
           + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler (CPU allocator)"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import statistics
 import sys
 import time
@@ -35,6 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="small")
+    p.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
+    p.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
+    p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model's chunked output layer + loss; --no-chunked-loss: the plain one")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--iters", type=int, default=30, help="steps timed, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing")
@@ -60,7 +65,8 @@ def main(argv=None) -> dict:
     dtype = pick_dtype(args.dtype, device)
     setup_math(device)
     autocast = autocast_context(device, dtype)
-    config = model_config(args.preset, dropout=0.0)
+    config = model_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd, dropout=0.0,
+                          chunked_loss=args.chunked_loss)
 
     # chapter 01's first batches, all in device memory before timing starts
     train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
@@ -110,10 +116,13 @@ def main(argv=None) -> dict:
             start, start_cpu = now, now_cpu
     result = {"preset": args.preset, "batch_size": args.batch_size, "block_size": config.block_size,
               "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-              "compile": args.compile, "timed_steps": args.iters - args.warmup,
+              "compile": args.compile, "chunked_loss": args.chunked_loss, "n_layer": config.n_layer,
+              "n_embd": config.n_embd, "timed_steps": args.iters - args.warmup,
               "step_ms": statistics.median(group_ms), "group_ms": [round(g, 3) for g in group_ms],
               "step_cpu_ms": statistics.median(group_cpu_ms), "group_cpu_ms": [round(g, 3) for g in group_cpu_ms],
-              "final_loss": loss.item()}
+              "final_loss": loss.item(),
+              "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
+              "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

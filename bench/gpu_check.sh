@@ -10,7 +10,9 @@
 #   gpu_vs_cpu       60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
 #   preflight        45s   ~15s  chapter 05's preflight, 1 rank on NCCL
 #   from_scratch     60s   ~20s  04_ddp/train_from_scratch.py --impl all, 1 rank on CUDA (the hooks' stream paths)
-#   compile         rest   ~120s chapter 01 with torch.compile: the MFU that counts (goal: 50%)
+#   compile         180s   ~120s chapter 01 with torch.compile: the MFU that counts (goal: 50%)
+#   loss_chunked    rest   ~180s plain vs chunked loss (bench/loss_bench.py check): bare steps eager and
+#                                compiled, tokens/s and peak memory, and the loss alone by chunk size
 #
 #   bash bench/gpu_check.sh                 # results under $OUT, else bench/results/gpu
 #
@@ -85,10 +87,15 @@ step gpu_vs_cpu 60 "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" --step
     --out "$OUT/gpu_vs_cpu.json"
 step preflight 45 "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb 1,16,128 --iters 10
 step from_scratch 60 "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all --preset "$CHECK_PRESET" --steps 12
-# compiling GPT-2's forward and backward takes most of this step; it gets what is left of TOTAL
+# compiling GPT-2's forward and backward takes most of this step
+step compile 180 "$PYTHON" bench/benchmark.py "${common[@]}" --stages 01 --compile --no-bare --timeout 170 \
+    --work-dir "$WORK/compile" --results-dir "$OUT/compile"
+# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): bare steps, eager and
+# compiled (tokens/s, peak memory), then the loss alone by chunk size; it gets what is left of TOTAL
 left=$((TOTAL - SECONDS - 15))
-step compile "$left" "$PYTHON" bench/benchmark.py "${common[@]}" --stages 01 --compile --no-bare \
-    --timeout $((left > 30 ? left - 10 : 20)) --work-dir "$WORK/compile" --results-dir "$OUT/compile"
+step loss_chunked "$left" "$PYTHON" bench/loss_bench.py check --configs "$PRESET" --device "$DEVICE" --dtype bfloat16 \
+    --batch-size "$BATCH" --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --compile --data-dir "$DATA_DIR" \
+    --work-dir "$WORK/loss_chunked" --timeout $((left > 30 ? left / 3 : 10)) --out "$OUT/loss_chunked.json"
 
 "$PYTHON" bench/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
 if [[ ${#failed[@]} -gt 0 ]]; then

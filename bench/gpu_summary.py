@@ -57,6 +57,9 @@ def summary(out: Path) -> str:
     for name, marker in (("preflight", "preflight "), ("from_scratch", "mean step time")):
         found = _lines(out / f"{name}.log", marker)
         text.append(f"- {name}: " + ("; ".join(found) if found else f"no results (see {name}.log)"))
+    chunked = out / "loss_chunked.md"
+    text += ["", "## Plain vs chunked loss", "",
+             chunked.read_text().strip() if chunked.exists() else "no results (see loss_chunked.log)"]
     text += ["", "Not measured on one GPU: DataParallel's imbalance between GPUs (cuda:0 holds the gathered "
              "outputs) and NCCL's scaling over GPUs and nodes need two GPUs or more."]
     return "\n".join(text) + "\n"

@@ -103,6 +103,9 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=positive_int, default=None, help="override the preset's context length")
     g.add_argument("--dropout", type=_fraction, default=0.0)
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="biases in Linear and LayerNorm")
+    g.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="the output layer and the loss a few positions at a time (common/chunked_loss.py); "
+                        "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory")
     g.add_argument("--init-from", choices=["scratch", "gpt2"], default="scratch",
                    help="gpt2: start from OpenAI's GPT-2 weights (downloads them once)")
 
@@ -165,7 +168,8 @@ def check_out_dir(out_dir: str) -> None:
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
     try:
         cfg = model_config(args.preset, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                           block_size=args.block_size, dropout=args.dropout, bias=args.bias)
+                           block_size=args.block_size, dropout=args.dropout, bias=args.bias,
+                           chunked_loss=args.chunked_loss)
     except ValueError as err:
         raise CourseError(str(err)) from None
     if cfg.n_embd % cfg.n_head:

@@ -1,7 +1,8 @@
 """The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT.
 
-The model knows nothing about devices, ranks or data: it maps token ids to logits (and a loss when
-targets are given). Every stage builds it from a `GPTConfig`, usually one of `PRESETS`.
+The model knows nothing about devices, ranks or data: it maps token ids to logits, or to a loss when
+targets are given (computed without the full logits unless `chunked_loss=False`). Every stage
+builds it from a `GPTConfig`, usually one of `PRESETS`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from .chunked_loss import chunked_cross_entropy
 
 GPT2_VOCAB_SIZE = 50257  # tiktoken's GPT-2 encoding: 50,256 BPE tokens + <|endoftext|>
 
@@ -30,6 +33,8 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
+    # the training loss without the full logits (common/chunked_loss.py); False: the plain lm_head + F.cross_entropy
+    chunked_loss: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,6 +160,10 @@ class GPT(nn.Module):
         if targets is None:
             # generating: only the last position's prediction is needed
             return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab_size)
+        if self.config.chunked_loss:
+            # the same loss, the output layer computed a few positions at a time: the (B, T, vocab_size)
+            # logits are never held, so there are none to return
+            return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss

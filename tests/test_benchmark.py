@@ -185,6 +185,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
     assert json.loads((out / "replica_dtype.json").read_text())["passed"]
     assert "preflight PASSED" in summary and "bucketed: mean step time" in summary
     assert "need two GPUs or more" in summary  # what one GPU cannot show is said, not faked
+    assert "## Plain vs chunked loss" in summary and (out / "loss_chunked.md").exists()
     # only small files come back: checkpoints and run folders stay in the work folder
     assert not list(out.rglob("*.pt")) and list(work.rglob("ckpt.pt"))
     assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 1_000_000
@@ -197,7 +198,8 @@ def test_gpu_check_gives_every_step_no_more_than_the_time_left(data_dir, tmp_pat
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1
-    assert "failed steps: prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile" in proc.stdout
+    assert ("failed steps: prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked"
+            in proc.stdout)
 
 
 def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):

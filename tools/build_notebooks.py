@@ -184,8 +184,11 @@ def notebook_cells_01() -> list[tuple[str, str]]:
             x = torch.stack([b[0] for b in batch])  # (B, T) = (8, 32)
             y = torch.stack([b[1] for b in batch])  # (B, T)
 
-            logits, loss = model(x, y)  # forward: logits (B, T, vocab), loss = mean cross-entropy over B*T
-            print(f"x {tuple(x.shape)} -> logits {tuple(logits.shape)}")
+            logits, _ = model(x[:, :4])  # no targets: scores for the token after the 4th, (B, 1, vocab)
+            print(f"x[:, :4] {tuple(x[:, :4].shape)} -> logits {tuple(logits.shape)}")
+            # with targets: the mean cross-entropy over all B*T positions; the (B, T, vocab) logits
+            # are computed a few positions at a time and not kept (common/chunked_loss.py)
+            _, loss = model(x, y)
             print(f"loss {loss.item():.4f}; ln(vocab) = ln({config.vocab_size}) = {math.log(config.vocab_size):.4f}")
         '''),
         code('''

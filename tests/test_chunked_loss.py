@@ -1,0 +1,192 @@
+"""The chunked output layer + loss (common/chunked_loss.py) is the plain one, up to float rounding.
+
+Every chapter trains with it, so the chapters' parity tests run through it too; these tests compare
+it with the plain `F.cross_entropy(h @ W.T, y)` directly: the loss and the gradients of the hidden
+states and of the output matrix, on shapes the chunk size divides and does not divide, under
+autocast, in a DataParallel-like replica thread, with the tied embedding, and under `no_grad`.
+
+torch.compile (not tested here: compiling even the tiny model takes over a minute on a busy 2-core
+machine): dynamo traces the autograd.Function into the model's single graph, with no graph break,
+the chunk loop unrolled; the compiled tiny model's gradients matched the eager plain path to 5e-7.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from common.chunked_loss import CPU_CHUNK, chunked_cross_entropy
+from common.model import GPT, PRESETS
+
+VOCAB = PRESETS["tiny"].vocab_size  # 50,304: the size that makes the chunking worth it
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference, relative to the largest value of the reference."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def loss_and_grads(fn, h, weight, targets):
+    h, weight = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, weight, targets)
+    loss.backward()
+    return loss.detach(), h.grad, weight.grad
+
+
+def plain(h, weight, targets):
+    return F.cross_entropy((h @ weight.t()).float(), targets)
+
+
+@pytest.mark.parametrize("positions, width, vocab, chunk", [
+    (256, 32, VOCAB, 128),  # two whole chunks
+    (200, 32, VOCAB, 128),  # a last chunk of 72: the chunk size does not divide the positions
+    (37, 16, VOCAB, 128),  # fewer positions than one chunk
+    (300, 24, 777, 64),  # an odd vocabulary, five chunks and a remainder
+])
+def test_loss_and_gradients_match_the_plain_computation(positions, width, vocab, chunk):
+    gen = torch.Generator().manual_seed(positions)
+    h = torch.randn(positions, width, generator=gen)
+    weight = 0.05 * torch.randn(vocab, width, generator=gen)
+    targets = torch.randint(0, vocab, (positions,), generator=gen)
+    ref_loss, ref_h, ref_w = loss_and_grads(plain, h, weight, targets)
+    loss, grad_h, grad_w = loss_and_grads(lambda *a: chunked_cross_entropy(*a, chunk=chunk), h, weight, targets)
+    assert loss.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == torch.float32
+    assert rel_diff(loss, ref_loss) <= 1e-6
+    assert rel_diff(grad_h, ref_h) <= 1e-5
+    assert rel_diff(grad_w, ref_w) <= 1e-5
+
+
+def test_ignored_positions_count_as_in_f_cross_entropy():
+    gen = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(150, 16, generator=gen), 0.05 * torch.randn(500, 16, generator=gen)
+    targets = torch.randint(0, 500, (150,), generator=gen)
+    targets[::3] = -100  # F.cross_entropy's ignore_index: left out of the mean and of the gradients
+    ref = loss_and_grads(plain, h, weight, targets)
+    ours = loss_and_grads(lambda *a: chunked_cross_entropy(*a, chunk=64), h, weight, targets)
+    for a, b in zip(ours, ref):
+        assert rel_diff(a, b) <= 1e-5
+    assert ours[1][::3].abs().max() == 0  # an ignored position gets no gradient
+
+
+def tiny_pair(**overrides) -> tuple[GPT, GPT]:
+    """The tiny GPT twice, same weights: with the chunked loss (the default) and the plain one."""
+    torch.manual_seed(0)
+    config = replace(PRESETS["tiny"], **overrides)
+    chunked = GPT(config)
+    plain_model = GPT(replace(config, chunked_loss=False))
+    plain_model.load_state_dict(chunked.state_dict())
+    return chunked, plain_model
+
+
+def batch(size: int = 8, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (size, PRESETS["tiny"].block_size)  # 8 x 32 = 256 positions: 2 chunks of CPU_CHUNK
+    return torch.randint(0, 50257, shape, generator=gen), torch.randint(0, 50257, shape, generator=gen)
+
+
+def test_the_model_trains_on_the_same_loss_and_gradients():
+    chunked, plain_model = tiny_pair()
+    assert chunked.config.chunked_loss and PRESETS["small"].chunked_loss  # the default everywhere
+    x, y = batch()
+    logits, loss = chunked(x, y)
+    assert logits is None  # the full logits are never built, so there are none to return
+    ref_logits, ref_loss = plain_model(x, y)
+    assert ref_logits.shape == (*x.shape, VOCAB)
+    loss.backward()
+    ref_loss.backward()
+    assert rel_diff(loss, ref_loss) <= 1e-6
+    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-5, name
+    # generation never takes the chunked path: without targets, the last position's logits
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(x)[0], plain_model(x)[0])
+
+
+def test_tied_weight_gradient_arrives_once():
+    """Embedding and output layer share one matrix; its gradient (the sum of both uses) must be
+    accumulated once per backward, so that post-accumulate-grad hooks (DDP's, chapter 04's
+    from-scratch buckets) fire once per parameter."""
+    for model in tiny_pair():
+        fired = {name: 0 for name, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired[name] + 1))
+        x, y = batch()
+        model(x, y)[1].backward()
+        assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired  # one tensor, one name
+        assert set(fired.values()) == {1}, fired
+
+
+def count_matmuls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
+
+
+def test_no_grad_does_no_gradient_work():
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(3 * CPU_CHUNK, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (3 * CPU_CHUNK,), generator=gen)
+    with torch.no_grad():
+        assert count_matmuls(lambda: chunked_cross_entropy(h, weight, targets)) == 3  # the logits of 3 chunks
+        loss = chunked_cross_entropy(h, weight, targets)
+    assert loss.grad_fn is None
+    # with gradients: 3 products per chunk (the logits, then d/dh and d/dW computed right away)
+    assert count_matmuls(lambda: chunked_cross_entropy(h, weight, targets)) == 9
+    assert rel_diff(loss, chunked_cross_entropy(h, weight, targets)) == 0
+
+
+def test_bfloat16_autocast_on_the_cpu():
+    chunked, plain_model = tiny_pair()
+    x, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked(x, y)[1]
+        ref_loss = plain_model(x, y)[1]
+    assert loss.dtype == ref_loss.dtype == torch.float32  # the softmax runs in float32 on both paths
+    loss.backward()
+    ref_loss.backward()
+    assert rel_diff(loss, ref_loss) <= 1e-3  # both from bf16 products; only their rounding differs
+    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert rel_diff(p.grad, q.grad) <= 3e-2, name  # bfloat16 keeps about 3 significant digits
+
+
+def test_in_replica_threads_as_dataparallel_runs_it():
+    """nn.DataParallel runs each replica's forward in a thread of its own, then one backward over
+    the gathered losses; here two threads each take half the batch on the CPU."""
+    chunked, plain_model = tiny_pair()
+    x, y = batch()
+    losses, errors = [None, None], []
+
+    def replica(i, xs, ys):
+        try:
+            with torch.autocast("cpu", enabled=False):  # DataParallel sets each thread's autocast state
+                losses[i] = chunked(xs, ys)[1]
+        except Exception as err:  # noqa: BLE001 - reported below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=replica, args=(i, xs, ys)) for i, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    loss = torch.stack(losses).mean()  # what chapter 03 does with the gathered vector
+    loss.backward()
+    ref_loss = plain_model(x, y)[1]
+    ref_loss.backward()
+    assert rel_diff(loss, ref_loss) <= 1e-6
+    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
+        assert rel_diff(p.grad, q.grad) <= 1e-5, name
