@@ -44,21 +44,22 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     """The summed loss and (if wanted) the gradients of that sum, chunk by chunk.
 
     h (N, C), weight (V, C), targets (N,); the matrix products run in `dtype`, the softmax in
-    float32. Returns the summed loss (float32, 0-dim), the number of positions that count, and
-    grad_h (N, C) and grad_w (V, C) in float32, or None where not wanted.
+    float32 (float64 in a float64 run). Returns the summed loss (0-dim), the number of positions
+    that count, and grad_h (N, C) and grad_w (V, C), in that precision, or None where not wanted.
     """
     n = h.shape[0]
+    acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 when the run is float64
     h_lo, w_lo = h.to(dtype), weight.to(dtype)  # no copy when already in dtype (float32 on the CPU)
     valid = targets != ignore_index  # (N,) positions that count, as F.cross_entropy's ignore_index
     safe_targets = targets.clamp(min=0).unsqueeze(1)  # (N, 1) an ignored position gathers column 0, then counts 0
-    loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-    grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_grad_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad_w else None
+    loss_sum = torch.zeros((), dtype=acc, device=h.device)
+    grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if want_grad_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad_w else None
     for start in range(0, n, chunk):
         rows = slice(start, start + chunk)
         h_c, y_c, keep = h_lo[rows], safe_targets[rows], valid[rows].unsqueeze(1)  # (c, C), (c, 1), (c, 1)
         # the chunk's logits, in float32 for the softmax as the plain path does: the one large tensor
-        log_probs = torch.log_softmax((h_c @ w_lo.t()).float(), dim=1)  # (c, V)
+        log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
         loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
         if want_grad_h or want_grad_w:
             # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
@@ -66,7 +67,7 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
             grad_logits = grad_logits.to(dtype)  # the products run in the matmul's precision, as in the plain path
             if want_grad_h:
                 grad_h[rows] = (grad_logits @ w_lo) * keep  # (c, C); an ignored position gets zero
-            if want_grad_w and dtype == torch.float32:  # the product adds itself into grad_w
+            if want_grad_w and dtype == acc:  # the product adds itself into grad_w
                 grad_w.addmm_(grad_logits.t(), h_c * keep)  # (V, C), summed over the chunks
             elif want_grad_w:  # bfloat16 or float16 products, summed in float32 (on the CPU the add
                 grad_w += grad_logits.t() @ (h_c * keep)  # makes a float32 copy of each product first)
@@ -89,7 +90,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_loss.float() / count  # d(mean)/d(sum), times what came from above
+        scale = grad_loss.to(grad_h.dtype if grad_h is not None else grad_w.dtype) / count  # d(mean)/d(sum)
         h_dtype, w_dtype = ctx.dtypes
         return (None if grad_h is None else (grad_h * scale).to(h_dtype),
                 None if grad_w is None else (grad_w * scale).to(w_dtype), None, None, None, None)

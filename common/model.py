@@ -165,7 +165,9 @@ class GPT(nn.Module):
             # logits are never held, so there are none to return
             return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)  # (B, T, vocab_size)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        # float32 for the softmax even under bf16 autocast; float64 stays float64
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(torch.promote_types(logits.dtype, torch.float32)),
+                               targets.reshape(-1))
         return logits, loss
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
