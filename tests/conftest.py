@@ -42,5 +42,17 @@ def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **flags) -
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread in the test process: small matmuls gain nothing from threads, and spinning
+    threads suffer on a shared machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_args():
     return tiny_run_args

@@ -25,12 +25,7 @@ from common.model import GPT, PRESETS
 VOCAB = PRESETS["tiny"].vocab_size  # 50,304: the size that makes the chunking worth it
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,13 +11,7 @@ from common.metrics import peak_flops
 from common.model import GPT, PRESETS, GPTConfig, load_hf_gpt2_state_dict, model_config, padded_vocab_size
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small matmuls gain nothing from threads, and spinning threads suffer on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
 
 
 def test_vocabulary_padded_to_multiple_of_64():
