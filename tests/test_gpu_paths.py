@@ -202,7 +202,7 @@ def test_ranks_wait_for_data_preparation_longer_than_dist_timeout(tmp_path):
     has its own long timeout, so the run goes on instead of failing at the barrier."""
     play = shakespeare_texts()[0]
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(play * 80)  # ~2M tokens: tokenizing them in one process takes seconds
+    corpus.write_text(play * 200)  # ~5M tokens: tokenizing them in one process takes well over 2 s
     proc = run_torchrun("04_ddp/train.py", 2, [
         "--preset", "tiny", "--max-iters", 1, "--eval-batches", 1, "--sample-tokens", 0, "--batch-size", 2,
         "--device", "cpu", "--dataset", corpus, "--num-proc", 1, "--dist-timeout", 2,
