@@ -29,8 +29,8 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import re
+import shutil
 import signal
 import socket
 import statistics

@@ -82,6 +82,9 @@ def max_memory_mb(device: torch.device) -> float | None:
     return None
 
 
+METRICS_NAME = "metrics.jsonl"  # in every run's --out-dir
+
+
 def _parse(line: str) -> dict | None:
     """One metrics line, or None for a blank line or one cut short by a crash mid-write."""
     try:

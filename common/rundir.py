@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from .checkpoint import CKPT_NAME
 from .errors import CourseError
-
-METRICS_NAME = "metrics.jsonl"
+from .metrics import METRICS_NAME
 
 
 def holds_a_run(out_dir: Path) -> bool:

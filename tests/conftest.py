@@ -27,6 +27,11 @@ def data_dir(tmp_path_factory) -> Path:
     return root
 
 
+def snapshot(folder: Path) -> dict:
+    """Every file of a folder with its modification time and bytes: to show a run left them alone."""
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
 def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **flags) -> list[str]:
     """Flags for a short, deterministic CPU run of any stage with the tiny model.
 

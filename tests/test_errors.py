@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.errors import CourseError
-from conftest import tiny_run_args
+from conftest import snapshot, tiny_run_args
 from launch import run_python
 
 SCRIPT = "01_single_gpu/train.py"
@@ -23,10 +23,6 @@ def earlier_run(data_dir, tmp_path_factory) -> Path:
     run_python([SCRIPT, *tiny_run_args(data_dir, out_dir, 2)])
     assert (out_dir / "ckpt.pt").exists() and (out_dir / "metrics.jsonl").exists()
     return out_dir
-
-
-def snapshot(folder: Path) -> dict:
-    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
 
 
 def fails_cleanly(args: list, message: str) -> str:

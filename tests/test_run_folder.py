@@ -18,12 +18,8 @@ import subprocess
 import sys
 import time
 
-from conftest import tiny_run_args
+from conftest import snapshot, tiny_run_args
 from launch import REPO, child_env, run_python, stop_launchers, torchrun_command
-
-
-def snapshot(folder):
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
 def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:
