@@ -518,8 +518,10 @@ RANK_WORKER = code(r"""
 
 
     def results(output):
-        # every rank's RESULT line, as a dict, in rank order
-        rows = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
+        # every rank's RESULT, as a dict, in rank order; read object by object, not line by line,
+        # because the ranks share one output pipe and two lines can come out glued together
+        decoder = json.JSONDecoder()
+        rows = [decoder.raw_decode(part)[0] for part in output.split("RESULT ")[1:]]
         return sorted(rows, key=lambda r: r["rank"])
 
 
