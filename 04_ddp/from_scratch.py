@@ -38,7 +38,7 @@ moved to its device, before wrapping: the buckets' buffers are allocated where t
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

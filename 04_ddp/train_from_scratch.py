@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, for `fr
 
 import torch
 import torch.distributed as dist
+from from_scratch import BucketedDataParallel, NaiveDataParallel
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
+from zero1 import ShardedOptimizer, ZeroOneDataParallel
 
 from common.model import GPT, PRESETS, model_config
-from from_scratch import BucketedDataParallel, NaiveDataParallel
-from zero1 import ShardedOptimizer, ZeroOneDataParallel
 
 IMPLS = {"naive": ["naive"], "bucketed": ["bucketed"], "ddp": ["ddp"], "zero1": ["ddp", "zero1"],
          "zero_redundancy": ["ddp", "zero_redundancy"], "all": ["naive", "bucketed", "ddp"]}

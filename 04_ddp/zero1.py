@@ -40,7 +40,6 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from from_scratch import BucketedDataParallel, _Bucket
 
 

@@ -33,13 +33,18 @@ from common.model import GPT, PRESETS, model_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
     p.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
-    p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
-                   help="the model's chunked output layer + loss; --no-chunked-loss: the plain one")
+    p.add_argument(
+        "--chunked-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the model's chunked output layer + loss; --no-chunked-loss: the plain one",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--iters", type=int, default=30, help="steps timed, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing")
@@ -65,8 +70,9 @@ def main(argv=None) -> dict:
     dtype = pick_dtype(args.dtype, device)
     setup_math(device)
     autocast = autocast_context(device, dtype)
-    config = model_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd, dropout=0.0,
-                          chunked_loss=args.chunked_loss)
+    config = model_config(
+        args.preset, n_layer=args.n_layer, n_embd=args.n_embd, dropout=0.0, chunked_loss=args.chunked_loss
+    )
 
     # chapter 01's first batches, all in device memory before timing starts
     train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
@@ -77,13 +83,20 @@ def main(argv=None) -> dict:
         try:
             x, y = next(loader)
         except StopIteration:  # a tiny corpus for a big batch: start the same order again
-            loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order.manual_seed(args.seed)), args.batch_size))
+            loader = iter(
+                batch_loader(
+                    train_set,
+                    RandomSampler(train_set, generator=order.manual_seed(args.seed)),
+                    args.batch_size,
+                )
+            )
             x, y = next(loader)
         batches.append((x.to(device), y.to(device)))
 
     model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99),
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99), fused=device.type == "cuda"
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step_model = torch.compile(model) if args.compile else model
     model.train()
@@ -106,7 +119,9 @@ def main(argv=None) -> dict:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         done = i + 1
-        if done == args.warmup or (done > args.warmup and ((done - args.warmup) % args.group == 0 or done == args.iters)):
+        if done == args.warmup or (
+            done > args.warmup and ((done - args.warmup) % args.group == 0 or done == args.iters)
+        ):
             sync()
             now, now_cpu = time.perf_counter(), time.process_time()
             if done > args.warmup:
@@ -114,20 +129,33 @@ def main(argv=None) -> dict:
                 group_ms.append(1000 * (now - start) / steps)
                 group_cpu_ms.append(1000 * (now_cpu - start_cpu) / steps)
             start, start_cpu = now, now_cpu
-    result = {"preset": args.preset, "batch_size": args.batch_size, "block_size": config.block_size,
-              "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-              "compile": args.compile, "chunked_loss": args.chunked_loss, "n_layer": config.n_layer,
-              "n_embd": config.n_embd, "timed_steps": args.iters - args.warmup,
-              "step_ms": statistics.median(group_ms), "group_ms": [round(g, 3) for g in group_ms],
-              "step_cpu_ms": statistics.median(group_cpu_ms), "group_cpu_ms": [round(g, 3) for g in group_cpu_ms],
-              "final_loss": loss.item(),
-              "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
-              "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+    result = {
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "block_size": config.block_size,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "compile": args.compile,
+        "chunked_loss": args.chunked_loss,
+        "n_layer": config.n_layer,
+        "n_embd": config.n_embd,
+        "timed_steps": args.iters - args.warmup,
+        "step_ms": statistics.median(group_ms),
+        "group_ms": [round(g, 3) for g in group_ms],
+        "step_cpu_ms": statistics.median(group_cpu_ms),
+        "group_cpu_ms": [round(g, 3) for g in group_cpu_ms],
+        "final_loss": loss.item(),
+        "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
+        "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"bare step: {result['step_ms']:.1f} ms (median of {len(group_ms)} groups of {args.group} steps; "
-          f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, {result['dtype']})")
+    print(
+        f"bare step: {result['step_ms']:.1f} ms (median of {len(group_ms)} groups of {args.group} steps; "
+        f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, {result['dtype']})"
+    )
     return result
 
 

@@ -45,6 +45,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 import scaling_model  # noqa: E402
+
 from common.metrics import read_metrics  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
@@ -66,16 +67,36 @@ def stage_list(args) -> list[Stage]:
     g, k = args.batch_size, args.grad_accum
     return [
         Stage("01", "01 one device", "01_single_gpu/train.py", "python", flags=["--batch-size", g]),
-        Stage("02", f"02 grad accum x{k}", "02_grad_accumulation/train.py", "python", micro_batches=k,
-              flags=["--batch-size", g // k, "--grad-accum", k]),
+        Stage(
+            "02",
+            f"02 grad accum x{k}",
+            "02_grad_accumulation/train.py",
+            "python",
+            micro_batches=k,
+            flags=["--batch-size", g // k, "--grad-accum", k],
+        ),
         # On the CPU (or one GPU) DataParallel has one replica: the whole batch goes through it.
-        Stage("03", "03 DataParallel", "03_dataparallel/train.py", "python",
-              flags=["--batch-size", g // args.dp_replicas] + (["--gpus", args.dp_replicas] if args.cuda_devices else [])),
+        Stage(
+            "03",
+            "03 DataParallel",
+            "03_dataparallel/train.py",
+            "python",
+            flags=["--batch-size", g // args.dp_replicas]
+            + (["--gpus", args.dp_replicas] if args.cuda_devices else []),
+        ),
         Stage("04x1", "04 DDP, 1 rank", "04_ddp/train.py", "torchrun", ranks=1, flags=["--batch-size", g]),
-        Stage("04x2", "04 DDP, 2 ranks", "04_ddp/train.py", "torchrun", ranks=2, flags=["--batch-size", g // 2]),
+        Stage(
+            "04x2", "04 DDP, 2 ranks", "04_ddp/train.py", "torchrun", ranks=2, flags=["--batch-size", g // 2]
+        ),
         # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone prepares
-        Stage("05", "05 2 nodes x 1 rank", "05_multinode/train.py", "two_nodes", ranks=2,
-              flags=["--batch-size", g // 2, "--shared-fs"]),
+        Stage(
+            "05",
+            "05 2 nodes x 1 rank",
+            "05_multinode/train.py",
+            "two_nodes",
+            ranks=2,
+            flags=["--batch-size", g // 2, "--shared-fs"],
+        ),
     ]
 
 
@@ -98,8 +119,18 @@ def launch_commands(launch: str, ranks: int, script_and_args: list[str]) -> list
     if launch == "torchrun":
         return [[*run, "--standalone", f"--nproc-per-node={ranks}", *script_and_args]]
     port = free_port()  # two torchruns meeting on 127.0.0.1, as two machines would over the network
-    return [[*run, "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={ranks // 2}", "--master-addr=127.0.0.1",
-             f"--master-port={port}", *script_and_args] for node in (0, 1)]
+    return [
+        [
+            *run,
+            "--nnodes=2",
+            f"--node-rank={node}",
+            f"--nproc-per-node={ranks // 2}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            *script_and_args,
+        ]
+        for node in (0, 1)
+    ]
 
 
 def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple[int, str]:
@@ -112,8 +143,11 @@ def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: 
         log.flush()
         logs.append(log)
         # a session of its own, so a timeout can end the process with all its children
-        procs.append(subprocess.Popen(commands[i], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                commands[i], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
     deadline = time.monotonic() + timeout
     status = 0
     try:
@@ -169,9 +203,15 @@ def stage_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interv
         values = [m[key] for m in timed if m.get(key) is not None]
         return statistics.median(values) if values else None
 
-    fig = {"step_ms": median("dt_ms"), "tokens_per_sec": median("tokens_per_sec"), "mfu": median("mfu"),
-           "cuda_max_mem_mb": max((m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None), default=None),
-           "timed_intervals": len(timed)}
+    fig = {
+        "step_ms": median("dt_ms"),
+        "tokens_per_sec": median("tokens_per_sec"),
+        "mfu": median("mfu"),
+        "cuda_max_mem_mb": max(
+            (m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None), default=None
+        ),
+        "timed_intervals": len(timed),
+    }
     probes = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("probe_rank*.json"))]
     fig["threads_per_rank"] = max((p["threads"] for p in probes), default=None)
     fig["cpu_peak_rss_mb"] = max((p["maxrss_mb"] for p in probes), default=None)
@@ -198,33 +238,52 @@ def stage_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interv
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per optimizer step, in every stage")
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="global batch: sequences per optimizer step, in every stage"
+    )
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step in chapter 02")
     p.add_argument("--iters", type=int, default=30, help="optimizer steps per run")
-    p.add_argument("--log-interval", type=int, default=5, help="steps per metrics line; the first interval is warm-up")
+    p.add_argument(
+        "--log-interval", type=int, default=5, help="steps per metrics line; the first interval is warm-up"
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs of each stage; the fastest counts")
     p.add_argument("--stages", default="01,02,03,04x1,04x2,05", help="comma-separated: 01 02 03 04x1 04x2 05")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="torch.compile in every stage and in the bare step")
-    p.add_argument("--threads-per-rank", type=int, default=None,
-                   help="OMP_NUM_THREADS of every training process, single-process stages and ranks alike "
-                        "(default: CPU cores / 2, at least 1): the same compute per device in every row, "
-                        "so 2 ranks fill the machine and scaling compares like with like")
-    p.add_argument("--no-comm", action="store_true", help="skip the communication measurement (bench/ddp_worker.py)")
-    p.add_argument("--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)")
-    p.add_argument("--data-dir", default="data", help="where the prepared corpus is (prepared here if missing)")
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of every training process, single-process stages and ranks alike "
+        "(default: CPU cores / 2, at least 1): the same compute per device in every row, "
+        "so 2 ranks fill the machine and scaling compares like with like",
+    )
+    p.add_argument(
+        "--no-comm", action="store_true", help="skip the communication measurement (bench/ddp_worker.py)"
+    )
+    p.add_argument(
+        "--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)"
+    )
+    p.add_argument(
+        "--data-dir", default="data", help="where the prepared corpus is (prepared here if missing)"
+    )
     p.add_argument("--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl, probes")
-    p.add_argument("--results-dir", default=str(BENCH / "results"), help="benchmark.md and benchmark.json go here")
+    p.add_argument(
+        "--results-dir", default=str(BENCH / "results"), help="benchmark.md and benchmark.json go here"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take before it is stopped")
     args = p.parse_args(argv)
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
         p.error("--iters must be at least twice --log-interval: the first interval is dropped as warm-up")
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
-        p.error(f"--batch-size {args.batch_size} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}")
+        p.error(
+            f"--batch-size {args.batch_size} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}"
+        )
     known = {"01", "02", "03", "04x1", "04x2", "05"}
     args.stage_keys = [s.strip() for s in args.stages.split(",") if s.strip()]
     if not args.stage_keys or set(args.stage_keys) - known:
@@ -244,14 +303,39 @@ def resolve_device(args) -> None:
     if args.threads_per_rank is None:
         args.threads_per_rank = max(1, (os.cpu_count() or 1) // 2)
     args.default_threads = torch.get_num_threads()
-    args.device_name = torch.cuda.get_device_name(0) if args.cuda_devices else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    args.device_name = (
+        torch.cuda.get_device_name(0)
+        if args.cuda_devices
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    )
 
 
 def stage_args(args, stage: Stage, out_dir: Path) -> list[str]:
-    flags = ["--preset", args.preset, "--max-iters", args.iters, "--log-interval", args.log_interval,
-             "--eval-interval", args.iters, "--eval-batches", 1, "--sample-tokens", 0, "--dropout", 0,
-             "--device", args.device, "--dtype", args.dtype, "--data-dir", args.data_dir, "--out-dir", out_dir,
-             *stage.flags]
+    flags = [
+        "--preset",
+        args.preset,
+        "--max-iters",
+        args.iters,
+        "--log-interval",
+        args.log_interval,
+        "--eval-interval",
+        args.iters,
+        "--eval-batches",
+        1,
+        "--sample-tokens",
+        0,
+        "--dropout",
+        0,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--data-dir",
+        args.data_dir,
+        "--out-dir",
+        out_dir,
+        *stage.flags,
+    ]
     if args.compile:
         flags.append("--compile")
     return [str(f) for f in flags]
@@ -269,11 +353,21 @@ def run_stage(args, stage: Stage, repeat: int) -> dict:
     env = child_env(args, args.threads_per_rank) | {"BENCH_PROBE_DIR": str(probe_dir)}
     started = time.monotonic()
     status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
-    result = {"command": " ".join(commands[0]).replace(sys.executable, "python"), "seconds": round(time.monotonic() - started, 1)}
+    result = {
+        "command": " ".join(commands[0]).replace(sys.executable, "python"),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     if status != 0:
-        return result | {"status": "failed", "note": f"exit status {status}: {tail.splitlines()[-1] if tail else ''}"[:300]}
+        return result | {
+            "status": "failed",
+            "note": f"exit status {status}: {tail.splitlines()[-1] if tail else ''}"[:300],
+        }
     try:
-        return result | {"status": "ok"} | stage_figures(out_dir, probe_dir, stage.micro_batches, args.log_interval)
+        return (
+            result
+            | {"status": "ok"}
+            | stage_figures(out_dir, probe_dir, stage.micro_batches, args.log_interval)
+        )
     except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as err:
         return result | {"status": "failed", "note": f"no figures: {err}"[:300]}
 
@@ -281,9 +375,28 @@ def run_stage(args, stage: Stage, repeat: int) -> dict:
 def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
     out = Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(BENCH / "bare_step.py"), "--preset", args.preset, "--batch-size", str(batch_size),
-           "--iters", str(args.iters), "--warmup", str(args.log_interval), "--group", str(args.log_interval),
-           "--device", args.device, "--dtype", args.dtype, "--data-dir", args.data_dir, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(BENCH / "bare_step.py"),
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(batch_size),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.log_interval),
+        "--group",
+        str(args.log_interval),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--data-dir",
+        args.data_dir,
+        "--out",
+        str(out),
+    ]
     if args.compile:
         cmd.append("--compile")
     status, tail = run_commands([cmd], child_env(args, threads), out.with_suffix(".log"), args.timeout)
@@ -299,12 +412,31 @@ def run_comm(args, stage: Stage, repeat: int) -> dict | None:
     # short groups of 2 steps, alternating sync / no_sync: many pairs, each pair under the same load
     group = min(2, args.log_interval)
     iters = max(args.iters, args.log_interval + 4 * group)  # warm-up, then at least 2 groups of each kind
-    worker = [str(BENCH / "ddp_worker.py"), "--preset", args.preset, "--batch-size", str(args.batch_size // stage.ranks),
-              "--iters", str(iters), "--warmup", str(args.log_interval), "--group", str(group),
-              "--device", "cuda" if args.device.startswith("cuda") else "cpu", "--dtype", args.dtype,
-              "--data-dir", args.data_dir, "--out", str(out)]
+    worker = [
+        str(BENCH / "ddp_worker.py"),
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size // stage.ranks),
+        "--iters",
+        str(iters),
+        "--warmup",
+        str(args.log_interval),
+        "--group",
+        str(group),
+        "--device",
+        "cuda" if args.device.startswith("cuda") else "cpu",
+        "--dtype",
+        args.dtype,
+        "--data-dir",
+        args.data_dir,
+        "--out",
+        str(out),
+    ]
     commands = launch_commands(stage.launch, stage.ranks, worker)
-    status, tail = run_commands(commands, child_env(args, args.threads_per_rank), out.with_suffix(".log"), args.timeout)
+    status, tail = run_commands(
+        commands, child_env(args, args.threads_per_rank), out.with_suffix(".log"), args.timeout
+    )
     if status != 0 or not out.exists():
         print(f"  communication run for {stage.key} failed: {tail[-200:]}", flush=True)
         return None
@@ -315,19 +447,36 @@ def predict_two_ranks(args, report: dict) -> dict | None:
     """bench/scaling_model.py's 04 DDP step with 2 ranks, from this run's measured inputs: the bare
     step and the bus bandwidth that 05_multinode/preflight.py measures in the same launch layout,
     for one all-reduce of all the gradients."""
-    if args.no_comm or args.no_bare or not any(r["stage"] == "04x2" and r["status"] == "ok" for r in report["stages"]):
+    if (
+        args.no_comm
+        or args.no_bare
+        or not any(r["stage"] == "04x2" and r["status"] == "ok" for r in report["stages"])
+    ):
         return None
     mb = scaling_model.gradient_layout(args.preset)["grad_bytes"] / 1e6
-    preflight = [str(REPO / "05_multinode" / "preflight.py"), "--backend", "nccl" if args.device.startswith("cuda") else "gloo",
-                 "--sizes-mb", f"{mb:.3f}", "--iters", "5"]
+    preflight = [
+        str(REPO / "05_multinode" / "preflight.py"),
+        "--backend",
+        "nccl" if args.device.startswith("cuda") else "gloo",
+        "--sizes-mb",
+        f"{mb:.3f}",
+        "--iters",
+        "5",
+    ]
     log = Path(args.work_dir) / "preflight.log"
-    status, tail = run_commands(launch_commands("torchrun", 2, preflight), child_env(args, args.threads_per_rank), log, args.timeout)
-    rows = re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", log.read_text(errors="replace"), re.MULTILINE)
+    status, tail = run_commands(
+        launch_commands("torchrun", 2, preflight), child_env(args, args.threads_per_rank), log, args.timeout
+    )
+    rows = re.findall(
+        r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", log.read_text(errors="replace"), re.MULTILINE
+    )
     if status != 0 or not rows:
         print(f"  preflight failed, no prediction: {tail[-200:]}", flush=True)
         return None
     size, busbw = map(float, rows[-1])
-    return scaling_model.against_benchmark(report, busbw, f"05_multinode/preflight.py, 2 ranks, all-reduce of {size:g} MB")
+    return scaling_model.against_benchmark(
+        report, busbw, f"05_multinode/preflight.py, 2 ranks, all-reduce of {size:g} MB"
+    )
 
 
 def best(results: list[dict | None], key: str) -> dict | None:
@@ -346,21 +495,43 @@ def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, 
     block = PRESETS[args.preset].block_size
     rows = []
     for s in stages:
-        row = {"stage": s.key, "label": s.label, "script": s.script, "launch": s.launch, "processes": s.ranks,
-               "devices": s.ranks if s.launch != "python" else max(args.dp_replicas, 1),
-               "micro_batch": int(s.flags[1]), "grad_accum": s.micro_batches}
+        row = {
+            "stage": s.key,
+            "label": s.label,
+            "script": s.script,
+            "launch": s.launch,
+            "processes": s.ranks,
+            "devices": s.ranks if s.launch != "python" else max(args.dp_replicas, 1),
+            "micro_batch": int(s.flags[1]),
+            "grad_accum": s.micro_batches,
+        }
         if s.key in skipped:
-            rows.append(row | {"status": "missing" if "exist" in skipped[s.key] else "skipped", "note": skipped[s.key]})
+            rows.append(
+                row
+                | {"status": "missing" if "exist" in skipped[s.key] else "skipped", "note": skipped[s.key]}
+            )
             continue
         ok = best([r for r in runs[s.key] if r["status"] == "ok"], "step_ms")
         if ok is None:
-            rows.append(row | {"status": "failed", "note": runs[s.key][-1].get("note", ""), "command": runs[s.key][-1]["command"]})
+            rows.append(
+                row
+                | {
+                    "status": "failed",
+                    "note": runs[s.key][-1].get("note", ""),
+                    "command": runs[s.key][-1]["command"],
+                }
+            )
             continue
-        row |= {"status": "ok", "command": ok["command"],
-                "step_ms_repeats": [round(r["step_ms"], 2) for r in runs[s.key] if r["status"] == "ok"]}
+        row |= {
+            "status": "ok",
+            "command": ok["command"],
+            "step_ms_repeats": [round(r["step_ms"], 2) for r in runs[s.key] if r["status"] == "ok"],
+        }
         row["step_ms"] = ok["step_ms"]
         # CPU time: each repeat's own figure, the smallest (independently of the wall-clock pick)
-        cpu_runs = [r["step_cpu_ms"] for r in runs[s.key] if r["status"] == "ok" and r.get("step_cpu_ms") is not None]
+        cpu_runs = [
+            r["step_cpu_ms"] for r in runs[s.key] if r["status"] == "ok" and r.get("step_cpu_ms") is not None
+        ]
         row["step_cpu_ms"] = min(cpu_runs) if cpu_runs else None
         row["step_cpu_ms_repeats"] = [round(c, 2) for c in cpu_runs]
         row["tokens_per_sec"] = ok["tokens_per_sec"]
@@ -368,18 +539,33 @@ def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, 
         row["mfu"] = ok["mfu"]
         row["threads_per_rank"] = ok["threads_per_rank"]
         if args.device.startswith("cuda"):
-            row["peak_mem_mb"], row["peak_mem_source"] = ok["cuda_max_mem_mb"], "torch.cuda.max_memory_allocated, rank 0"
+            row["peak_mem_mb"], row["peak_mem_source"] = (
+                ok["cuda_max_mem_mb"],
+                "torch.cuda.max_memory_allocated, rank 0",
+            )
         else:
-            row["peak_mem_mb"], row["peak_mem_source"] = ok["cpu_peak_rss_mb"], "peak RSS of the largest rank process"
+            row["peak_mem_mb"], row["peak_mem_source"] = (
+                ok["cpu_peak_rss_mb"],
+                "peak RSS of the largest rank process",
+            )
         row["data_wait_share"] = ok["data_wait_share"]
         c = best(comm.get(s.key, []), "sync_ms")
         row["comm_share"] = c["comm_share"] if c else None
-        row["comm"] = {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")} if c else None
-        b, b_cpu = best(bare.get(bare_key(args, s), []), "step_ms"), best(bare.get(bare_key(args, s), []), "step_cpu_ms")
+        row["comm"] = (
+            {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")} if c else None
+        )
+        b, b_cpu = (
+            best(bare.get(bare_key(args, s), []), "step_ms"),
+            best(bare.get(bare_key(args, s), []), "step_cpu_ms"),
+        )
         row["bare_step_ms"] = b["step_ms"] if b else None
         row["bare_step_cpu_ms"] = b_cpu["step_cpu_ms"] if b_cpu else None
         row["bare_ratio"] = row["step_ms"] / b["step_ms"] if b else None
-        row["bare_cpu_ratio"] = row["step_cpu_ms"] / row["bare_step_cpu_ms"] if row["step_cpu_ms"] and row["bare_step_cpu_ms"] else None
+        row["bare_cpu_ratio"] = (
+            row["step_cpu_ms"] / row["bare_step_cpu_ms"]
+            if row["step_cpu_ms"] and row["bare_step_cpu_ms"]
+            else None
+        )
         rows.append(row)
 
     by_key = {r["stage"]: r for r in rows}
@@ -388,18 +574,34 @@ def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, 
     for key in ("04x2", "05"):
         two = by_key.get(key)
         if one and two and one.get("status") == two.get("status") == "ok":
-            scaling[key] = {"ranks": 2, "against": "04x1", "efficiency": two["tokens_per_sec"] / (2 * one["tokens_per_sec"]),
-                            "speedup": two["tokens_per_sec"] / one["tokens_per_sec"]}
+            scaling[key] = {
+                "ranks": 2,
+                "against": "04x1",
+                "efficiency": two["tokens_per_sec"] / (2 * one["tokens_per_sec"]),
+                "speedup": two["tokens_per_sec"] / one["tokens_per_sec"],
+            }
     report = {
-        "settings": {"preset": args.preset, "block_size": block, "global_batch": args.batch_size,
-                     "tokens_per_step": args.batch_size * block, "iters": args.iters, "log_interval": args.log_interval,
-                     "warmup_steps_dropped": args.log_interval, "repeats": args.repeats, "device": args.device,
-                     "device_name": args.device_name, "dtype": args.dtype, "compile": args.compile,
-                     "threads_per_rank": args.threads_per_rank, "torch_default_threads": args.default_threads,
-                     "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                     "torch": __import__("torch").__version__,
-                     "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                     "command": "python bench/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+        "settings": {
+            "preset": args.preset,
+            "block_size": block,
+            "global_batch": args.batch_size,
+            "tokens_per_step": args.batch_size * block,
+            "iters": args.iters,
+            "log_interval": args.log_interval,
+            "warmup_steps_dropped": args.log_interval,
+            "repeats": args.repeats,
+            "device": args.device,
+            "device_name": args.device_name,
+            "dtype": args.dtype,
+            "compile": args.compile,
+            "threads_per_rank": args.threads_per_rank,
+            "torch_default_threads": args.default_threads,
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": __import__("torch").__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": "python bench/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        },
         "stages": rows,
         "bare": [{"batch_size": k[0], "threads_env": k[1], "runs": v} for k, v in bare.items()],
         "scaling": scaling,
@@ -418,8 +620,11 @@ def main(argv=None) -> int:
     block = PRESETS[args.preset].block_size
     stages = [s for s in stage_list(args) if s.key in args.stage_keys]
     gpu_short = args.device.startswith("cuda") and args.cuda_devices < 2
-    print(f"benchmark: {args.preset} preset, global batch {args.batch_size} x {block} tokens, {args.iters} steps "
-          f"(first {args.log_interval} dropped), {args.repeats} repeat(s), {args.device_name}", flush=True)
+    print(
+        f"benchmark: {args.preset} preset, global batch {args.batch_size} x {block} tokens, {args.iters} steps "
+        f"(first {args.log_interval} dropped), {args.repeats} repeat(s), {args.device_name}",
+        flush=True,
+    )
 
     runs: dict[str, list[dict]] = {s.key: [] for s in stages}
     comm: dict[str, list] = {s.key: [] for s in stages if s.ranks > 1}  # one rank has no one to talk to
@@ -438,19 +643,28 @@ def main(argv=None) -> int:
             print(f"[repeat {repeat + 1}/{args.repeats}] {s.label} ...", end=" ", flush=True)
             r = run_stage(args, s, repeat)
             runs[s.key].append(r)
-            print(f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"] + ": " + r["note"],
-                  f"({r['seconds']} s)", flush=True)
+            print(
+                f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"] + ": " + r["note"],
+                f"({r['seconds']} s)",
+                flush=True,
+            )
             if not args.no_comm and s.key in comm and r["status"] == "ok":
                 c = run_comm(args, s, repeat)
                 comm[s.key].append(c)
                 if c:
-                    print(f"    communication: {100 * c['comm_share']:.1f}% of a {c['sync_ms']:.1f} ms step", flush=True)
+                    print(
+                        f"    communication: {100 * c['comm_share']:.1f}% of a {c['sync_ms']:.1f} ms step",
+                        flush=True,
+                    )
         if not args.no_bare:
             for key in sorted({bare_key(args, s) for s in stages if s.key not in skipped}, key=str):
                 b = run_bare(args, key[0], key[1], repeat)
                 bare.setdefault(key, []).append(b)
                 if b:
-                    print(f"  bare step, batch {key[0]}, {b['threads']} thread(s): {b['step_ms']:.1f} ms", flush=True)
+                    print(
+                        f"  bare step, batch {key[0]}, {b['threads']} thread(s): {b['step_ms']:.1f} ms",
+                        flush=True,
+                    )
 
     report = build_report(args, stages, runs, comm, bare, skipped, argv)
     report["prediction"] = predict_two_ranks(args, report)
@@ -467,8 +681,19 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------------
 # The table
 
-COLUMNS = ["Stage", "Processes x threads", "tokens/s", "tokens/s per device", "Step (ms)", "MFU",
-           "Peak memory per device (MB)", "Data wait", "Communication", "Step / bare", "Step / bare (CPU time)"]
+COLUMNS = [
+    "Stage",
+    "Processes x threads",
+    "tokens/s",
+    "tokens/s per device",
+    "Step (ms)",
+    "MFU",
+    "Peak memory per device (MB)",
+    "Data wait",
+    "Communication",
+    "Step / bare",
+    "Step / bare (CPU time)",
+]
 
 
 def _num(value, fmt: str = "{:,.0f}") -> str:
@@ -481,33 +706,65 @@ def _pct(value) -> str:
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    lines = [f"# Benchmark: {s['preset']} preset on {s['device_name']}", "",
-             f"Global batch {s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens "
-             f"per step in every stage; {s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as "
-             f"warm-up; dtype {s['dtype']}{', torch.compile' if s['compile'] else ''}; fastest of {s['repeats']} "
-             f"repeat(s). torch {s['torch']}, {s['date']}.", "",
-             f"Command: `{s['command']}`", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    lines = [
+        f"# Benchmark: {s['preset']} preset on {s['device_name']}",
+        "",
+        f"Global batch {s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens "
+        f"per step in every stage; {s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as "
+        f"warm-up; dtype {s['dtype']}{', torch.compile' if s['compile'] else ''}; fastest of {s['repeats']} "
+        f"repeat(s). torch {s['torch']}, {s['date']}.",
+        "",
+        f"Command: `{s['command']}`",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|",
+    ]
     for r in report["stages"]:
         if r["status"] != "ok":
             lines.append(f"| {r['label']} | {r['note']} |" + " |" * (len(COLUMNS) - 2))
             continue
-        mem = _num(r["peak_mem_mb"]) + (" (RSS)" if "RSS" in r["peak_mem_source"] and r["peak_mem_mb"] is not None else "")
-        lines.append("| " + " | ".join([
-            r["label"], f"{r['processes']} x {_num(r['threads_per_rank'], '{}')}", _num(r["tokens_per_sec"]),
-            _num(r["tokens_per_sec_per_device"]), _num(r["step_ms"], "{:,.1f}"), _pct(r["mfu"]), mem,
-            _pct(r["data_wait_share"]), _pct(r["comm_share"]) if r["processes"] > 1 else "-",
-            _num(r["bare_ratio"], "{:.3f}"), _num(r["bare_cpu_ratio"], "{:.3f}")]) + " |")
+        mem = _num(r["peak_mem_mb"]) + (
+            " (RSS)" if "RSS" in r["peak_mem_source"] and r["peak_mem_mb"] is not None else ""
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["label"],
+                    f"{r['processes']} x {_num(r['threads_per_rank'], '{}')}",
+                    _num(r["tokens_per_sec"]),
+                    _num(r["tokens_per_sec_per_device"]),
+                    _num(r["step_ms"], "{:,.1f}"),
+                    _pct(r["mfu"]),
+                    mem,
+                    _pct(r["data_wait_share"]),
+                    _pct(r["comm_share"]) if r["processes"] > 1 else "-",
+                    _num(r["bare_ratio"], "{:.3f}"),
+                    _num(r["bare_cpu_ratio"], "{:.3f}"),
+                ]
+            )
+            + " |"
+        )
     for key, sc in report["scaling"].items():
         lines.append("")
-        lines.append(f"Scaling, {key} against 04x1 (same threads per rank): {sc['speedup']:.2f}x the tokens/s of one rank, "
-                     f"efficiency {100 * sc['efficiency']:.0f}% (tokens/s of 2 ranks / (2 x tokens/s of 1 rank)).")
-    bare = [(b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms")) for b in report["bare"]]
+        lines.append(
+            f"Scaling, {key} against 04x1 (same threads per rank): {sc['speedup']:.2f}x the tokens/s of one rank, "
+            f"efficiency {100 * sc['efficiency']:.0f}% (tokens/s of 2 ranks / (2 x tokens/s of 1 rank))."
+        )
+    bare = [
+        (b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms")) for b in report["bare"]
+    ]
     if any(b for _, b, _ in bare):
         lines.append("")
-        lines.append("Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: " + "; ".join(
-            f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms ({c['step_cpu_ms']:.1f} ms CPU)"
-            for bs, b, c in bare if b) + ".")
+        lines.append(
+            "Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: "
+            + "; ".join(
+                f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms ({c['step_cpu_ms']:.1f} ms CPU)"
+                for bs, b, c in bare
+                if b
+            )
+            + "."
+        )
     lines += scaling_model.markdown_lines(report.get("prediction"))
     return "\n".join(lines) + "\n"
 

@@ -41,14 +41,17 @@ from common.model import GPT, PRESETS, model_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--iters", type=int, default=25, help="steps, warm-up included")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--group", type=int, default=5, help="steps per timed group; groups alternate sync/no_sync")
+    p.add_argument(
+        "--group", type=int, default=5, help="steps per timed group; groups alternate sync/no_sync"
+    )
     p.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK where CUDA is present, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
@@ -64,7 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    rank, world, local_rank = (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ["LOCAL_RANK"]),
+    )
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device(f"cuda:{local_rank}")
@@ -80,8 +87,10 @@ def main() -> None:
             if args.out:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(result, indent=1))
-            print(f"DDP step over {world} rank(s): sync {result['sync_ms']:.1f} ms, no_sync "
-                  f"{result['no_sync_ms']:.1f} ms -> communication {100 * result['comm_share']:.1f}% of the step")
+            print(
+                f"DDP step over {world} rank(s): sync {result['sync_ms']:.1f} ms, no_sync "
+                f"{result['no_sync_ms']:.1f} ms -> communication {100 * result['comm_share']:.1f}% of the step"
+            )
     finally:
         dist.destroy_process_group()
 
@@ -93,9 +102,13 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
     torch.manual_seed(args.seed)
     config = model_config(args.preset, dropout=0.0)
     train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    sampler = DistributedSampler(
+        train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
     model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.optimizer_groups(0.1), lr=1e-3, betas=(0.9, 0.99), fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(0.1), lr=1e-3, betas=(0.9, 0.99), fused=device.type == "cuda"
+    )
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def batches():
@@ -140,12 +153,21 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
             cpu_times[mode].append(1000 * (cpu1 - cpu0) / n_steps)
             group_index += 1
     sync_ms, no_sync_ms = statistics.median(times["sync"]), statistics.median(times["no_sync"])
-    return {"preset": args.preset, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "sync_ms": sync_ms, "no_sync_ms": no_sync_ms, "comm_ms": sync_ms - no_sync_ms,
-            "comm_share": (sync_ms - no_sync_ms) / sync_ms,
-            "sync_cpu_ms": statistics.median(cpu_times["sync"]), "no_sync_cpu_ms": statistics.median(cpu_times["no_sync"]),
-            "groups_ms": {k: [round(v, 3) for v in vals] for k, vals in times.items()}}
+    return {
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "sync_ms": sync_ms,
+        "no_sync_ms": no_sync_ms,
+        "comm_ms": sync_ms - no_sync_ms,
+        "comm_share": (sync_ms - no_sync_ms) / sync_ms,
+        "sync_cpu_ms": statistics.median(cpu_times["sync"]),
+        "no_sync_cpu_ms": statistics.median(cpu_times["no_sync"]),
+        "groups_ms": {k: [round(v, 3) for v in vals] for k, vals in times.items()},
+    }
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One summary of what bench/gpu_check.sh wrote: the benchmark runs and the checks.
 
-    python bench/gpu_summary.py bench/results/gpu
+python bench/gpu_summary.py bench/results/gpu
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ def _f(value, fmt="{:,.0f}"):
 
 
 def summary(out: Path) -> str:
-    lines = ["| Run | tokens/s | MFU | Peak memory (MB) | Step (ms) | Step / bare | Status |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| Run | tokens/s | MFU | Peak memory (MB) | Step (ms) | Step / bare | Status |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     device = None
     for variant in ("eager", "compile"):
         report = _load(out / variant / "benchmark.json")
@@ -31,37 +33,53 @@ def summary(out: Path) -> str:
             lines.append(f"| {variant} | | | | | | no results (see {variant}.log) |")
             continue
         s = report["settings"]
-        device = device or f"{s['device_name']}, {s['preset']} preset, batch {s['global_batch']} x {s['block_size']}, {s['dtype']}"
+        device = (
+            device
+            or f"{s['device_name']}, {s['preset']} preset, batch {s['global_batch']} x {s['block_size']}, {s['dtype']}"
+        )
         for r in report["stages"]:
             name = f"{r['label']} ({variant})"
             if r["status"] != "ok":
                 lines.append(f"| {name} | | | | | | {r['status']}: {r.get('note', '')} |")
                 continue
-            lines.append(f"| {name} | {_f(r['tokens_per_sec'])} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | "
-                         f"{_f(r['peak_mem_mb'])} | {_f(r['step_ms'], '{:.1f}')} | {_f(r['bare_ratio'], '{:.3f}')} | ok |")
+            lines.append(
+                f"| {name} | {_f(r['tokens_per_sec'])} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | "
+                f"{_f(r['peak_mem_mb'])} | {_f(r['step_ms'], '{:.1f}')} | {_f(r['bare_ratio'], '{:.3f}')} | ok |"
+            )
     check = _load(out / "gpu_vs_cpu.json")
     text = [f"# GPU check: {device or 'no benchmark results'}", "", *lines, ""]
     if check is None:
         text.append("- bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
     else:
-        text.append(f"- bf16 vs float32 check ({check['test']} against {check['reference']}, {check['steps']} steps): "
-                    f"{'PASS' if check['passed'] else 'FAIL'}, largest relative loss difference "
-                    f"{check['max_rel_diff']:.2e} (rtol {check['rtol']:g})")
+        text.append(
+            f"- bf16 vs float32 check ({check['test']} against {check['reference']}, {check['steps']} steps): "
+            f"{'PASS' if check['passed'] else 'FAIL'}, largest relative loss difference "
+            f"{check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
+        )
     replica = _load(out / "replica_dtype.json")
     if replica is None:
         text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
     else:
-        text.append(f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads compute in "
-                    f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
-                    f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})")
+        text.append(
+            f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads compute in "
+            f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
+            f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
+        )
     for name, marker in (("preflight", "preflight "), ("from_scratch", "mean step time")):
         found = _lines(out / f"{name}.log", marker)
         text.append(f"- {name}: " + ("; ".join(found) if found else f"no results (see {name}.log)"))
     chunked = out / "loss_chunked.md"
-    text += ["", "## Plain vs chunked loss", "",
-             chunked.read_text().strip() if chunked.exists() else "no results (see loss_chunked.log)"]
-    text += ["", "Not measured on one GPU: DataParallel's imbalance between GPUs (cuda:0 holds the gathered "
-             "outputs) and NCCL's scaling over GPUs and nodes need two GPUs or more."]
+    text += [
+        "",
+        "## Plain vs chunked loss",
+        "",
+        chunked.read_text().strip() if chunked.exists() else "no results (see loss_chunked.log)",
+    ]
+    text += [
+        "",
+        "Not measured on one GPU: DataParallel's imbalance between GPUs (cuda:0 holds the gathered "
+        "outputs) and NCCL's scaling over GPUs and nodes need two GPUs or more.",
+    ]
     return "\n".join(text) + "\n"
 
 

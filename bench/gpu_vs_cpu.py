@@ -32,8 +32,9 @@ from common.model import GPT, PRESETS, model_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps compared")
     p.add_argument("--batch-size", type=int, default=8)
@@ -44,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ref-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--test-device", default="cuda")
     p.add_argument("--test-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--rtol", type=float, default=2e-2, help="largest relative loss difference allowed per step")
+    p.add_argument(
+        "--rtol", type=float, default=2e-2, help="largest relative loss difference allowed per step"
+    )
     p.add_argument("--data-dir", default="data")
     p.add_argument("--out", default=None, help="write the losses and the verdict as JSON here")
     args = p.parse_args(argv)
@@ -59,8 +62,9 @@ def train_losses(model: GPT, batches, device: torch.device, dtype: torch.dtype, 
     """The loss of every step of a short run of `model` (a copy is trained; the original is kept)."""
     setup_math(device)
     model = copy.deepcopy(model).to(device)
-    optimizer = torch.optim.AdamW(model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99),
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99), fused=device.type == "cuda"
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = autocast_context(device, dtype)
     model.train()
@@ -87,10 +91,15 @@ def main(argv=None) -> int:
     config = model_config(args.preset, dropout=0.0)  # no dropout: both sides compute the same function
     train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
     if len(train_set) < args.steps * args.batch_size:
-        raise CourseError(f"{args.steps} steps of {args.batch_size} need {args.steps * args.batch_size} windows; "
-                          f"the training split has {len(train_set)}")
-    loader = batch_loader(train_set, RandomSampler(train_set, generator=torch.Generator().manual_seed(args.seed)),
-                          args.batch_size)
+        raise CourseError(
+            f"{args.steps} steps of {args.batch_size} need {args.steps * args.batch_size} windows; "
+            f"the training split has {len(train_set)}"
+        )
+    loader = batch_loader(
+        train_set,
+        RandomSampler(train_set, generator=torch.Generator().manual_seed(args.seed)),
+        args.batch_size,
+    )
     batches = [b for _, b in zip(range(args.steps), loader)]
     torch.manual_seed(args.seed)
     model = GPT(config)  # float32 on the CPU: both sides start from exactly these weights
@@ -101,18 +110,37 @@ def main(argv=None) -> int:
     passed = max(rel) <= args.rtol
     ref_name = f"{ref_device} {str(ref_dtype).removeprefix('torch.')}"
     test_name = f"{test_device} {str(test_dtype).removeprefix('torch.')}"
-    print(f"{args.preset} preset, batch {args.batch_size}, {args.steps} steps: {ref_name} (reference) vs {test_name}")
+    print(
+        f"{args.preset} preset, batch {args.batch_size}, {args.steps} steps: {ref_name} (reference) vs {test_name}"
+    )
     print(f"{'step':>4}  {'reference':>10}  {'test':>10}  {'rel. diff':>9}")
     for i, (r, t, d) in enumerate(zip(ref, test, rel), start=1):
         print(f"{i:>4}  {r:>10.5f}  {t:>10.5f}  {d:>9.2e}")
-    print(f"{'PASS' if passed else 'FAIL'}: largest relative difference {max(rel):.2e} "
-          f"{'<=' if passed else '>'} rtol {args.rtol:g}")
+    print(
+        f"{'PASS' if passed else 'FAIL'}: largest relative difference {max(rel):.2e} "
+        f"{'<=' if passed else '>'} rtol {args.rtol:g}"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "preset": args.preset, "batch_size": args.batch_size, "steps": args.steps, "rtol": args.rtol,
-            "reference": ref_name, "test": test_name, "reference_losses": ref, "test_losses": test,
-            "rel_diff": rel, "max_rel_diff": max(rel), "passed": passed}, indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "preset": args.preset,
+                    "batch_size": args.batch_size,
+                    "steps": args.steps,
+                    "rtol": args.rtol,
+                    "reference": ref_name,
+                    "test": test_name,
+                    "reference_losses": ref,
+                    "test_losses": test,
+                    "rel_diff": rel,
+                    "max_rel_diff": max(rel),
+                    "passed": passed,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if passed else 1
 
 

@@ -38,22 +38,27 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "02_grad_accumulation"))
 
 import torch  # noqa: E402
+from benchmark import PROBE, child_env, run_commands, stage_figures  # noqa: E402
+from measure_memory import cpu_peak_added  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from benchmark import PROBE, child_env, run_commands, stage_figures  # noqa: E402
 from common.chunked_loss import chunked_cross_entropy  # noqa: E402
 from common.model import PRESETS  # noqa: E402
-from measure_memory import cpu_peak_added  # noqa: E402
 
 MiB = 2**20
 # configuration name -> model flags, shared by bare_step.py and the stage scripts
-CONFIGS = {"tiny": ["--preset", "tiny"], "small": ["--preset", "small"], "gpt2": ["--preset", "gpt2"],
-           "4x128": ["--preset", "tiny", "--n-layer", "4", "--n-embd", "128"]}
+CONFIGS = {
+    "tiny": ["--preset", "tiny"],
+    "small": ["--preset", "small"],
+    "gpt2": ["--preset", "gpt2"],
+    "4x128": ["--preset", "tiny", "--n-layer", "4", "--n-embd", "128"],
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("steps", help="bare step and chapter 01, plain vs chunked")
     s.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["tiny", "small", "4x128"])
@@ -70,13 +75,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--work-dir", default=str(BENCH / "out" / "loss_steps"))
     s.add_argument("--timeout", type=float, default=900)
     s.add_argument("--out", default=None, help="JSON of every run here")
-    c = sub.add_parser("check", parents=[s], add_help=False, conflict_handler="resolve",
-                       help="for bench/gpu_check.sh: `steps` of bare steps, then `loss` at the model's width and batch")
-    c.add_argument("--chunks", type=int, nargs="+", default=[0, 256, 1024, 4096], help="for the loss alone; 0: plain")
+    c = sub.add_parser(
+        "check",
+        parents=[s],
+        add_help=False,
+        conflict_handler="resolve",
+        help="for bench/gpu_check.sh: `steps` of bare steps, then `loss` at the model's width and batch",
+    )
+    c.add_argument(
+        "--chunks", type=int, nargs="+", default=[0, 256, 1024, 4096], help="for the loss alone; 0: plain"
+    )
     m = sub.add_parser("loss", help="the loss alone: time and peak memory, plain vs chunk sizes")
     m.add_argument("--width", type=int, default=768, help="n_embd (768: GPT-2 small)")
-    m.add_argument("--positions", type=int, nargs=2, default=[1024, 2048], help="two batch sizes in positions")
-    m.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 1024], help="positions per chunk; 0: plain")
+    m.add_argument(
+        "--positions", type=int, nargs=2, default=[1024, 2048], help="two batch sizes in positions"
+    )
+    m.add_argument(
+        "--chunks", type=int, nargs="+", default=[0, 128, 1024], help="positions per chunk; 0: plain"
+    )
     m.add_argument("--extrapolate-to", type=int, default=32 * 1024, help="positions of the computed peak")
     m.add_argument("--repeats", type=int, default=3, help="timed runs of each, alternating")
     m.add_argument("--device", default="cpu")
@@ -93,47 +109,105 @@ def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict
     name = f"{config}_{program}_{'chunked' if chunked else 'plain'}_r{repeat}"
     run_dir = Path(args.work_dir) / name
     loss_flag = [] if chunked else ["--no-chunked-loss"]
-    common = [*CONFIGS[config], "--device", args.device, "--dtype", args.dtype, "--data-dir", args.data_dir,
-              "--batch-size", str(args.batch_size), *loss_flag]
+    common = [
+        *CONFIGS[config],
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--data-dir",
+        args.data_dir,
+        "--batch-size",
+        str(args.batch_size),
+        *loss_flag,
+    ]
     env = child_env(args, args.threads)
     if program.startswith("bare"):
         out = run_dir / "bare.json"
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, str(BENCH / "bare_step.py"), *common, "--iters", str(args.iters),
-               "--warmup", str(args.log_interval), "--group", str(args.log_interval), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            str(BENCH / "bare_step.py"),
+            *common,
+            "--iters",
+            str(args.iters),
+            "--warmup",
+            str(args.log_interval),
+            "--group",
+            str(args.log_interval),
+            "--out",
+            str(out),
+        ]
         cmd += ["--compile"] if program == "bare_compiled" else []
         status, tail = run_commands([cmd], env, run_dir / "run.log", args.timeout)
         if status != 0 or not out.exists():
             return {"status": "failed", "note": tail[-300:]}
         r = json.loads(out.read_text())
         tokens = r["batch_size"] * r["block_size"]
-        return {"status": "ok", "step_ms": r["step_ms"], "step_cpu_ms": r["step_cpu_ms"],
-                "peak_mb": r["cuda_max_mem_mb"] or r["maxrss_mb"], "tokens_per_sec": 1000 * tokens / r["step_ms"]}
+        return {
+            "status": "ok",
+            "step_ms": r["step_ms"],
+            "step_cpu_ms": r["step_cpu_ms"],
+            "peak_mb": r["cuda_max_mem_mb"] or r["maxrss_mb"],
+            "tokens_per_sec": 1000 * tokens / r["step_ms"],
+        }
     out_dir, probe_dir = run_dir / "out", run_dir / "probe"
     for old in [*probe_dir.glob("*.json"), out_dir / "metrics.jsonl"]:
         old.unlink(missing_ok=True)
-    cmd = [sys.executable, str(PROBE), "01_single_gpu/train.py", *common, "--max-iters", str(args.iters),
-           "--log-interval", str(args.log_interval), "--eval-interval", str(args.iters), "--eval-batches", "1",
-           "--sample-tokens", "0", "--dropout", "0", "--out-dir", str(out_dir)]
-    status, tail = run_commands([cmd], env | {"BENCH_PROBE_DIR": str(probe_dir)}, run_dir / "run.log", args.timeout)
+    cmd = [
+        sys.executable,
+        str(PROBE),
+        "01_single_gpu/train.py",
+        *common,
+        "--max-iters",
+        str(args.iters),
+        "--log-interval",
+        str(args.log_interval),
+        "--eval-interval",
+        str(args.iters),
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--dropout",
+        "0",
+        "--out-dir",
+        str(out_dir),
+    ]
+    status, tail = run_commands(
+        [cmd], env | {"BENCH_PROBE_DIR": str(probe_dir)}, run_dir / "run.log", args.timeout
+    )
     if status != 0:
         return {"status": "failed", "note": tail[-300:]}
     fig = stage_figures(out_dir, probe_dir, 1, args.log_interval)
-    return {"status": "ok", "step_ms": fig["step_ms"], "step_cpu_ms": fig["step_cpu_ms"],
-            "peak_mb": fig["cuda_max_mem_mb"] or fig["cpu_peak_rss_mb"], "tokens_per_sec": fig["tokens_per_sec"]}
+    return {
+        "status": "ok",
+        "step_ms": fig["step_ms"],
+        "step_cpu_ms": fig["step_cpu_ms"],
+        "peak_mb": fig["cuda_max_mem_mb"] or fig["cpu_peak_rss_mb"],
+        "tokens_per_sec": fig["tokens_per_sec"],
+    }
 
 
 def steps(args) -> dict:
     programs = list(args.programs) + (["bare_compiled"] if args.compile else [])
     runs = {(c, p, chunked): [] for c in args.configs for p in programs for chunked in (False, True)}
     for repeat in range(args.repeats):
-        order = list(runs) if repeat % 2 == 0 else [(c, p, not chunked) for c, p, chunked in runs]  # swap pairs
+        order = (
+            list(runs) if repeat % 2 == 0 else [(c, p, not chunked) for c, p, chunked in runs]
+        )  # swap pairs
         for key in order:
             result = run_one(args, *key, repeat)
             runs[key].append(result)
-            print(f"  repeat {repeat}: {key[0]} {key[1]} {'chunked' if key[2] else 'plain'}: "
-                  + (f"{result['step_ms']:.1f} ms ({result['step_cpu_ms'] or 0:.1f} ms CPU), {result['peak_mb']:,.0f} MB"
-                     if result["status"] == "ok" else result["note"]), flush=True)
+            print(
+                f"  repeat {repeat}: {key[0]} {key[1]} {'chunked' if key[2] else 'plain'}: "
+                + (
+                    f"{result['step_ms']:.1f} ms ({result['step_cpu_ms'] or 0:.1f} ms CPU), {result['peak_mb']:,.0f} MB"
+                    if result["status"] == "ok"
+                    else result["note"]
+                ),
+                flush=True,
+            )
     rows = []
     for c in args.configs:
         for p in programs:
@@ -148,22 +222,41 @@ def steps(args) -> dict:
                 return statistics.median(values) if values else None
 
             ratio = [a["step_ms"] / b["step_ms"] for a, b in pairs]
-            cpu_ratio = [a["step_cpu_ms"] / b["step_cpu_ms"] for a, b in pairs if a["step_cpu_ms"] and b["step_cpu_ms"]]
-            rows.append({"config": c, "program": p, "status": "ok", "repeats": len(pairs),
-                         "plain_ms": med(0, "step_ms"), "chunked_ms": med(1, "step_ms"),
-                         "plain_cpu_ms": med(0, "step_cpu_ms"), "chunked_cpu_ms": med(1, "step_cpu_ms"),
-                         "speedup": statistics.median(ratio), "speedup_cpu": statistics.median(cpu_ratio) if cpu_ratio else None,
-                         "plain_peak_mb": max(a["peak_mb"] for a, _ in pairs), "chunked_peak_mb": max(b["peak_mb"] for _, b in pairs),
-                         "plain_tokens_per_sec": med(0, "tokens_per_sec"), "chunked_tokens_per_sec": med(1, "tokens_per_sec")})
-    return {"settings": {k: v for k, v in vars(args).items() if k != "what"}, "rows": rows,
-            "runs": {f"{c} {p} {'chunked' if ch else 'plain'}": r for (c, p, ch), r in runs.items()}}
+            cpu_ratio = [
+                a["step_cpu_ms"] / b["step_cpu_ms"] for a, b in pairs if a["step_cpu_ms"] and b["step_cpu_ms"]
+            ]
+            rows.append(
+                {
+                    "config": c,
+                    "program": p,
+                    "status": "ok",
+                    "repeats": len(pairs),
+                    "plain_ms": med(0, "step_ms"),
+                    "chunked_ms": med(1, "step_ms"),
+                    "plain_cpu_ms": med(0, "step_cpu_ms"),
+                    "chunked_cpu_ms": med(1, "step_cpu_ms"),
+                    "speedup": statistics.median(ratio),
+                    "speedup_cpu": statistics.median(cpu_ratio) if cpu_ratio else None,
+                    "plain_peak_mb": max(a["peak_mb"] for a, _ in pairs),
+                    "chunked_peak_mb": max(b["peak_mb"] for _, b in pairs),
+                    "plain_tokens_per_sec": med(0, "tokens_per_sec"),
+                    "chunked_tokens_per_sec": med(1, "tokens_per_sec"),
+                }
+            )
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k != "what"},
+        "rows": rows,
+        "runs": {f"{c} {p} {'chunked' if ch else 'plain'}": r for (c, p, ch), r in runs.items()},
+    }
 
 
 def steps_table(report: dict) -> str:
     mem = "peak memory (MB)" if report["settings"]["device"].startswith("cuda") else "peak RSS (MB)"
-    lines = [f"| config | program | step plain (ms) | step chunked (ms) | speed-up | CPU ms plain | CPU ms chunked "
-             f"| speed-up (CPU time) | tokens/s plain | tokens/s chunked | {mem} plain | {mem} chunked |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| config | program | step plain (ms) | step chunked (ms) | speed-up | CPU ms plain | CPU ms chunked "
+        f"| speed-up (CPU time) | tokens/s plain | tokens/s chunked | {mem} plain | {mem} chunked |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def f(v, fmt="{:,.1f}"):
         return "n/a" if v is None else fmt.format(v)
@@ -172,11 +265,13 @@ def steps_table(report: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {r['program']} | failed | | | | | | | | | |")
             continue
-        lines.append(f"| {r['config']} | {r['program']} | {f(r['plain_ms'])} | {f(r['chunked_ms'])} | "
-                     f"{f(r['speedup'], '{:.2f}x')} | {f(r['plain_cpu_ms'])} | {f(r['chunked_cpu_ms'])} | "
-                     f"{f(r['speedup_cpu'], '{:.2f}x')} | {f(r['plain_tokens_per_sec'], '{:,.0f}')} | "
-                     f"{f(r['chunked_tokens_per_sec'], '{:,.0f}')} | {f(r['plain_peak_mb'], '{:,.0f}')} | "
-                     f"{f(r['chunked_peak_mb'], '{:,.0f}')} |")
+        lines.append(
+            f"| {r['config']} | {r['program']} | {f(r['plain_ms'])} | {f(r['chunked_ms'])} | "
+            f"{f(r['speedup'], '{:.2f}x')} | {f(r['plain_cpu_ms'])} | {f(r['chunked_cpu_ms'])} | "
+            f"{f(r['speedup_cpu'], '{:.2f}x')} | {f(r['plain_tokens_per_sec'], '{:,.0f}')} | "
+            f"{f(r['chunked_tokens_per_sec'], '{:,.0f}')} | {f(r['plain_peak_mb'], '{:,.0f}')} | "
+            f"{f(r['chunked_peak_mb'], '{:,.0f}')} |"
+        )
     return "\n".join(lines)
 
 
@@ -230,38 +325,57 @@ def loss_alone(args) -> dict:
     h, y = make(args.positions[0])
     times = {chunk: [] for chunk in args.chunks}
     for repeat in range(args.repeats):
-        for chunk in (args.chunks if repeat % 2 == 0 else args.chunks[::-1]):
+        for chunk in args.chunks if repeat % 2 == 0 else args.chunks[::-1]:
             sync()
             start, start_cpu = time.perf_counter(), time.process_time()
             step(chunk, h, y)
             sync()
-            times[chunk].append((1000 * (time.perf_counter() - start), 1000 * (time.process_time() - start_cpu)))
+            times[chunk].append(
+                (1000 * (time.perf_counter() - start), 1000 * (time.process_time() - start_cpu))
+            )
     (n1, n2), target = args.positions, args.extrapolate_to
     rows = []
     for chunk in args.chunks:
         per_position = (memory[(chunk, n2)] - memory[(chunk, n1)]) / (n2 - n1)
-        rows.append({"chunk": chunk, "ms": statistics.median(t for t, _ in times[chunk]),
-                     "cpu_ms": statistics.median(c for _, c in times[chunk]),
-                     "peak_mib": {n: memory[(chunk, n)] / MiB for n in args.positions},
-                     "bytes_per_position": per_position,
-                     "extrapolated_mib": (memory[(chunk, n2)] + per_position * (target - n2)) / MiB})
-    return {"settings": {k: v for k, v in vars(args).items() if k != "what"} | {"vocab": vocab,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}, "rows": rows}
+        rows.append(
+            {
+                "chunk": chunk,
+                "ms": statistics.median(t for t, _ in times[chunk]),
+                "cpu_ms": statistics.median(c for _, c in times[chunk]),
+                "peak_mib": {n: memory[(chunk, n)] / MiB for n in args.positions},
+                "bytes_per_position": per_position,
+                "extrapolated_mib": (memory[(chunk, n2)] + per_position * (target - n2)) / MiB,
+            }
+        )
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k != "what"}
+        | {
+            "vocab": vocab,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        },
+        "rows": rows,
+    }
 
 
 def loss_table(report: dict) -> str:
     s = report["settings"]
     n1, n2 = s["positions"]
-    lines = [f"| path | time, {n1:,} positions (ms) | CPU time (ms) | peak above inputs, {n1:,} positions (MiB) | "
-             f"at {n2:,} (MiB) | per position (KiB) | computed for {s['extrapolate_to']:,} positions (MiB) | vs plain |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| path | time, {n1:,} positions (ms) | CPU time (ms) | peak above inputs, {n1:,} positions (MiB) | "
+        f"at {n2:,} (MiB) | per position (KiB) | computed for {s['extrapolate_to']:,} positions (MiB) | vs plain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     plain = next((r for r in report["rows"] if r["chunk"] == 0), None)
     for r in report["rows"]:
         name = "plain" if r["chunk"] == 0 else f"chunked, {r['chunk']} positions per chunk"
-        less = f"{plain['extrapolated_mib'] / r['extrapolated_mib']:.1f}x less" if plain and r["chunk"] else "1"
+        less = (
+            f"{plain['extrapolated_mib'] / r['extrapolated_mib']:.1f}x less" if plain and r["chunk"] else "1"
+        )
         peaks = [r["peak_mib"][k] for k in sorted(r["peak_mib"], key=int)]
-        lines.append(f"| {name} | {r['ms']:,.0f} | {r['cpu_ms']:,.0f} | {peaks[0]:,.1f} | {peaks[1]:,.1f} | "
-                     f"{r['bytes_per_position'] / 1024:,.1f} | {r['extrapolated_mib']:,.0f} | {less} |")
+        lines.append(
+            f"| {name} | {r['ms']:,.0f} | {r['cpu_ms']:,.0f} | {peaks[0]:,.1f} | {peaks[1]:,.1f} | "
+            f"{r['bytes_per_position'] / 1024:,.1f} | {r['extrapolated_mib']:,.0f} | {less} |"
+        )
     return "\n".join(lines)
 
 
@@ -270,16 +384,34 @@ def main(argv=None) -> None:
     if args.what == "steps":
         report = steps(args)
         text = steps_table(report)
-    elif args.what == "check":  # one configuration: its bare steps, then its loss alone at half and full batch
+    elif (
+        args.what == "check"
+    ):  # one configuration: its bare steps, then its loss alone at half and full batch
         args.programs = ["bare"]
         report = steps(args)
         text = steps_table(report)
         config = PRESETS[CONFIGS[args.configs[0]][1]]
         positions = args.batch_size * config.block_size
-        loss_args = parse_args(["loss", "--width", str(config.n_embd), "--positions", str(positions // 2), str(positions),
-                                "--extrapolate-to", str(positions), "--device", args.device, "--repeats", str(args.repeats),
-                                "--dtype", "float32" if args.dtype == "auto" else args.dtype, "--chunks",
-                                *[str(k) for k in args.chunks if k <= positions // 2]])
+        loss_args = parse_args(
+            [
+                "loss",
+                "--width",
+                str(config.n_embd),
+                "--positions",
+                str(positions // 2),
+                str(positions),
+                "--extrapolate-to",
+                str(positions),
+                "--device",
+                args.device,
+                "--repeats",
+                str(args.repeats),
+                "--dtype",
+                "float32" if args.dtype == "auto" else args.dtype,
+                "--chunks",
+                *[str(k) for k in args.chunks if k <= positions // 2],
+            ]
+        )
         report["loss"] = loss_alone(loss_args)
         text += "\n\nThe output layer + loss alone, forward and backward:\n\n" + loss_table(report["loss"])
     else:

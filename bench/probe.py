@@ -78,7 +78,9 @@ def timed_batch_loader(*args, **kwargs):
 def marked_write(self, **fields):
     """MetricsLog.write, noting the clocks when a training line (one with dt_ms) is written."""
     if self.enabled and "dt_ms" in fields:
-        LOG_MARKS.append({"iter": fields.get("iter"), "wall_s": time.perf_counter(), "cpu_s": time.process_time()})
+        LOG_MARKS.append(
+            {"iter": fields.get("iter"), "wall_s": time.perf_counter(), "cpu_s": time.process_time()}
+        )
     return _original_write(self, **fields)
 
 
@@ -88,9 +90,15 @@ def write_probe() -> None:
         return
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    record = {"rank": int(os.environ.get("RANK", 0)), "data_wait_s": DATA_WAIT_S,
-              "call_wall_s": CALL_WALL_S, "call_cpu_s": CALL_CPU_S, "log_marks": LOG_MARKS,
-              "maxrss_mb": round(own + workers if workers > 0 else own, 1), "threads": torch.get_num_threads()}
+    record = {
+        "rank": int(os.environ.get("RANK", 0)),
+        "data_wait_s": DATA_WAIT_S,
+        "call_wall_s": CALL_WALL_S,
+        "call_cpu_s": CALL_CPU_S,
+        "log_marks": LOG_MARKS,
+        "maxrss_mb": round(own + workers if workers > 0 else own, 1),
+        "threads": torch.get_num_threads(),
+    }
     path = Path(folder) / f"probe_rank{record['rank']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))

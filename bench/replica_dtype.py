@@ -92,14 +92,18 @@ def main(argv=None) -> int:
             chapter03 = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(chapter03)
             probe = DtypeProbe().to("cuda:0")
-            chapter03.DataParallel(probe, device, dtype, device_ids=[0, 1])(torch.randn(8, 64, device="cuda:0"))
+            chapter03.DataParallel(probe, device, dtype, device_ids=[0, 1])(
+                torch.randn(8, 64, device="cuda:0")
+            )
             result["chapter03_two_gpus"] = probe.seen  # the replicas are copies: they note into the same list
         else:
             result["chapter03_two_gpus"] = "not run: needs 2 GPUs"
     result["passed"] = result["chapter03"] == [args.dtype] * 2
-    print(f"replicas under DataParallel's threads, chosen {args.dtype}: torch's way {result['plain']}, "
-          f"chapter 03's {result['chapter03']}; two GPUs: {result['chapter03_two_gpus']} -> "
-          f"{'PASS' if result['passed'] else 'FAIL'}")
+    print(
+        f"replicas under DataParallel's threads, chosen {args.dtype}: torch's way {result['plain']}, "
+        f"chapter 03's {result['chapter03']}; two GPUs: {result['chapter03_two_gpus']} -> "
+        f"{'PASS' if result['passed'] else 'FAIL'}"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if result["passed"] else 1

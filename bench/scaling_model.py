@@ -62,7 +62,7 @@ def ring_allreduce_seconds(nbytes: float, world: int, busbw: float) -> float:
     return 2 * (world - 1) / world * nbytes / busbw if world > 1 else 0.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gradient_layout(preset: str) -> dict:
     """Gradient bytes of the course GPT, and the bytes of DDP's last bucket (the tied embedding's).
 
@@ -85,10 +85,15 @@ def gradient_layout(preset: str) -> dict:
             current = 0
     if current:
         buckets.append(current)
-    return {"preset": preset, "params": sum(sizes) // GRAD_BYTES_PER_PARAM, "grad_bytes": sum(sizes),
-            "last_bucket_bytes": buckets[-1], "buckets": len(buckets),
-            "wte_bytes": model.transformer.wte.weight.numel() * GRAD_BYTES_PER_PARAM,
-            "flops_per_token": model.flops_per_token()}
+    return {
+        "preset": preset,
+        "params": sum(sizes) // GRAD_BYTES_PER_PARAM,
+        "grad_bytes": sum(sizes),
+        "last_bucket_bytes": buckets[-1],
+        "buckets": len(buckets),
+        "wte_bytes": model.transformer.wte.weight.numel() * GRAD_BYTES_PER_PARAM,
+        "flops_per_token": model.flops_per_token(),
+    }
 
 
 def predict(compute_s: float, grad_bytes: float, last_bucket_bytes: float, busbw: float, world: int) -> dict:
@@ -98,31 +103,61 @@ def predict(compute_s: float, grad_bytes: float, last_bucket_bytes: float, busbw
     others = ring_allreduce_seconds(grad_bytes - last_bucket_bytes, world, busbw)
     exposed = last + max(0.0, others - backward)
     step = compute_s + exposed
-    return {"compute_s": compute_s, "backward_s": backward, "allreduce_s": last + others, "last_bucket_s": last,
-            "exposed_s": exposed, "step_s": step, "comm_share": exposed / step, "efficiency": compute_s / step}
+    return {
+        "compute_s": compute_s,
+        "backward_s": backward,
+        "allreduce_s": last + others,
+        "last_bucket_s": last,
+        "exposed_s": exposed,
+        "step_s": step,
+        "comm_share": exposed / step,
+        "efficiency": compute_s / step,
+    }
 
 
 # ---- against the benchmark's measurements (bench/benchmark.py) -------------------------------------
+
 
 def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | None:
     """Predict 04 DDP with 2 ranks from the run's measured inputs and set it beside what was measured."""
     rows = {r["stage"]: r for r in report["stages"]}
     two, one = rows.get("04x2", {}), rows.get("04x1", {})
-    bare = {b["batch_size"]: min((r["step_ms"] for r in b["runs"] if r), default=None) for b in report["bare"]}
+    bare = {
+        b["batch_size"]: min((r["step_ms"] for r in b["runs"] if r), default=None) for b in report["bare"]
+    }
     g = report["settings"]["global_batch"]
     if two.get("status") != "ok" or not two.get("comm") or bare.get(g // 2) is None:
         return None
     layout = gradient_layout(report["settings"]["preset"])
     p = predict(bare[g // 2] / 1000, layout["grad_bytes"], layout["last_bucket_bytes"], busbw_gbs * 1e9, 2)
-    predicted = {"step_ms": 1000 * p["step_s"], "comm_ms": 1000 * p["exposed_s"], "comm_share": p["comm_share"],
-                 # the same global batch on one device takes the bare step of the whole batch
-                 "efficiency": bare[g] / (2 * 1000 * p["step_s"]) if bare.get(g) else None}
-    measured = {"step_ms": two["step_ms"], "comm_ms": two["comm"]["comm_ms"], "comm_share": two["comm_share"],
-                "efficiency": report["scaling"].get("04x2", {}).get("efficiency") if one.get("status") == "ok" else None}
-    return {"inputs": {"bare_step_ms": bare[g // 2], "bare_step_ms_whole_batch": bare.get(g), "busbw_gbs": busbw_gbs,
-                       "busbw_from": preflight, "backward_share": BACKWARD_SHARE, **layout},
-            "predicted": predicted, "measured": measured,
-            "ratio": {k: predicted[k] / measured[k] if predicted[k] and measured[k] else None for k in predicted}}
+    predicted = {
+        "step_ms": 1000 * p["step_s"],
+        "comm_ms": 1000 * p["exposed_s"],
+        "comm_share": p["comm_share"],
+        # the same global batch on one device takes the bare step of the whole batch
+        "efficiency": bare[g] / (2 * 1000 * p["step_s"]) if bare.get(g) else None,
+    }
+    measured = {
+        "step_ms": two["step_ms"],
+        "comm_ms": two["comm"]["comm_ms"],
+        "comm_share": two["comm_share"],
+        "efficiency": report["scaling"].get("04x2", {}).get("efficiency")
+        if one.get("status") == "ok"
+        else None,
+    }
+    return {
+        "inputs": {
+            "bare_step_ms": bare[g // 2],
+            "bare_step_ms_whole_batch": bare.get(g),
+            "busbw_gbs": busbw_gbs,
+            "busbw_from": preflight,
+            "backward_share": BACKWARD_SHARE,
+            **layout,
+        },
+        "predicted": predicted,
+        "measured": measured,
+        "ratio": {k: predicted[k] / measured[k] if predicted[k] and measured[k] else None for k in predicted},
+    }
 
 
 def markdown_lines(prediction: dict | None) -> list[str]:
@@ -136,33 +171,64 @@ def markdown_lines(prediction: dict | None) -> list[str]:
             return "n/a"
         return f"{100 * value:.1f}%" if kind == "share" else f"{value:,.1f}"
 
-    lines = ["", "Predicted against measured, 04 DDP with 2 ranks (bench/scaling_model.py):", "",
-             "| 2 ranks | measured | predicted | predicted / measured |", "|---|---:|---:|---:|"]
-    for key, label, kind in [("step_ms", "step (ms)", "ms"), ("comm_ms", "communication not hidden (ms)", "ms"),
-                             ("comm_share", "communication share", "share"),
-                             ("efficiency", "scaling efficiency", "share")]:
-        lines.append(f"| {label} | {fmt(me[key], kind)} | {fmt(pr[key], kind)} | "
-                     f"{'n/a' if ra[key] is None else f'{ra[key]:.2f}'} |")
-    lines += ["", f"Inputs, all measured in this run: bare step of one rank's share {i['bare_step_ms']:.1f} ms "
-                  f"(bench/bare_step.py), backward {i['backward_share']:.2f} of it; {i['grad_bytes'] / 1e6:.1f} MB of "
-                  f"float32 gradients, {i['last_bucket_bytes'] / 1e6:.1f} MB of them in the last bucket with the tied "
-                  f"embedding; busbw {i['busbw_gbs']:.3f} GB/s ({i['busbw_from']})."]
+    lines = [
+        "",
+        "Predicted against measured, 04 DDP with 2 ranks (bench/scaling_model.py):",
+        "",
+        "| 2 ranks | measured | predicted | predicted / measured |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label, kind in [
+        ("step_ms", "step (ms)", "ms"),
+        ("comm_ms", "communication not hidden (ms)", "ms"),
+        ("comm_share", "communication share", "share"),
+        ("efficiency", "scaling efficiency", "share"),
+    ]:
+        lines.append(
+            f"| {label} | {fmt(me[key], kind)} | {fmt(pr[key], kind)} | "
+            f"{'n/a' if ra[key] is None else f'{ra[key]:.2f}'} |"
+        )
+    lines += [
+        "",
+        f"Inputs, all measured in this run: bare step of one rank's share {i['bare_step_ms']:.1f} ms "
+        f"(bench/bare_step.py), backward {i['backward_share']:.2f} of it; {i['grad_bytes'] / 1e6:.1f} MB of "
+        f"float32 gradients, {i['last_bucket_bytes'] / 1e6:.1f} MB of them in the last bucket with the tied "
+        f"embedding; busbw {i['busbw_gbs']:.3f} GB/s ({i['busbw_from']}).",
+    ]
     return lines
 
 
 # ---- on paper: GPT-2 124M on H100s ----------------------------------------------------------------
+
 
 def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
     """Predicted efficiency of GPT-2 124M (bf16 autocast, fp32 gradients) for each link and W."""
     layout = gradient_layout("gpt2")
     seconds_per_token = layout["flops_per_token"] / (hw["peak_flops"] * hw["mfu"])
     links = [("NVLink, one node", hw["nvlink_busbw"], [2, 4, 8])]
-    links += [(name, min(bw, hw["nvlink_busbw"]), [8 * n for n in (2, 4, 16, 64)]) for name, bw in hw["links"].items()]
+    links += [
+        (name, min(bw, hw["nvlink_busbw"]), [8 * n for n in (2, 4, 16, 64)])
+        for name, bw in hw["links"].items()
+    ]
     rows = []
     for name, busbw, worlds in links:
         for world in worlds:
-            p = predict(tokens_per_gpu * seconds_per_token, layout["grad_bytes"], layout["last_bucket_bytes"], busbw, world)
-            rows.append({"link": name, "busbw": busbw, "world": world, **p, **hiding_batch(busbw, world, seconds_per_token, layout)})
+            p = predict(
+                tokens_per_gpu * seconds_per_token,
+                layout["grad_bytes"],
+                layout["last_bucket_bytes"],
+                busbw,
+                world,
+            )
+            rows.append(
+                {
+                    "link": name,
+                    "busbw": busbw,
+                    "world": world,
+                    **p,
+                    **hiding_batch(busbw, world, seconds_per_token, layout),
+                }
+            )
     return rows
 
 
@@ -177,15 +243,20 @@ def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dic
 
 def paper_markdown(tokens_per_gpu: int, hw: dict = HARDWARE) -> str:
     rows = paper_rows(tokens_per_gpu, hw)
-    lines = [f"GPT-2 124M, bf16 autocast (float32 gradients), {tokens_per_gpu:,} tokens per GPU per step, "
-             f"H100 SXM at {hw['mfu']:.0%} MFU:", "",
-             "| link | busbw (GB/s) | GPUs | compute (ms) | all-reduce (ms) | not hidden (ms) | efficiency "
-             "| tokens/GPU to hide all but the last bucket | tokens/GPU for 90% |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"GPT-2 124M, bf16 autocast (float32 gradients), {tokens_per_gpu:,} tokens per GPU per step, "
+        f"H100 SXM at {hw['mfu']:.0%} MFU:",
+        "",
+        "| link | busbw (GB/s) | GPUs | compute (ms) | all-reduce (ms) | not hidden (ms) | efficiency "
+        "| tokens/GPU to hide all but the last bucket | tokens/GPU for 90% |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['link']} | {r['busbw'] / 1e9:,.1f} | {r['world']} | {1000 * r['compute_s']:.1f} | "
-                     f"{1000 * r['allreduce_s']:.1f} | {1000 * r['exposed_s']:.1f} | {r['efficiency']:.0%} | "
-                     f"{r['tokens_to_hide']:,.0f} | {r['tokens_for_90']:,.0f} |")
+        lines.append(
+            f"| {r['link']} | {r['busbw'] / 1e9:,.1f} | {r['world']} | {1000 * r['compute_s']:.1f} | "
+            f"{1000 * r['allreduce_s']:.1f} | {1000 * r['exposed_s']:.1f} | {r['efficiency']:.0%} | "
+            f"{r['tokens_to_hide']:,.0f} | {r['tokens_for_90']:,.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -204,9 +275,20 @@ def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None, hw: dict 
     if benchmark_json and benchmark_json.exists():
         pred = json.loads(benchmark_json.read_text()).get("prediction")
         if pred and pred["measured"]["efficiency"]:
-            ax.plot([2], [pred["measured"]["efficiency"]], "k*", markersize=14,
-                    label=f"measured: {pred['inputs']['preset']} model, 2 CPU ranks (bench/benchmark.py)")
-            ax.plot([2], [pred["predicted"]["efficiency"]], "kx", markersize=10, label="predicted for that CPU run")
+            ax.plot(
+                [2],
+                [pred["measured"]["efficiency"]],
+                "k*",
+                markersize=14,
+                label=f"measured: {pred['inputs']['preset']} model, 2 CPU ranks (bench/benchmark.py)",
+            )
+            ax.plot(
+                [2],
+                [pred["predicted"]["efficiency"]],
+                "kx",
+                markersize=10,
+                label="predicted for that CPU run",
+            )
     ax.set_xscale("log", base=2)
     worlds = sorted({r["world"] for r in rows})
     ax.set_xticks(worlds, [str(w) for w in worlds])
@@ -224,19 +306,29 @@ def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None, hw: dict 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens-per-gpu", type=int, default=16 * 1024, help="per-GPU batch in tokens (default: 16 x 1024)")
-    p.add_argument("--mfu", type=float, default=HARDWARE["mfu"], help="the GPU's share of its peak FLOP/s (default: 0.4)")
+    p.add_argument(
+        "--tokens-per-gpu", type=int, default=16 * 1024, help="per-GPU batch in tokens (default: 16 x 1024)"
+    )
+    p.add_argument(
+        "--mfu", type=float, default=HARDWARE["mfu"], help="the GPU's share of its peak FLOP/s (default: 0.4)"
+    )
     p.add_argument("--plot", type=Path, default=None, help="write the efficiency plot here (PNG)")
-    p.add_argument("--benchmark", type=Path, default=Path(__file__).parent / "results" / "benchmark.json",
-                   help="the benchmark run whose measured point goes on the plot")
+    p.add_argument(
+        "--benchmark",
+        type=Path,
+        default=Path(__file__).parent / "results" / "benchmark.json",
+        help="the benchmark run whose measured point goes on the plot",
+    )
     args = p.parse_args(argv)
     hw = HARDWARE | {"mfu": args.mfu}
     print(paper_markdown(args.tokens_per_gpu, hw))
     layout = gradient_layout("gpt2")
-    print(f"gradients {layout['grad_bytes'] / 1e6:.1f} MB in {layout['buckets']} buckets, the last "
-          f"{layout['last_bucket_bytes'] / 1e6:.1f} MB (tied embedding {layout['wte_bytes'] / 1e6:.1f} MB); "
-          f"{layout['flops_per_token'] / 1e9:.3f} GFLOP per token; the JAX scaling book: about "
-          f"{JAX_TOKENS_PER_GPU:,} tokens per GPU within a node")
+    print(
+        f"gradients {layout['grad_bytes'] / 1e6:.1f} MB in {layout['buckets']} buckets, the last "
+        f"{layout['last_bucket_bytes'] / 1e6:.1f} MB (tied embedding {layout['wte_bytes'] / 1e6:.1f} MB); "
+        f"{layout['flops_per_token'] / 1e9:.3f} GFLOP per token; the JAX scaling book: about "
+        f"{JAX_TOKENS_PER_GPU:,} tokens per GPU within a node"
+    )
     if args.plot:
         plot(args.plot, args.tokens_per_gpu, args.benchmark, hw)
         print(f"written: {args.plot}")

@@ -12,16 +12,9 @@ import math
 import sys
 from pathlib import Path
 
+from .chapters import CHAPTERS
 from .errors import CourseError
 from .model import PRESETS, GPTConfig, model_config
-
-CHAPTERS = {
-    1: "01_single_gpu",
-    2: "02_grad_accumulation",
-    3: "03_dataparallel",
-    4: "04_ddp",
-    5: "05_multinode",
-}
 
 # flag -> the chapter that introduces it
 INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}

@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, run_python
+
+from common.launch import REPO, run_python
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -22,19 +23,54 @@ import benchmark  # noqa: E402
 import gpu_summary  # noqa: E402
 import gpu_vs_cpu  # noqa: E402
 
-ROW_NUMBERS = ["tokens_per_sec", "tokens_per_sec_per_device", "step_ms", "step_cpu_ms", "peak_mem_mb",
-               "data_wait_share", "bare_step_ms", "bare_ratio", "bare_cpu_ratio"]
+ROW_NUMBERS = [
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "step_ms",
+    "step_cpu_ms",
+    "peak_mem_mb",
+    "data_wait_share",
+    "bare_step_ms",
+    "bare_ratio",
+    "bare_cpu_ratio",
+]
 
 
 @pytest.fixture(scope="module")
 def bench_run(data_dir, tmp_path_factory):
     """One benchmark run: tiny model, 4 steps (the first 2 are warm-up), every stage, one repeat."""
     tmp = tmp_path_factory.mktemp("bench")
-    proc = run_python(["bench/benchmark.py", "--preset", "tiny", "--iters", 4, "--log-interval", 2,
-                       "--batch-size", 4, "--repeats", 1, "--device", "cpu", "--data-dir", data_dir,
-                       "--work-dir", tmp / "work", "--results-dir", tmp / "results"], timeout=600)
+    proc = run_python(
+        [
+            "bench/benchmark.py",
+            "--preset",
+            "tiny",
+            "--iters",
+            4,
+            "--log-interval",
+            2,
+            "--batch-size",
+            4,
+            "--repeats",
+            1,
+            "--device",
+            "cpu",
+            "--data-dir",
+            data_dir,
+            "--work-dir",
+            tmp / "work",
+            "--results-dir",
+            tmp / "results",
+        ],
+        timeout=600,
+    )
     results = tmp / "results"
-    return proc, json.loads((results / "benchmark.json").read_text()), (results / "benchmark.md").read_text(), tmp
+    return (
+        proc,
+        json.loads((results / "benchmark.json").read_text()),
+        (results / "benchmark.md").read_text(),
+        tmp,
+    )
 
 
 def expected_stages() -> list:
@@ -46,7 +82,11 @@ def expected_stages() -> list:
 def test_json_has_a_complete_row_per_stage(bench_run):
     proc, report, _, _ = bench_run
     settings = report["settings"]
-    assert settings["preset"] == "tiny" and settings["global_batch"] == 4 and settings["tokens_per_step"] == 4 * 32
+    assert (
+        settings["preset"] == "tiny"
+        and settings["global_batch"] == 4
+        and settings["tokens_per_step"] == 4 * 32
+    )
     assert settings["warmup_steps_dropped"] == 2 and settings["device"] == "cpu"
     rows = {r["stage"]: r for r in report["stages"]}
     assert list(rows) == ["01", "02", "03", "04x1", "04x2", "05"]
@@ -64,7 +104,9 @@ def test_json_has_a_complete_row_per_stage(bench_run):
         assert row["peak_mem_source"].startswith("peak RSS")
         assert isinstance(row["threads_per_rank"], int) and row["threads_per_rank"] >= 1
         assert row["devices"] == row["processes"] == stage.ranks
-        assert row["micro_batch"] * row["grad_accum"] * row["devices"] == 4  # the same global batch everywhere
+        assert (
+            row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
+        )  # the same global batch everywhere
         if stage.ranks == 1:
             assert row["comm_share"] is None
         else:  # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
@@ -83,7 +125,7 @@ def test_markdown_table_is_well_formed(bench_run):
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
     assert columns == benchmark.COLUMNS
     assert set(lines[header + 1].strip("|").split("|")) <= {"---", "---:"}
-    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[header + 2:]))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[header + 2 :]))
     assert len(rows) == len(report["stages"])
     for line, row in zip(rows, report["stages"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -104,8 +146,11 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
     bare = {b["batch_size"]: min(r["step_ms"] for r in b["runs"] if r) for b in report["bare"]}
     assert inputs["bare_step_ms"] == bare[2] and inputs["bare_step_ms_whole_batch"] == bare[4]
     # ... the bus bandwidth of preflight.py's table, for an all-reduce of all the gradients ...
-    size, busbw = re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$",
-                             (tmp / "work" / "preflight.log").read_text(), re.MULTILINE)[-1]
+    size, busbw = re.findall(
+        r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$",
+        (tmp / "work" / "preflight.log").read_text(),
+        re.MULTILINE,
+    )[-1]
     assert inputs["busbw_gbs"] == float(busbw) and abs(float(size) - inputs["grad_bytes"] / 1e6) < 0.01
     # ... and the tiny model's float32 gradients, all in one bucket, the tied embedding's
     from common.model import GPT, model_config
@@ -120,19 +165,47 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
     assert predicted["efficiency"] == pytest.approx(bare[4] / (2 * (bare[2] + comm_ms)), rel=1e-9)
     # beside the measured figures of the same run, in its table
     row = next(r for r in report["stages"] if r["stage"] == "04x2")
-    assert measured == {"step_ms": row["step_ms"], "comm_ms": row["comm"]["comm_ms"], "comm_share": row["comm_share"],
-                        "efficiency": report["scaling"]["04x2"]["efficiency"]}
+    assert measured == {
+        "step_ms": row["step_ms"],
+        "comm_ms": row["comm"]["comm_ms"],
+        "comm_share": row["comm_share"],
+        "efficiency": report["scaling"]["04x2"]["efficiency"],
+    }
     assert f"| step (ms) | {row['step_ms']:,.1f} | {predicted['step_ms']:,.1f} | " in table
-    assert f"| communication share | {100 * row['comm_share']:.1f}% | {100 * predicted['comm_share']:.1f}% | " in table
+    assert (
+        f"| communication share | {100 * row['comm_share']:.1f}% | {100 * predicted['comm_share']:.1f}% | "
+        in table
+    )
 
 
 def test_a_missing_stage_is_a_row_that_says_so():
-    report = {"settings": {"preset": "tiny", "device_name": "CPU", "global_batch": 4, "block_size": 32,
-                           "tokens_per_step": 128, "iters": 4, "warmup_steps_dropped": 2, "dtype": "auto",
-                           "compile": False, "repeats": 1, "torch": "x", "date": "today", "command": "c"},
-              "stages": [{"stage": "05", "label": "05 2 nodes x 1 rank", "status": "missing",
-                          "note": "not run: 05_multinode/train.py does not exist yet"}],
-              "bare": [], "scaling": {}}
+    report = {
+        "settings": {
+            "preset": "tiny",
+            "device_name": "CPU",
+            "global_batch": 4,
+            "block_size": 32,
+            "tokens_per_step": 128,
+            "iters": 4,
+            "warmup_steps_dropped": 2,
+            "dtype": "auto",
+            "compile": False,
+            "repeats": 1,
+            "torch": "x",
+            "date": "today",
+            "command": "c",
+        },
+        "stages": [
+            {
+                "stage": "05",
+                "label": "05 2 nodes x 1 rank",
+                "status": "missing",
+                "note": "not run: 05_multinode/train.py does not exist yet",
+            }
+        ],
+        "bare": [],
+        "scaling": {},
+    }
     row = [line for line in benchmark.markdown(report).splitlines() if line.startswith("| 05")][0]
     assert "does not exist yet" in row and row.count("|") == len(benchmark.COLUMNS) + 1
 
@@ -148,18 +221,75 @@ def test_bad_benchmark_flags_are_refused():
 def test_gpu_vs_cpu_runs_on_the_cpu(data_dir, tmp_path):
     """Both sides on the CPU: float32 against float32 must agree exactly; bf16 within the tolerance."""
     out = tmp_path / "same.json"
-    assert gpu_vs_cpu.main(["--preset", "tiny", "--steps", "2", "--batch-size", "2", "--test-device", "cpu",
-                            "--test-dtype", "float32", "--data-dir", str(data_dir), "--out", str(out)]) == 0
+    assert (
+        gpu_vs_cpu.main(
+            [
+                "--preset",
+                "tiny",
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--test-device",
+                "cpu",
+                "--test-dtype",
+                "float32",
+                "--data-dir",
+                str(data_dir),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     same = json.loads(out.read_text())
     assert same["passed"] and same["max_rel_diff"] == 0 and len(same["test_losses"]) == 2
     out = tmp_path / "bf16.json"
-    assert gpu_vs_cpu.main(["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--test-device", "cpu",
-                            "--test-dtype", "bfloat16", "--data-dir", str(data_dir), "--out", str(out)]) == 0
+    assert (
+        gpu_vs_cpu.main(
+            [
+                "--preset",
+                "tiny",
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--test-device",
+                "cpu",
+                "--test-dtype",
+                "bfloat16",
+                "--data-dir",
+                str(data_dir),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     bf16 = json.loads(out.read_text())
     assert bf16["test"] == "cpu bfloat16" and 0 <= bf16["max_rel_diff"] <= 2e-2
     # a tolerance that bf16 cannot meet fails the check (exit status 1)
-    assert gpu_vs_cpu.main(["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--test-device", "cpu",
-                            "--test-dtype", "bfloat16", "--rtol", "1e-12", "--data-dir", str(data_dir)]) == 1
+    assert (
+        gpu_vs_cpu.main(
+            [
+                "--preset",
+                "tiny",
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--test-device",
+                "cpu",
+                "--test-dtype",
+                "bfloat16",
+                "--rtol",
+                "1e-12",
+                "--data-dir",
+                str(data_dir),
+            ]
+        )
+        == 1
+    )
 
 
 def test_gpu_vs_cpu_refuses_bad_arguments():
@@ -172,14 +302,36 @@ def test_gpu_vs_cpu_refuses_bad_arguments():
 def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
     """The GPU check's mechanics, every step of it, as a dry run on the CPU with the tiny model."""
     out, work = tmp_path / "out", tmp_path / "work"
-    env = dict(os.environ, DEVICE="cpu", PRESET="tiny", CHECK_PRESET="tiny", ITERS="4", LOG_INTERVAL="2", BATCH="4",
-               OUT=str(out), WORK=str(work), DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = dict(
+        os.environ,
+        DEVICE="cpu",
+        PRESET="tiny",
+        CHECK_PRESET="tiny",
+        ITERS="4",
+        LOG_INTERVAL="2",
+        BATCH="4",
+        OUT=str(out),
+        WORK=str(work),
+        DATA_DIR=str(data_dir),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_check.sh")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all steps passed" in proc.stdout
     summary = (out / "summary.md").read_text()
-    for row in ("01 one device (eager)", "03 DataParallel (eager)", "04 DDP, 1 rank (eager)", "01 one device (compile)"):
+    for row in (
+        "01 one device (eager)",
+        "03 DataParallel (eager)",
+        "04 DDP, 1 rank (eager)",
+        "01 one device (compile)",
+    ):
         assert f"| {row} |" in summary and "| ok |" in summary.split(f"| {row} |")[1].splitlines()[0], summary
     assert "bf16 vs float32 check" in summary and "PASS" in summary
     assert json.loads((out / "replica_dtype.json").read_text())["passed"]
@@ -193,22 +345,45 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
 
 def test_gpu_check_gives_every_step_no_more_than_the_time_left(data_dir, tmp_path):
     """With TOTAL too small for anything, every step is skipped and named, and the script fails."""
-    env = dict(os.environ, DEVICE="cpu", TOTAL="1", OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"),
-               DATA_DIR=str(data_dir))
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = dict(
+        os.environ,
+        DEVICE="cpu",
+        TOTAL="1",
+        OUT=str(tmp_path / "out"),
+        WORK=str(tmp_path / "work"),
+        DATA_DIR=str(data_dir),
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_check.sh")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
-    assert ("failed steps: prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked"
-            in proc.stdout)
+    assert (
+        "failed steps: prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked"
+        in proc.stdout
+    )
 
 
 def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):
     _, report, _, _ = bench_run
     (tmp_path / "eager").mkdir()
     (tmp_path / "eager" / "benchmark.json").write_text(json.dumps(report))
-    (tmp_path / "gpu_vs_cpu.json").write_text(json.dumps({
-        "test": "cuda bfloat16", "reference": "cpu float32", "steps": 10, "passed": True,
-        "max_rel_diff": 3e-3, "rtol": 2e-2}))
+    (tmp_path / "gpu_vs_cpu.json").write_text(
+        json.dumps(
+            {
+                "test": "cuda bfloat16",
+                "reference": "cpu float32",
+                "steps": 10,
+                "passed": True,
+                "max_rel_diff": 3e-3,
+                "rtol": 2e-2,
+            }
+        )
+    )
     text = gpu_summary.summary(tmp_path)
     assert "| 01 one device (eager) |" in text and "PASS" in text
     assert "| compile | | | | | | no results" in text  # a step that wrote nothing is named, not skipped

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_run_args
 
-from conftest import tiny_run_args
-from launch import run_python
-
+from common.launch import run_python
 from common.metrics import read_metrics
 from common.model import GPT, GPTConfig
 
@@ -101,9 +100,23 @@ def test_sampling_command(full_run):
 def test_help_lists_flags_with_defaults():
     proc = run_python([SCRIPT, "--help"])
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines where it likes
-    for text in ("--batch-size", "--max-iters", "--preset", "--dataset", "--out-dir", "--resume", "--device",
-                 "--dtype", "--compile", "--seed", "--lr", "(default: 8)", "(default: small)",
-                 "(default: shakespeare)", "(default: out/01_single_gpu)"):
+    for text in (
+        "--batch-size",
+        "--max-iters",
+        "--preset",
+        "--dataset",
+        "--out-dir",
+        "--resume",
+        "--device",
+        "--dtype",
+        "--compile",
+        "--seed",
+        "--lr",
+        "(default: 8)",
+        "(default: small)",
+        "(default: shakespeare)",
+        "(default: out/01_single_gpu)",
+    ):
         assert text in help_text, text
     # flags of later chapters are not offered here
     assert "--grad-accum" not in proc.stdout and "--backend" not in proc.stdout
@@ -118,8 +131,12 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, data_dir, tmp_path):
     assert [m["iter"] for m in first_half] == list(range(1, 11))
     # a crashed run may have logged steps past its last checkpoint: the resume rewrites them
     with open(out_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"iter": 11, "loss": 99.0, "lr": 0.1, "tokens_seen": 0, "dt_ms": 1.0,
-                            "tokens_per_sec": 1.0}) + "\n")
+        f.write(
+            json.dumps(
+                {"iter": 11, "loss": 99.0, "lr": 0.1, "tokens_seen": 0, "dt_ms": 1.0, "tokens_per_sec": 1.0}
+            )
+            + "\n"
+        )
     proc = train(data_dir, out_dir, 20, resume=True)
     assert "resuming from" in proc.stdout and "at step 10" in proc.stdout
 

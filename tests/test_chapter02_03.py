@@ -23,9 +23,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import tiny_run_args  # noqa: E402
-from launch import REPO, run_python  # noqa: E402
+from helpers import tiny_run_args  # noqa: E402
 
+from common.chapters import CHAPTERS
+from common.launch import REPO, run_python  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 
 ITERS = 10
@@ -37,7 +38,7 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BROKEN_FLAGS = {"batch_size": 2, "grad_accum": 4}
 
-CH01, CH02, CH03 = (REPO / d / "train.py" for d in ("01_single_gpu", "02_grad_accumulation", "03_dataparallel"))
+CH01, CH02, CH03 = (REPO / CHAPTERS[n] / "train.py" for n in (1, 2, 3))
 
 
 def in_parallel(*jobs):
@@ -63,7 +64,8 @@ def loss_mismatch(reference: dict[int, float], other: dict[int, float]) -> float
 
 def params_match(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:
     return reference.keys() == other.keys() and all(
-        torch.allclose(other[k], reference[k], rtol=PARAM_RTOL, atol=PARAM_ATOL) for k in reference)
+        torch.allclose(other[k], reference[k], rtol=PARAM_RTOL, atol=PARAM_ATOL) for k in reference
+    )
 
 
 def assert_same_run(reference_dir: Path, other_dir: Path) -> None:
@@ -91,7 +93,10 @@ def runs(data_dir, tmp_path_factory) -> dict:
     def run(name):
         script, flags = plan[name]
         out = root / name
-        return name, (out, run_python([script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY))
+        return name, (
+            out,
+            run_python([script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY),
+        )
 
     return dict(in_parallel(*[lambda n=n: run(n) for n in plan]))
 
@@ -134,7 +139,9 @@ def loss_not_scaled(src: str) -> str:
 
 def gradient_not_scaled(src: str) -> str:
     """The logged loss is divided by K, the gradient is not (backward of K times the loss)."""
-    return replace_once(src, BACKWARD_LINE, "                scaler.scale(micro_loss * args.grad_accum).backward()")
+    return replace_once(
+        src, BACKWARD_LINE, "                scaler.scale(micro_loss * args.grad_accum).backward()"
+    )
 
 
 def step_every_micro_batch(src: str) -> str:
@@ -148,8 +155,11 @@ def step_every_micro_batch(src: str) -> str:
     return replace_once(src, ACCUMULATE_LINE, ACCUMULATE_LINE + indented)
 
 
-BREAKAGES = {"loss_not_scaled": loss_not_scaled, "gradient_not_scaled": gradient_not_scaled,
-             "step_every_micro_batch": step_every_micro_batch}
+BREAKAGES = {
+    "loss_not_scaled": loss_not_scaled,
+    "gradient_not_scaled": gradient_not_scaled,
+    "step_every_micro_batch": step_every_micro_batch,
+}
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +175,11 @@ def broken_runs(data_dir, tmp_path_factory) -> dict[str, Path]:
         script.write_text(broken)
         out = root / f"{name}_out"
         # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
-        run_python([script, *tiny_run_args(data_dir, out, ITERS, **BROKEN_FLAGS, **SCHEDULE)],
-                   PYTHONPATH=str(REPO), **CPU_ONLY)
+        run_python(
+            [script, *tiny_run_args(data_dir, out, ITERS, **BROKEN_FLAGS, **SCHEDULE)],
+            PYTHONPATH=str(REPO),
+            **CPU_ONLY,
+        )
         return name, out
 
     return dict(in_parallel(*[lambda n=n: run(n) for n in BREAKAGES]))
@@ -197,16 +210,21 @@ def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
 def resumed(runs, data_dir, tmp_path_factory) -> dict:
     """(from, to) -> (out_dir, process): a copy of one chapter's 10-step run resumed to 14 steps."""
     root = tmp_path_factory.mktemp("ch02_03_resume")
-    flags = {"01": (CH01, {"batch_size": 8}), "02": (CH02, {"batch_size": 2, "grad_accum": 4}),
-             "03": (CH03, {"batch_size": 8})}
+    flags = {
+        "01": (CH01, {"batch_size": 8}),
+        "02": (CH02, {"batch_size": 2, "grad_accum": 4}),
+        "03": (CH03, {"batch_size": 8}),
+    }
     source = {"01": "01_b8", "02": "02_b2x4", "03": "03_b8"}
 
     def run(frm, to):
         out = root / f"{frm}_to_{to}"
         shutil.copytree(runs[source[frm]][0], out)
         script, extra = flags[to]
-        proc = run_python([script, *tiny_run_args(data_dir, out, RESUMED_ITERS, resume=True, **extra, **SCHEDULE)],
-                          **CPU_ONLY)
+        proc = run_python(
+            [script, *tiny_run_args(data_dir, out, RESUMED_ITERS, resume=True, **extra, **SCHEDULE)],
+            **CPU_ONLY,
+        )
         return (frm, to), (out, proc)
 
     pairs = [("03", "01"), ("03", "02"), ("01", "03"), ("02", "03")]
@@ -255,9 +273,25 @@ def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
 
 
 def test_measure_memory_prints_a_table(data_dir):
-    proc = run_python([REPO / "02_grad_accumulation" / "measure_memory.py", "--preset", "tiny", "--batch-size", "4",
-                       "--micro-batch-sizes", "4", "1", "--steps", "1", "--device", "cpu", "--data-dir", data_dir],
-                      **CPU_ONLY)
+    proc = run_python(
+        [
+            REPO / "02_grad_accumulation" / "measure_memory.py",
+            "--preset",
+            "tiny",
+            "--batch-size",
+            "4",
+            "--micro-batch-sizes",
+            "4",
+            "1",
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+            "--data-dir",
+            data_dir,
+        ],
+        **CPU_ONLY,
+    )
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(rows) == 2 + 2, proc.stdout  # header, rule, one row per configuration
     full, micro = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:])

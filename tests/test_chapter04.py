@@ -29,10 +29,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import tiny_run_args  # noqa: E402
-from launch import REPO, child_env, run_python, run_torchrun, torchrun_command  # noqa: E402
+from helpers import tiny_run_args  # noqa: E402
 
 from common.data import epoch_permutation  # noqa: E402
+from common.launch import REPO, child_env, run_python, run_torchrun, torchrun_command  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 
 SCRIPT = REPO / "04_ddp" / "train.py"
@@ -69,19 +69,23 @@ def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory) -> dict[str, Path]:
-    tiny_args = tiny_run_args  # the fixture's function; fixtures are per test, these runs per module
     root = tmp_path_factory.mktemp("chapter04")
     out = {name: root / name for name in ("ch01", "ddp", "ddp_accum", "ch01_resumed")}
     common = {"lr_decay_iters": ITERS}
-    run_python([CHAPTER01, *tiny_args(data_dir, out["ch01"], ITERS, batch_size=8, **common)])
-    ddp = run_torchrun(SCRIPT, 2, tiny_args(data_dir, out["ddp"], ITERS, batch_size=4, **common))
+    run_python([CHAPTER01, *tiny_run_args(data_dir, out["ch01"], ITERS, batch_size=8, **common)])
+    ddp = run_torchrun(SCRIPT, 2, tiny_run_args(data_dir, out["ddp"], ITERS, batch_size=4, **common))
     (out["ddp"] / "stdout.txt").write_text(ddp.stdout)  # after the run: the folder held only its files
-    accum = tiny_args(data_dir, out["ddp_accum"], 10, batch_size=2, grad_accum=2, **common)
+    accum = tiny_run_args(data_dir, out["ddp_accum"], 10, batch_size=2, grad_accum=2, **common)
     run_torchrun(SCRIPT, 2, accum)
     shutil.copytree(out["ddp_accum"], out["ch01_resumed"])  # the chapter 04 checkpoint at step 10
-    run_torchrun(SCRIPT, 2, tiny_args(data_dir, out["ddp_accum"], ITERS, batch_size=2, grad_accum=2,
-                                      resume=True, **common))
-    run_python([CHAPTER01, *tiny_args(data_dir, out["ch01_resumed"], ITERS, batch_size=8, resume=True, **common)])
+    run_torchrun(
+        SCRIPT,
+        2,
+        tiny_run_args(data_dir, out["ddp_accum"], ITERS, batch_size=2, grad_accum=2, resume=True, **common),
+    )
+    run_python(
+        [CHAPTER01, *tiny_run_args(data_dir, out["ch01_resumed"], ITERS, batch_size=8, resume=True, **common)]
+    )
     return out
 
 
@@ -148,33 +152,34 @@ def test_ranks_share_each_global_batch_as_chapter01_does(tmp_path):
             G = B * K * W
             steps = N // G
             for s in range(steps):  # one optimizer step: every rank's K micro-batches
-                union = [i for rank in seen for i in rank[s * K * B:(s + 1) * K * B]]
-                assert sorted(union) == sorted(order[s * G:(s + 1) * G]), (epoch, K, s)
+                union = [i for rank in seen for i in rank[s * K * B : (s + 1) * K * B]]
+                assert sorted(union) == sorted(order[s * G : (s + 1) * G]), (epoch, K, s)
             # over the epoch the ranks cover the training set, except what chapter 01 drops too
-            used = set(seen[0][:steps * K * B]) | set(seen[1][:steps * K * B])
-            assert used == set(range(N)) - set(order[steps * G:])
+            used = set(seen[0][: steps * K * B]) | set(seen[1][: steps * K * B])
+            assert used == set(range(N)) - set(order[steps * G :])
     for r in ranks:
         assert r["epoch0"] != r["epoch1"], "set_epoch must give every epoch its own order"
-        assert r["epoch0_skip2"] == r["epoch0"][2 * B:], "a resumed epoch continues where it stopped"
+        assert r["epoch0_skip2"] == r["epoch0"][2 * B :], "a resumed epoch continues where it stopped"
 
 
-def test_plain_python_runs_a_world_of_one(runs, data_dir, tiny_args, tmp_path):
-    proc = run_python([SCRIPT, *tiny_args(data_dir, tmp_path, 5, batch_size=8, lr_decay_iters=ITERS)])
+def test_plain_python_runs_a_world_of_one(runs, data_dir, tmp_path):
+    proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 5, batch_size=8, lr_decay_iters=ITERS)])
     assert "[rank 0] not started by torchrun, so this is a world of one process" in proc.stdout
     assert "torchrun --standalone --nproc_per_node=N 04_ddp/train.py" in proc.stdout
     assert_same_losses(train_losses(tmp_path), train_losses(runs["ch01"]))
 
 
-def test_nccl_without_cuda_is_one_clear_error(data_dir, tiny_args, tmp_path):
-    proc = run_python([SCRIPT, *tiny_args(data_dir, tmp_path, 2), "--backend", "nccl"], check=False)
+def test_nccl_without_cuda_is_one_clear_error(data_dir, tmp_path):
+    proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 2), "--backend", "nccl"], check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"]
+        "error: --backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
+    ]
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_gpus_flag_points_to_torchrun(data_dir, tiny_args, tmp_path):
-    proc = run_python([SCRIPT, *tiny_args(data_dir, tmp_path, 2), "--gpus", "2"], check=False)
+def test_gpus_flag_points_to_torchrun(data_dir, tmp_path):
+    proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 2), "--gpus", "2"], check=False)
     assert proc.returncode == 2
     assert "--nproc_per_node" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -182,11 +187,20 @@ def test_gpus_flag_points_to_torchrun(data_dir, tiny_args, tmp_path):
 # ---- a rank that fails: the run must end with an error, never hang ----------------------------
 
 
-def start_long_run(data_dir: Path, out_dir: Path, tiny_args, timeout_s: int):
+def start_long_run(data_dir: Path, out_dir: Path, timeout_s: int):
     """Start 2 ranks on a long run; return the process and each rank's pid once both train."""
-    args = tiny_args(data_dir, out_dir, 100_000, batch_size=4, dist_timeout=timeout_s, eval_interval=100_000)
-    proc = subprocess.Popen(torchrun_command(SCRIPT, 2, args), cwd=REPO, env=child_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    args = tiny_run_args(
+        data_dir, out_dir, 100_000, batch_size=4, dist_timeout=timeout_s, eval_interval=100_000
+    )
+    proc = subprocess.Popen(
+        torchrun_command(SCRIPT, 2, args),
+        cwd=REPO,
+        env=child_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     pids, output = {}, []
     for line in proc.stdout:  # ranks print "[rank R] process PID on HOST: ..." first
         output.append(line)
@@ -210,19 +224,19 @@ def finish(proc: subprocess.Popen, output: list[str], within_s: float) -> tuple[
             proc.wait()
 
 
-def test_a_killed_rank_ends_the_run_with_an_error(data_dir, tiny_args, tmp_path):
-    proc, pids, output = start_long_run(data_dir, tmp_path, tiny_args, timeout_s=30)
+def test_a_killed_rank_ends_the_run_with_an_error(data_dir, tmp_path):
+    proc, pids, output = start_long_run(data_dir, tmp_path, timeout_s=30)
     os.kill(pids[1], signal.SIGKILL)
     returncode, text = finish(proc, output, within_s=60)
     assert returncode != 0, text
     assert not (tmp_path / "ckpt.pt").exists()
 
 
-def test_a_stuck_rank_ends_the_run_after_the_timeout(data_dir, tiny_args, tmp_path):
+def test_a_stuck_rank_ends_the_run_after_the_timeout(data_dir, tmp_path):
     """Rank 1 freezes (SIGSTOP) but its process lives: only the process group's timeout can tell
     rank 0, waiting for rank 1's gradients, that nothing will come."""
     timeout_s = 10
-    proc, pids, output = start_long_run(data_dir, tmp_path, tiny_args, timeout_s=timeout_s)
+    proc, pids, output = start_long_run(data_dir, tmp_path, timeout_s=timeout_s)
     os.kill(pids[1], signal.SIGSTOP)
     try:
         deadline = time.monotonic() + timeout_s + 60

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_run_args
 
 from common.data import shakespeare_texts
+from common.launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 from common.metrics import read_metrics
-from conftest import tiny_run_args
-from launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 
 CHAPTER = REPO / "05_multinode"
 TRAIN = CHAPTER / "train.py"
@@ -35,8 +35,24 @@ PREPARING = re.compile(r"\[node (\d+) rank (\d+) local (\d+)\] preparing corpus 
 
 def train_flags(corpus: Path) -> list[str]:
     """train.py flags after the simulation's defaults: a short deterministic run of the tiny model."""
-    return ["--dataset", str(corpus), "--max-iters", str(ITERS), "--eval-interval", str(EVAL_EVERY),
-            "--log-interval", "1", "--eval-batches", "2", "--batch-size", "2", "--sample-tokens", "0", "--dropout", "0"]
+    return [
+        "--dataset",
+        str(corpus),
+        "--max-iters",
+        str(ITERS),
+        "--eval-interval",
+        str(EVAL_EVERY),
+        "--log-interval",
+        "1",
+        "--eval-batches",
+        "2",
+        "--batch-size",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--dropout",
+        "0",
+    ]
 
 
 def losses(out_dir: Path) -> dict[int, float]:
@@ -44,8 +60,10 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 
 def node_logs(run_dir: Path) -> list[str]:
-    return [(run_dir / f"node{node}.log").read_text() if (run_dir / f"node{node}.log").exists() else ""
-            for node in (0, 1)]
+    return [
+        (run_dir / f"node{node}.log").read_text() if (run_dir / f"node{node}.log").exists() else ""
+        for node in (0, 1)
+    ]
 
 
 def stop(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -78,9 +96,14 @@ def simulate(run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout:
     """
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
-        proc = subprocess.Popen(["bash", "05_multinode/simulate_two_nodes.sh", *train_flags(corpus)], cwd=REPO,
-                                env=child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="2", **env),
-                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # a group of its own
+        proc = subprocess.Popen(
+            ["bash", "05_multinode/simulate_two_nodes.sh", *train_flags(corpus)],
+            cwd=REPO,
+            env=child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="2", **env),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # a group of its own
     killed_at = None
     try:
         if kill_rank is not None:
@@ -89,8 +112,12 @@ def simulate(run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout:
                 assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
                 assert proc.poll() is None, "the simulation ended before the kill:\n" + output.read_text()
                 time.sleep(0.02)
-            victim = next(int(pid) for log in node_logs(run_dir) for _, rank, _, pid in START.findall(log)
-                          if int(rank) == kill_rank)
+            victim = next(
+                int(pid)
+                for log in node_logs(run_dir)
+                for _, rank, _, pid in START.findall(log)
+                if int(rank) == kill_rank
+            )
             os.kill(victim, signal.SIGKILL)
             killed_at = max(losses(run_dir))
         proc.wait(timeout=timeout)
@@ -137,9 +164,19 @@ def chapter01(corpus, static_run, tmp_path_factory) -> dict[int, float]:
     """Chapter 01's losses with the same global batch of 8 (on the corpus node 0 prepared)."""
     run_dir = static_run[0]
     out = tmp_path_factory.mktemp("ch01")
-    run_python([REPO / "01_single_gpu" / "train.py",
-                *tiny_run_args(run_dir / "node0" / "data", out, max_iters=ITERS, eval_interval=EVAL_EVERY,
-                               dataset=corpus, batch_size=8)])
+    run_python(
+        [
+            REPO / "01_single_gpu" / "train.py",
+            *tiny_run_args(
+                run_dir / "node0" / "data",
+                out,
+                max_iters=ITERS,
+                eval_interval=EVAL_EVERY,
+                dataset=corpus,
+                batch_size=8,
+            ),
+        ]
+    )
     return losses(out)
 
 
@@ -148,8 +185,9 @@ def killed_run(request, corpus, tmp_path_factory):
     """The simulation with torchrun --max-restarts 1 and one data folder for both nodes
     (SHARED_FS=1: --shared-fs); once a checkpoint exists, global rank 3 is killed (SIGKILL)."""
     run_dir = tmp_path_factory.mktemp(f"killed-{request.param}")
-    out, logs, killed_at = simulate(run_dir, corpus, kill_rank=3, RDZV=request.param, MAX_RESTARTS="1",
-                                    SHARED_FS="1")
+    out, logs, killed_at = simulate(
+        run_dir, corpus, kill_rank=3, RDZV=request.param, MAX_RESTARTS="1", SHARED_FS="1"
+    )
     assert killed_at < ITERS, "the run was over before the kill"
     return run_dir, out, logs
 
@@ -170,14 +208,18 @@ def test_simulation_static_rendezvous_ranks_node_local_preparation_and_losses(st
     assert "parameters identical on all 4 rank(s): yes" in logs[0]
 
 
-def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_the_uninterrupted_model(killed_run, static_run):
+def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_the_uninterrupted_model(
+    killed_run, static_run
+):
     run_dir, out, logs = killed_run
     assert_two_nodes_of_two(logs)
     # one shared folder: global rank 0 alone prepared it, once (the restarted group found it ready)
     assert [m[:3] for log in logs for m in PREPARING.findall(log)] == [("0", "0", "0")]
     # both nodes' processes started twice, and the new group continued from the last checkpoint
     assert [len(START.findall(log)) for log in logs] == [4, 4]
-    resumed = re.findall(r"restarted by torchrun \(restart 1\): resuming from \S+ at step (\d+)\n", "".join(logs))
+    resumed = re.findall(
+        r"restarted by torchrun \(restart 1\): resuming from \S+ at step (\d+)\n", "".join(logs)
+    )
     assert len(resumed) == 1 and int(resumed[0]) in range(EVAL_EVERY, ITERS, EVAL_EVERY), "".join(logs)
     # every step logged once, with the uninterrupted run's losses, and its final model. Not bit for
     # bit: the restarted processes' DDP lays out its gradient buckets afresh, which can change the
@@ -221,16 +263,28 @@ def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, 
     port = free_port()
     procs, out_dirs = [], [seen_by_node0, tmp_path / "node1-out"]
     for node, out in enumerate(out_dirs):
-        args = tiny_run_args(run_dir / f"node{node}" / "data", out, max_iters=ITERS, dataset=corpus, resume=True)
-        procs.append(subprocess.Popen(torchrun_command(TRAIN, 1, args, nnodes=2, node_rank=node, port=port), cwd=REPO,
-                                      env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        args = tiny_run_args(
+            run_dir / f"node{node}" / "data", out, max_iters=ITERS, dataset=corpus, resume=True
+        )
+        procs.append(
+            subprocess.Popen(
+                torchrun_command(TRAIN, 1, args, nnodes=2, node_rank=node, port=port),
+                cwd=REPO,
+                env=child_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     try:
         outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     finally:
         stop_launchers(procs)
     assert all(proc.returncode != 0 for proc in procs), outputs
     for rank, out in enumerate(outputs):
-        assert (f"[rank {rank}] error: ranks [1] cannot see {out_dirs[rank] / 'ckpt.pt'}, which rank 0 wrote: "
-                "put --out-dir on a file system that every node shares\n") in out, out
+        assert (
+            f"[rank {rank}] error: ranks [1] cannot see {out_dirs[rank] / 'ckpt.pt'}, which rank 0 wrote: "
+            "put --out-dir on a file system that every node shares\n"
+        ) in out, out
         assert f"[rank{rank}]: Traceback" not in out  # the process's own (torchrun adds one of its own)

@@ -11,19 +11,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, child_env
-
-from common.checkpoint import (check_same_shape, checkpoint_model_config, clean_state_dict, load_checkpoint,
-                               save_checkpoint)
+from common.checkpoint import (
+    check_same_shape,
+    checkpoint_model_config,
+    clean_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
 from common.errors import CourseError
+from common.launch import REPO, child_env
 from common.model import GPT, PRESETS, model_config
 
 
 def save_tiny(out_dir: Path, iter_num: int, model: GPT | None = None, **train_config) -> GPT:
     model = model or GPT(PRESETS["tiny"])
     optimizer = torch.optim.AdamW(model.parameters())
-    save_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num, model_config=model.config, train_config={"seed": 1, **train_config})
+    save_checkpoint(
+        out_dir,
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        iter_num=iter_num,
+        model_config=model.config,
+        train_config={"seed": 1, **train_config},
+    )
     return model
 
 
@@ -106,8 +116,14 @@ print("not reached")
 
 
 def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "not reached" not in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
@@ -139,8 +155,14 @@ while True:
 
 
 def test_killed_from_outside_keeps_a_loadable_checkpoint(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", WRITES_FOREVER, str(tmp_path)], cwd=REPO, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITES_FOREVER, str(tmp_path)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "1", proc.stderr.read() if proc.poll() is not None else ""
         time.sleep(0.7)  # somewhere in a later write
@@ -159,6 +181,8 @@ def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
     from common.metrics import MetricsLog, read_metrics
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo')  # killed mid-line
+    path.write_text(
+        '{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo'
+    )  # killed mid-line
     MetricsLog(path, resume_from=2)
     assert read_metrics(path) == [{"iter": 1, "loss": 10.8}, {"iter": 2, "loss": 10.7}]

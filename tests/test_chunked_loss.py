@@ -44,19 +44,24 @@ def plain(h, weight, targets):
     return F.cross_entropy((h @ weight.t()).float(), targets)
 
 
-@pytest.mark.parametrize("positions, width, vocab, chunk", [
-    (256, 32, VOCAB, 128),  # two whole chunks
-    (200, 32, VOCAB, 128),  # a last chunk of 72: the chunk size does not divide the positions
-    (37, 16, VOCAB, 128),  # fewer positions than one chunk
-    (300, 24, 777, 64),  # an odd vocabulary, five chunks and a remainder
-])
+@pytest.mark.parametrize(
+    "positions, width, vocab, chunk",
+    [
+        (256, 32, VOCAB, 128),  # two whole chunks
+        (200, 32, VOCAB, 128),  # a last chunk of 72: the chunk size does not divide the positions
+        (37, 16, VOCAB, 128),  # fewer positions than one chunk
+        (300, 24, 777, 64),  # an odd vocabulary, five chunks and a remainder
+    ],
+)
 def test_loss_and_gradients_match_the_plain_computation(positions, width, vocab, chunk):
     gen = torch.Generator().manual_seed(positions)
     h = torch.randn(positions, width, generator=gen)
     weight = 0.05 * torch.randn(vocab, width, generator=gen)
     targets = torch.randint(0, vocab, (positions,), generator=gen)
     ref_loss, ref_h, ref_w = loss_and_grads(plain, h, weight, targets)
-    loss, grad_h, grad_w = loss_and_grads(lambda *a: chunked_cross_entropy(*a, chunk=chunk), h, weight, targets)
+    loss, grad_h, grad_w = loss_and_grads(
+        lambda *a: chunked_cross_entropy(*a, chunk=chunk), h, weight, targets
+    )
     assert loss.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == torch.float32
     assert rel_diff(loss, ref_loss) <= 1e-6
     assert rel_diff(grad_h, ref_h) <= 1e-5
@@ -116,7 +121,9 @@ def test_tied_weight_gradient_arrives_once():
     for model in tiny_pair():
         fired = {name: 0 for name, _ in model.named_parameters()}
         for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired[name] + 1))
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: fired.__setitem__(name, fired[name] + 1)
+            )
         x, y = batch()
         model(x, y)[1].backward()
         assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired  # one tensor, one name
@@ -172,7 +179,10 @@ def test_in_replica_threads_as_dataparallel_runs_it():
         except Exception as err:  # noqa: BLE001 - reported below, in the test's thread
             errors.append(err)
 
-    threads = [threading.Thread(target=replica, args=(i, xs, ys)) for i, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2)))]
+    threads = [
+        threading.Thread(target=replica, args=(i, xs, ys))
+        for i, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2)))
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -10,18 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from common.chapters import CHAPTERS
+from common.launch import REPO
 
-CHAPTERS = ["01_single_gpu", "02_grad_accumulation", "03_dataparallel", "04_ddp", "05_multinode"]
-PRESENT = [c for c in CHAPTERS if (REPO / c / "train.py").exists()]
+FOLDERS = list(CHAPTERS.values())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
 
 
 # ---- published diffs ---------------------------------------------------------------------------
+
 
 def test_published_diffs_are_current():
     """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the train.py files."""
@@ -32,7 +35,7 @@ def test_published_diffs_are_current():
 def copy_course(tmp_path: Path) -> Path:
     """The chapters' train.py files and READMEs (with the diff markers) in a scratch repository."""
     root = tmp_path / "repo"
-    for chapter in PRESENT:
+    for chapter in FOLDERS:
         (root / chapter).mkdir(parents=True)
         shutil.copy(REPO / chapter / "train.py", root / chapter / "train.py")
         readme = REPO / chapter / "README.md"
@@ -49,38 +52,44 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
     assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
 
-    before = copy_course(tmp_path / "untouched") / PRESENT[1] / "README.md"
-    readme = (root / PRESENT[1] / "README.md").read_text()
-    diff = (root / "docs" / "diffs" / f"{PRESENT[1]}.diff").read_text()
-    assert diff.startswith(f"--- a/{PRESENT[0]}/train.py\n+++ b/{PRESENT[1]}/train.py\n")
+    before = copy_course(tmp_path / "untouched") / FOLDERS[1] / "README.md"
+    readme = (root / FOLDERS[1] / "README.md").read_text()
+    diff = (root / "docs" / "diffs" / f"{FOLDERS[1]}.diff").read_text()
+    assert diff.startswith(f"--- a/{FOLDERS[0]}/train.py\n+++ b/{FOLDERS[1]}/train.py\n")
     assert diff in readme  # the chapter text shows the published diff ...
-    outside = before.read_text().split("<!-- diff:begin -->")[0], before.read_text().split("<!-- diff:end -->")[1]
-    assert readme.startswith(outside[0]) and readme.endswith(outside[1])  # ... and the rest of it is untouched
+    outside = (
+        before.read_text().split("<!-- diff:begin -->")[0],
+        before.read_text().split("<!-- diff:end -->")[1],
+    )
+    assert readme.startswith(outside[0]) and readme.endswith(
+        outside[1]
+    )  # ... and the rest of it is untouched
 
     # a change to a stage script that is not republished: both the file and the README are stale
-    script = root / PRESENT[1] / "train.py"
+    script = root / FOLDERS[1] / "train.py"
     script.write_text(script.read_text().replace("def main():", "def main():  # changed", 1))
     proc = tool("tools/publish_diffs.py", "--check", "--root", root)
     assert proc.returncode != 0
-    assert f"docs/diffs/{PRESENT[1]}.diff is out of date" in proc.stderr
-    assert f"the diff in {PRESENT[1]}/README.md is out of date" in proc.stderr
+    assert f"docs/diffs/{FOLDERS[1]}.diff is out of date" in proc.stderr
+    assert f"the diff in {FOLDERS[1]}/README.md is out of date" in proc.stderr
 
     # republishing fixes it, and a README without the markers is reported
     assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
     assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
-    (root / PRESENT[1] / "README.md").write_text("# no markers\n")
+    (root / FOLDERS[1] / "README.md").write_text("# no markers\n")
     proc = tool("tools/publish_diffs.py", "--check", "--root", root)
     assert proc.returncode != 0 and "lacks the lines" in proc.stderr
 
 
 def test_diffs_are_unified_diffs_of_neighbouring_chapters():
-    for previous, chapter in zip(PRESENT, PRESENT[1:]):
+    for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
         lines = (REPO / "docs" / "diffs" / f"{chapter}.diff").read_text().splitlines()
         assert lines[:2] == [f"--- a/{previous}/train.py", f"+++ b/{chapter}/train.py"]
         assert lines[2].startswith("@@ -")
 
 
 # ---- figures -----------------------------------------------------------------------------------
+
 
 def assert_png(path: Path) -> None:
     assert path.exists(), f"{path} was not written"
@@ -91,8 +100,19 @@ def assert_png(path: Path) -> None:
 def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     runs, figures = tmp_path / "runs", tmp_path / "figures"
     # the plotting command itself: run two stages with the same global batch, then draw
-    proc = tool("tools/make_plots.py", "--stages", "01,02", "--iters", 3, "--out-root", runs, "--figures", figures,
-                "--data-dir", data_dir)
+    proc = tool(
+        "tools/make_plots.py",
+        "--stages",
+        "01,02",
+        "--iters",
+        3,
+        "--out-root",
+        runs,
+        "--figures",
+        figures,
+        "--data-dir",
+        data_dir,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_png(figures / "parity_loss.png")
     assert not (figures / "tokens_per_sec.png").exists()  # throughput comes from the benchmark, not from here
@@ -119,8 +139,10 @@ def test_committed_figures_cover_every_stage():
     assert_png(figures / "parity_loss.png")
     captions = (figures / "CAPTIONS.md").read_text()
     assert "in float64" in captions  # the rounding control is in the committed figure
-    for chapter in PRESENT:
-        assert f"{chapter}/train.py" in captions, f"the committed figures predate {chapter}: rerun tools/make_plots.py"
+    for chapter in FOLDERS:
+        assert f"{chapter}/train.py" in captions, (
+            f"the committed figures predate {chapter}: rerun tools/make_plots.py"
+        )
 
 
 # ---- troubleshooting and workshop --------------------------------------------------------------
@@ -144,7 +166,12 @@ def test_troubleshooting_cites_tests_that_exist():
 def test_docs_name_files_that_exist(page):
     """Every repository path a page names (`01_single_gpu/train.py`, `tools/make_plots.py`, ...) exists."""
     text = (REPO / "docs" / page).read_text()
-    paths = set(re.findall(r"(?<![\w/.-])((?:0\d_[a-z_]+|tools|common|docs|tests)/[\w./-]+\.(?:py|sh|ipynb|md|png|sbatch))", text))
+    paths = set(
+        re.findall(
+            r"(?<![\w/.-])((?:0\d_[a-z_]+|tools|common|docs|tests)/[\w./-]+\.(?:py|sh|ipynb|md|png|sbatch))",
+            text,
+        )
+    )
     assert paths
     missing = sorted(p for p in paths if not (REPO / p).exists())
     assert not missing, f"{page} names files that do not exist: {missing}"

@@ -11,8 +11,15 @@ import pytest
 import torch
 from torch.utils.data import RandomSampler
 
-from common.data import (TokenWindows, batch_loader, epoch_permutation, load_splits, prepare, shakespeare_texts,
-                         validation_windows)
+from common.data import (
+    TokenWindows,
+    batch_loader,
+    epoch_permutation,
+    load_splits,
+    prepare,
+    shakespeare_texts,
+    validation_windows,
+)
 from common.errors import CourseError
 from common.tokenizer import encode, eot_id
 
@@ -32,8 +39,9 @@ def quiet(*_):
 
 
 def all_tokens(folder: Path) -> np.ndarray:
-    return np.concatenate([np.fromfile(folder / "train.bin", dtype=np.uint16),
-                           np.fromfile(folder / "val.bin", dtype=np.uint16)])
+    return np.concatenate(
+        [np.fromfile(folder / "train.bin", dtype=np.uint16), np.fromfile(folder / "val.bin", dtype=np.uint16)]
+    )
 
 
 def expected_tokens(docs: list[str]) -> list[int]:
@@ -112,8 +120,12 @@ def test_local_text_file(tmp_path):
 
 def test_local_jsonl_file_with_processes(tmp_path):
     path = tmp_path / "lines.jsonl"
-    path.write_text("".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8")
-    folder = prepare(str(path), tmp_path / "data", num_proc=2, text_column="body", log=quiet)  # Dataset.map(num_proc=2)
+    path.write_text(
+        "".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8"
+    )
+    folder = prepare(
+        str(path), tmp_path / "data", num_proc=2, text_column="body", log=quiet
+    )  # Dataset.map(num_proc=2)
     assert all_tokens(folder).tolist() == expected_tokens(DOCS)  # document order kept across processes
     single = prepare(str(path), tmp_path / "data1", num_proc=1, text_column="body", log=quiet)
     for name in ("train.bin", "val.bin"):

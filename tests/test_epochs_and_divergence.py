@@ -31,13 +31,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_run_args
 
+from common.chapters import CHAPTERS
 from common.data import TokenWindows, epoch_permutation, load_splits, prepare, shakespeare_texts
 from common.errors import CourseError
+from common.launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 from common.metrics import read_metrics
 from common.training import is_divergence, stop_if_diverged
-from conftest import tiny_run_args
-from launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 
 ITERS, RESUME_AT = 8, 5
 ACCUMULATE = {"batch_size": 2, "grad_accum": 2}  # with 2 ranks: the global batch of 8
@@ -49,28 +50,43 @@ PARAM_RTOL = 1e-4  # of the whole parameter vector
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 SET_EPOCH = "        sampler.set_epoch(epoch)"
 
-CH = {n: REPO / d / "train.py" for n, d in
-      (("01", "01_single_gpu"), ("02", "02_grad_accumulation"), ("03", "03_dataparallel"), ("04", "04_ddp"),
-       ("05", "05_multinode"))}
+CH = {f"{n:02d}": REPO / folder / "train.py" for n, folder in CHAPTERS.items()}
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc
 
 
 def torchrun(script: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
     """torchrun --standalone with 2 ranks; env: extra environment variables."""
-    return subprocess.run(torchrun_command(script, 2, args), cwd=REPO, env=child_env(**env), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        torchrun_command(script, 2, args),
+        cwd=REPO,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def two_nodes(args: list[str]) -> list[str]:
     """Chapter 05 as 2 nodes x 2 processes: two torchrun launches that meet on 127.0.0.1."""
     port = free_port()
-    procs = [subprocess.Popen(torchrun_command(CH["05"], 2, args, nnodes=2, node_rank=node, port=port), cwd=REPO,
-                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            torchrun_command(CH["05"], 2, args, nnodes=2, node_rank=node, port=port),
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     finally:
@@ -90,7 +106,9 @@ def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
 def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int | None:
     """The first step whose loss differs from the reference's (by more than rounding), or None."""
     assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (sorted(other), sorted(reference))
-    return next((i for i in sorted(reference) if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i])), None)
+    return next(
+        (i for i in sorted(reference) if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i])), None
+    )
 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
@@ -121,7 +139,11 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     path.write_text(shakespeare_texts()[0][:3500], encoding="utf-8")
     folder = prepare(str(path), root / "data", log=lambda *a: None)
     train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
-    assert len(train_set) == N_WINDOWS and N_WINDOWS % GLOBAL_BATCH and N_WINDOWS // GLOBAL_BATCH == STEPS_PER_EPOCH
+    assert (
+        len(train_set) == N_WINDOWS
+        and N_WINDOWS % GLOBAL_BATCH
+        and N_WINDOWS // GLOBAL_BATCH == STEPS_PER_EPOCH
+    )
     return path, root / "data"
 
 
@@ -150,8 +172,20 @@ def runs(corpus, tmp_path_factory) -> dict:
     "diverged" -> name -> (folder, its files before, process) for the two diverging runs."""
     path, data = corpus
     root = tmp_path_factory.mktemp("epoch_runs")
-    out = {name: root / name for name in ("01", "02", "03", "04", "01_resumed", "05", "04_no_set_epoch",
-                                          "01_diverged", "04_diverged")}
+    out = {
+        name: root / name
+        for name in (
+            "01",
+            "02",
+            "03",
+            "04",
+            "01_resumed",
+            "05",
+            "04_no_set_epoch",
+            "01_diverged",
+            "04_diverged",
+        )
+    }
     before = {}
 
     def args(name, iters=ITERS, **flags):
@@ -177,30 +211,41 @@ def runs(corpus, tmp_path_factory) -> dict:
         broken = root / "broken" / "train.py"
         broken.parent.mkdir()
         source = CH["04"].read_text()
-        assert source.count(SET_EPOCH) == 1, "04_ddp/train.py changed: no single sampler.set_epoch(epoch) line"
+        assert source.count(SET_EPOCH) == 1, (
+            "04_ddp/train.py changed: no single sampler.set_epoch(epoch) line"
+        )
         broken.write_text(source.replace(SET_EPOCH, "        pass  # sampler.set_epoch(epoch) forgotten"))
         # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
         succeeded(torchrun(broken, args("04_no_set_epoch", **ACCUMULATE), PYTHONPATH=str(REPO)))
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # two launches at a time; chapter 01 runs here meanwhile
         first = pool.submit(first_half)
-        futures = [pool.submit(job) for job in (
-            lambda: two_nodes(args("05", batch_size=2, shared_fs=True)),
-            without_set_epoch,
-            lambda: run_python([CH["02"], *args("02", batch_size=2, grad_accum=4)]),
-            lambda: run_python([CH["03"], *args("03", batch_size=8)], **CPU_ONLY),
-            lambda: (first.result(), run_python([CH["01"], *args("01_resumed", batch_size=8, resume=True)])),
-        )]
+        futures = [
+            pool.submit(job)
+            for job in (
+                lambda: two_nodes(args("05", batch_size=2, shared_fs=True)),
+                without_set_epoch,
+                lambda: run_python([CH["02"], *args("02", batch_size=2, grad_accum=4)]),
+                lambda: run_python([CH["03"], *args("03", batch_size=8)], **CPU_ONLY),
+                lambda: (
+                    first.result(),
+                    run_python([CH["01"], *args("01_resumed", batch_size=8, resume=True)]),
+                ),
+            )
+        ]
         last = pool.submit(resume_then_diverge, first)
         read = chapter01_in_this_process(args("01", batch_size=8))
         # logs only every 100 steps and evaluates at step 12: its evaluation meets the broken parameters first
-        chapter01_diverged = run_python([CH["01"], *diverge("01_diverged", "01", log_interval=100, eval_interval=12)],
-                                        check=False)
+        chapter01_diverged = run_python(
+            [CH["01"], *diverge("01_diverged", "01", log_interval=100, eval_interval=12)], check=False
+        )
         for future in futures:
             future.result()
         chapter04_diverged = last.result()
-    diverged = {"01": (out["01_diverged"], before["01_diverged"], chapter01_diverged),
-                "04": (out["04_diverged"], before["04_diverged"], chapter04_diverged)}
+    diverged = {
+        "01": (out["01_diverged"], before["01_diverged"], chapter01_diverged),
+        "04": (out["04_diverged"], before["04_diverged"], chapter04_diverged),
+    }
     return out | {"01_read": read, "diverged": diverged}
 
 
@@ -212,18 +257,20 @@ def test_every_chapter_equals_chapter01_across_epoch_boundaries(runs, name):
     reference = runs["01"]
     step = first_mismatch(train_losses(reference), train_losses(runs[name]))
     assert step is None, f"{name}: the loss of step {step} differs from chapter 01's"
-    assert parameter_distance(runs[name], reference) < PARAM_RTOL, f"{name}: the final parameters differ from chapter 01's"
+    assert parameter_distance(runs[name], reference) < PARAM_RTOL, (
+        f"{name}: the final parameters differ from chapter 01's"
+    )
 
 
 def test_chapter01_visits_every_epoch_in_a_new_order(runs):
     read = runs["01_read"]
     per_epoch = STEPS_PER_EPOCH * GLOBAL_BATCH  # 24 of the 29 windows; the other 5 are dropped
     assert len(read) == ITERS * GLOBAL_BATCH
-    epochs = [read[start:start + per_epoch] for start in range(0, len(read), per_epoch)]
+    epochs = [read[start : start + per_epoch] for start in range(0, len(read), per_epoch)]
     for e, windows in enumerate(epochs):
         assert len(set(windows)) == len(windows), f"epoch {e} reads a window twice"
-        assert windows == epoch_permutation(N_WINDOWS, SEED, e)[:len(windows)].tolist(), f"epoch {e}"
-    assert epochs[0] != epochs[1] and epochs[1][:len(epochs[2])] != epochs[2]
+        assert windows == epoch_permutation(N_WINDOWS, SEED, e)[: len(windows)].tolist(), f"epoch {e}"
+    assert epochs[0] != epochs[1] and epochs[1][: len(epochs[2])] != epochs[2]
     # the dropped remainder is another 5 windows each epoch, so no window is left out for good
     dropped = [set(range(N_WINDOWS)) - set(epochs[e]) for e in (0, 1)]
     assert all(len(d) == N_WINDOWS - per_epoch for d in dropped) and dropped[0] != dropped[1]
@@ -238,6 +285,7 @@ def test_without_set_epoch_the_second_epoch_repeats_the_first(runs):
 
 
 # ---- the divergence guard ------------------------------------------------------------------------
+
 
 def assert_finite_metrics(out_dir: Path) -> None:
     for record in read_metrics(out_dir / "metrics.jsonl"):
@@ -255,16 +303,21 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert re.fullmatch(r"error: the run diverged at step 12: validation loss (nan|inf); no checkpoint was written from "
-                        r"it \(the last one, if any, is intact\); try a lower --lr, --grad-clip 1\.0 or --dtype "
-                        r"float32, with --resume to continue from the checkpoint", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"error: the run diverged at step 12: validation loss (nan|inf); no checkpoint was written from "
+        r"it \(the last one, if any, is intact\); try a lower --lr, --grad-clip 1\.0 or --dtype "
+        r"float32, with --resume to continue from the checkpoint",
+        lines[0],
+    ), lines[0]
     assert folder_state(folder) == before, "the checkpoint and metrics of the good run must stay as they were"
 
 
 def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     folder, before, proc = diverged["04"]
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    stops = re.findall(r"\[rank (\d)\] error: the run diverged at step (\d+): (?:training loss|gradient)", proc.stderr)
+    stops = re.findall(
+        r"\[rank (\d)\] error: the run diverged at step (\d+): (?:training loss|gradient)", proc.stderr
+    )
     assert sorted(rank for rank, _ in stops) == ["0", "1"], proc.stderr  # both ranks, none left waiting
     assert len({step for _, step in stops}) == 1, stops
     assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
@@ -295,17 +348,28 @@ def test_float16_skipped_steps_are_not_divergence():
     assert not math.isfinite(grad_norm.item()) and math.isfinite(loss.item())
 
     stop_if_diverged(7, loss.item(), grad_norm, scaler)  # a skipped step: no error
-    with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss [-\d.]+, gradient norm inf;"):
+    with pytest.raises(
+        CourseError, match=r"^the run diverged at step 7: training loss [-\d.]+, gradient norm inf;"
+    ):
         stop_if_diverged(7, loss.item(), grad_norm, None)
     with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss nan;"):
         stop_if_diverged(7, float("nan"), None, scaler)
 
 
-@pytest.mark.parametrize("loss, grad_norm, skips_inf_steps, expected", [
-    (2.5, 1.0, False, False), (2.5, None, False, False), (2.5, 1.0, True, False),
-    (math.inf, 1.0, False, True), (math.nan, None, True, True), (-math.inf, 1.0, True, True),
-    (2.5, math.inf, False, True), (2.5, math.nan, False, True),
-    (2.5, math.inf, True, False), (2.5, math.nan, True, False),
-])
+@pytest.mark.parametrize(
+    "loss, grad_norm, skips_inf_steps, expected",
+    [
+        (2.5, 1.0, False, False),
+        (2.5, None, False, False),
+        (2.5, 1.0, True, False),
+        (math.inf, 1.0, False, True),
+        (math.nan, None, True, True),
+        (-math.inf, 1.0, True, True),
+        (2.5, math.inf, False, True),
+        (2.5, math.nan, False, True),
+        (2.5, math.inf, True, False),
+        (2.5, math.nan, True, False),
+    ],
+)
 def test_divergence_decision(loss, grad_norm, skips_inf_steps, expected):
     assert is_divergence(loss, grad_norm, skips_inf_steps) is expected

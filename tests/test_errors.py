@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import snapshot, tiny_run_args
 
 from common.errors import CourseError
-from conftest import snapshot, tiny_run_args
-from launch import run_python
+from common.launch import run_python
 
 SCRIPT = "01_single_gpu/train.py"
 
@@ -55,25 +55,52 @@ def binary(path: Path) -> Path:
 CASES = {
     "unknown corpus name": (lambda tmp: ["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
     "missing file": (lambda tmp: ["--dataset", tmp / "missing.txt"], "no corpus file at"),
-    "directory given as the file": (lambda tmp: ["--dataset", (tmp / "folder.txt").mkdir() or tmp / "folder.txt"],
-                                    "no corpus file at"),
-    "unknown file type": (lambda tmp: ["--dataset", write(tmp / "table.csv", "a,b\n1,2\n")], "unknown file type '.csv'"),
+    "directory given as the file": (
+        lambda tmp: ["--dataset", (tmp / "folder.txt").mkdir() or tmp / "folder.txt"],
+        "no corpus file at",
+    ),
+    "unknown file type": (
+        lambda tmp: ["--dataset", write(tmp / "table.csv", "a,b\n1,2\n")],
+        "unknown file type '.csv'",
+    ),
     "empty file": (lambda tmp: ["--dataset", write(tmp / "empty.txt", "")], "is empty"),
-    "corpus smaller than one window": (lambda tmp: ["--dataset", write(tmp / "small.txt", "Hello world. " * 3)],
-                                       "fewer than one window of block_size + 1 = 33"),
+    "corpus smaller than one window": (
+        lambda tmp: ["--dataset", write(tmp / "small.txt", "Hello world. " * 3)],
+        "fewer than one window of block_size + 1 = 33",
+    ),
     # 9 training windows of 32 tokens, and a validation split just long enough for one window
-    "corpus smaller than one batch": (lambda tmp: ["--batch-size", 16,
-                                                   "--dataset", write(tmp / "few.txt", "To be, or not to be. " * 40)],
-                                      "9 windows, fewer than one batch of 16"),
-    "block size beyond GPT-2": (lambda tmp: ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
-                                "--block-size 2048 is larger than GPT-2's 1024 positions"),
-    "zero batch size": (lambda tmp: ["--batch-size", 0], "--batch-size: must be a positive whole number, got 0"),
-    "negative max iters": (lambda tmp: ["--max-iters", -1], "--max-iters: must be a positive whole number, got -1"),
-    "grad accum in chapter 01": (lambda tmp: ["--grad-accum", 2], "introduced in chapter 02 (02_grad_accumulation)"),
-    "negative learning rate": (lambda tmp: ["--lr", -1], "argument --lr: must be a finite number, zero or more, got -1"),
-    "latin-1 text": (lambda tmp: ["--dataset", latin1(tmp / "francais.txt")],
-                     "is not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8"),
-    "binary file": (lambda tmp: ["--dataset", binary(tmp / "weights.txt")], "is not text (it looks like a binary file)"),
+    "corpus smaller than one batch": (
+        lambda tmp: ["--batch-size", 16, "--dataset", write(tmp / "few.txt", "To be, or not to be. " * 40)],
+        "9 windows, fewer than one batch of 16",
+    ),
+    "block size beyond GPT-2": (
+        lambda tmp: ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
+        "--block-size 2048 is larger than GPT-2's 1024 positions",
+    ),
+    "zero batch size": (
+        lambda tmp: ["--batch-size", 0],
+        "--batch-size: must be a positive whole number, got 0",
+    ),
+    "negative max iters": (
+        lambda tmp: ["--max-iters", -1],
+        "--max-iters: must be a positive whole number, got -1",
+    ),
+    "grad accum in chapter 01": (
+        lambda tmp: ["--grad-accum", 2],
+        "introduced in chapter 02 (02_grad_accumulation)",
+    ),
+    "negative learning rate": (
+        lambda tmp: ["--lr", -1],
+        "argument --lr: must be a finite number, zero or more, got -1",
+    ),
+    "latin-1 text": (
+        lambda tmp: ["--dataset", latin1(tmp / "francais.txt")],
+        "is not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8",
+    ),
+    "binary file": (
+        lambda tmp: ["--dataset", binary(tmp / "weights.txt")],
+        "is not text (it looks like a binary file)",
+    ),
 }
 if not torch.cuda.is_available():
     CASES["cuda asked for without a GPU"] = (lambda tmp: ["--device", "cuda"], "sees no CUDA GPU")
@@ -96,7 +123,9 @@ def test_unreadable_file(tmp_path, data_dir):
     path = write(tmp_path / "secret.txt", "To be, or not to be. " * 200)
     path.chmod(0)
     try:
-        fails_cleanly(tiny_run_args(tmp_path / "data", tmp_path / "run", 5) + ["--dataset", path], "cannot read")
+        fails_cleanly(
+            tiny_run_args(tmp_path / "data", tmp_path / "run", 5) + ["--dataset", path], "cannot read"
+        )
     finally:
         path.chmod(0o600)
 
@@ -143,23 +172,31 @@ def test_out_dir_that_is_a_file(data_dir, earlier_run, tmp_path):
     out_dir = tmp_path / "run"
     shutil.copytree(earlier_run, out_dir)
     before = snapshot(out_dir)
-    fails_cleanly(tiny_run_args(data_dir, out_dir / "metrics.jsonl", 5), f"{out_dir / 'metrics.jsonl'} is a file, not a folder")
+    fails_cleanly(
+        tiny_run_args(data_dir, out_dir / "metrics.jsonl", 5),
+        f"{out_dir / 'metrics.jsonl'} is a file, not a folder",
+    )
     assert snapshot(out_dir) == before
     from common.config import parse_args
 
-    with pytest.raises(CourseError, match="metrics.jsonl is a file, not a folder"):  # every chapter checks it first
+    with pytest.raises(
+        CourseError, match="metrics.jsonl is a file, not a folder"
+    ):  # every chapter checks it first
         parse_args(4, "", ["--out-dir", str(out_dir / "metrics.jsonl" / "run2")])
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--lr", "-1", "must be a finite number, zero or more, got -1"),
-    ("--min-lr", "-0.0001", "must be a finite number, zero or more, got -0.0001"),
-    ("--weight-decay", "-0.1", "must be a finite number, zero or more, got -0.1"),
-    ("--grad-clip", "-1", "must be a finite number, zero or more, got -1"),
-    ("--lr", "nan", "must be a finite number, zero or more, got nan"),
-    ("--beta1", "-0.9", "must be in [0, 1), got -0.9"),
-    ("--beta2", "1.5", "must be in [0, 1), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--lr", "-1", "must be a finite number, zero or more, got -1"),
+        ("--min-lr", "-0.0001", "must be a finite number, zero or more, got -0.0001"),
+        ("--weight-decay", "-0.1", "must be a finite number, zero or more, got -0.1"),
+        ("--grad-clip", "-1", "must be a finite number, zero or more, got -1"),
+        ("--lr", "nan", "must be a finite number, zero or more, got nan"),
+        ("--beta1", "-0.9", "must be in [0, 1), got -0.9"),
+        ("--beta2", "1.5", "must be in [0, 1), got 1.5"),
+    ],
+)
 def test_optimizer_values_are_checked_before_anything_runs(flag, value, message, capsys):
     """Every optimizer value AdamW would refuse with a traceback (or train on as nan), in every chapter."""
     from common.config import parse_args
@@ -177,7 +214,9 @@ def test_resume_with_another_global_batch_or_seed_is_refused():
 
     checkpoint = {"train_config": {"global_batch": 8, "seed": 1337}}
     check_resume(checkpoint, 8, 1337)  # e.g. chapter 01 with 8, or 2 ranks x 2 x K=2 in chapter 04
-    with pytest.raises(CourseError, match="trained with global_batch 8, this run has 16; resume with the same batch"):
+    with pytest.raises(
+        CourseError, match="trained with global_batch 8, this run has 16; resume with the same batch"
+    ):
         check_resume(checkpoint, 16, 1337)
     with pytest.raises(CourseError, match="trained with seed 1337, this run has 7"):
         check_resume(checkpoint, 8, 7)

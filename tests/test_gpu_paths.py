@@ -13,11 +13,12 @@ import threading
 
 import pytest
 import torch
-from launch import REPO, run_torchrun
 
+from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.data import shakespeare_texts
 from common.device import auto_dtype, in_autocast
+from common.launch import REPO, run_torchrun
 from common.metrics import gpu_model, model_flops_utilization, peak_flops_of
 from common.model import GPT, model_config
 
@@ -51,7 +52,10 @@ def test_a_new_thread_forgets_the_autocast_dtype_and_in_autocast_restores_it():
         # the fix chapter 03 uses: the replica enters autocast itself, inside its thread
         assert run_like_parallel_apply(in_autocast(torch.nn.Linear(8, 8), cpu, chosen), x, enabled) == chosen
     # and float32 stays float32 (no autocast entered)
-    assert run_like_parallel_apply(in_autocast(torch.nn.Linear(8, 8), cpu, torch.float32), x, False) == torch.float32
+    assert (
+        run_like_parallel_apply(in_autocast(torch.nn.Linear(8, 8), cpu, torch.float32), x, False)
+        == torch.float32
+    )
 
 
 def load_chapter03():
@@ -76,7 +80,9 @@ def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(m
     replicas = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
     dp.parallel_apply(replicas, [(torch.randn(2, 8),), (torch.randn(2, 8),)], [{}, {}])
     assert seen == [chosen, chosen]
-    assert isinstance(dp, torch.nn.DataParallel) and dp.module is not None  # checkpoints still use model.module
+    assert (
+        isinstance(dp, torch.nn.DataParallel) and dp.module is not None
+    )  # checkpoints still use model.module
 
 
 # ---- 2. MFU counts every device's tokens against every device's peak -------------------------
@@ -88,9 +94,16 @@ def test_mfu_divides_by_the_peak_of_all_devices():
     assert model_flops_utilization(1e9, 4 * 100_000, 1e15, devices=4) == pytest.approx(one)
     assert model_flops_utilization(1e9, 100_000, None) is None  # unknown device: no MFU
     # and every chapter that spreads tokens over devices says over how many
-    for script, devices in (("03_dataparallel", "replicas"), ("04_ddp", "world_size"), ("05_multinode", "world_size")):
-        calls = [node for node in ast.walk(ast.parse((REPO / script / "train.py").read_text()))
-                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "model_flops_utilization"]
+    for script, devices in (
+        ("03_dataparallel", "replicas"),
+        ("04_ddp", "world_size"),
+        ("05_multinode", "world_size"),
+    ):
+        calls = [
+            node
+            for node in ast.walk(ast.parse((REPO / script / "train.py").read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "model_flops_utilization"
+        ]
         assert len(calls) == 1, script
         assert [ast.unparse(k.value) for k in calls[0].keywords if k.arg == "devices"] == [devices], script
 
@@ -98,14 +111,17 @@ def test_mfu_divides_by_the_peak_of_all_devices():
 # ---- 3. --dtype auto from the compute capability ---------------------------------------------
 
 
-@pytest.mark.parametrize("gpu, capability, expected", [
-    ("Tesla V100", (7, 0), torch.float16),  # bfloat16 only emulated: slow, and compile skips it
-    ("Tesla T4", (7, 5), torch.float16),
-    ("A100", (8, 0), torch.bfloat16),
-    ("RTX 3090", (8, 6), torch.bfloat16),
-    ("L4 / L40S / RTX 4090", (8, 9), torch.bfloat16),
-    ("H100 / H200", (9, 0), torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "gpu, capability, expected",
+    [
+        ("Tesla V100", (7, 0), torch.float16),  # bfloat16 only emulated: slow, and compile skips it
+        ("Tesla T4", (7, 5), torch.float16),
+        ("A100", (8, 0), torch.bfloat16),
+        ("RTX 3090", (8, 6), torch.bfloat16),
+        ("L4 / L40S / RTX 4090", (8, 9), torch.bfloat16),
+        ("H100 / H200", (9, 0), torch.bfloat16),
+    ],
+)
 def test_auto_dtype_follows_bf16_tensor_cores(gpu, capability, expected):
     assert auto_dtype("cuda", capability) == expected, gpu
 
@@ -166,8 +182,15 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
         scaler.update()
         optimizer.zero_grad()
     assert scaler.get_scale() == 16384.0
-    save_checkpoint(tmp_path, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(), iter_num=7,
-                    model_config=config, train_config={}, scaler_state=scaler.state_dict())
+    save_checkpoint(
+        tmp_path,
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        iter_num=7,
+        model_config=config,
+        train_config={},
+        scaler_state=scaler.state_dict(),
+    )
     checkpoint = load_checkpoint(tmp_path)
     assert checkpoint["scaler"]["scale"] == 16384.0
     assert checkpoint["rng_cuda"] is None  # this process never used CUDA; on a GPU it holds its generator
@@ -178,8 +201,15 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
 
     # a bfloat16/float32 run has a disabled scaler: it saves nothing and loads nothing
     off = torch.amp.GradScaler("cpu", enabled=False)
-    save_checkpoint(tmp_path, model_state=model.state_dict(), optimizer_state=optimizer.state_dict(), iter_num=8,
-                    model_config=config, train_config={}, scaler_state=off.state_dict())
+    save_checkpoint(
+        tmp_path,
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        iter_num=8,
+        model_config=config,
+        train_config={},
+        scaler_state=off.state_dict(),
+    )
     checkpoint = load_checkpoint(tmp_path)
     assert checkpoint["scaler"] == {}
     assert restore_training_state(checkpoint, torch.optim.AdamW(model.parameters(), lr=1e-3), resumed) == 8
@@ -187,7 +217,7 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
 
 
 def test_every_chapter_saves_the_scaler_and_restores_through_one_function():
-    for chapter in ("01_single_gpu", "02_grad_accumulation", "03_dataparallel", "04_ddp", "05_multinode"):
+    for chapter in CHAPTERS.values():
         tree = ast.parse((REPO / chapter / "train.py").read_text())
         calls = {getattr(n.func, "id", None): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
         assert "restore_training_state" in calls, chapter
@@ -203,8 +233,33 @@ def test_ranks_wait_for_data_preparation_longer_than_dist_timeout(tmp_path):
     play = shakespeare_texts()[0]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(play * 200)  # ~5M tokens: tokenizing them in one process takes well over 2 s
-    proc = run_torchrun("04_ddp/train.py", 2, [
-        "--preset", "tiny", "--max-iters", 1, "--eval-batches", 1, "--sample-tokens", 0, "--batch-size", 2,
-        "--device", "cpu", "--dataset", corpus, "--num-proc", 1, "--dist-timeout", 2,
-        "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "out"], timeout=300)
+    proc = run_torchrun(
+        "04_ddp/train.py",
+        2,
+        [
+            "--preset",
+            "tiny",
+            "--max-iters",
+            1,
+            "--eval-batches",
+            1,
+            "--sample-tokens",
+            0,
+            "--batch-size",
+            2,
+            "--device",
+            "cpu",
+            "--dataset",
+            corpus,
+            "--num-proc",
+            1,
+            "--dist-timeout",
+            2,
+            "--data-dir",
+            tmp_path / "data",
+            "--out-dir",
+            tmp_path / "out",
+        ],
+        timeout=300,
+    )
     assert "prepared" in proc.stdout and "parameters identical on all 2 rank(s): yes" in proc.stdout

@@ -9,16 +9,17 @@ limit on the whole launch, so no case can hang the suite.
 from __future__ import annotations
 
 import os
-import sys
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from launch import REPO, child_env, stop_launchers, torchrun_command
+
+from common.launch import REPO, child_env, stop_launchers, torchrun_command
 
 HANGS = REPO / "05_multinode" / "hangs.py"
 PG_TIMEOUT = 3  # seconds a collective waits before it fails
@@ -32,8 +33,15 @@ class Launch:
     def __init__(self, args: list, tmp_path, extra: list | None = None, **env: str):
         cmd = torchrun_command(HANGS, 2, [*args, "--out-dir", tmp_path], extra=extra)
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=child_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -72,12 +80,22 @@ def launches(tmp_path_factory):
         "stuck": Launch(["--case", "stuck", "--timeout", STUCK_TIMEOUT], tmp / "stuck", **detail),
         "dies": Launch(["--case", "dies", *timeout], tmp / "dies"),
         # every fix in one run; the dying rank's fix is the launch line: torchrun restarts the group
-        "fixed": Launch(["--case", "all", "--fixed", *timeout], tmp / "fixed", extra=["--max-restarts=1"],
-                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+        "fixed": Launch(
+            ["--case", "all", "--fixed", *timeout],
+            tmp / "fixed",
+            extra=["--max-restarts=1"],
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        ),
     }
     # and the script started without torchrun, at the same time
-    alone = subprocess.Popen([sys.executable, str(HANGS), "--case", "order"], cwd=REPO, env=child_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    alone = subprocess.Popen(
+        [sys.executable, str(HANGS), "--case", "order"],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     yield runs | {"alone": alone}
     stop_launchers([run.proc for run in runs.values()] + [alone])
 
@@ -92,19 +110,31 @@ def ended_with_failure(run: Launch) -> str:
 def test_eval_on_rank0_only_is_named_by_the_collective_check(launches):
     out = ended_with_failure(launches["eval-on-rank0"])
     # rank 0's all-reduce of (sum, count) meets rank 1's all-reduce of the 17 gradients
-    assert re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
-                     r"TensorShape=\[2\]", out), out
-    assert re.search(r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
-                     r"TensorShape=\[17\]", out), out
+    assert re.search(
+        r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
+        r"TensorShape=\[2\]",
+        out,
+    ), out
+    assert re.search(
+        r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
+        r"TensorShape=\[17\]",
+        out,
+    ), out
     assert re.search(r"\[rank0\]:.*in evaluate", out), out  # rank 0's traceback: inside evaluate()
 
 
 def test_different_shapes_are_named_by_the_collective_check(launches):
     out = ended_with_failure(launches["shape"])
-    assert re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
-                     r"TensorShape=\[3\]", out), out
-    assert re.search(r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
-                     r"TensorShape=\[2\]", out), out
+    assert re.search(
+        r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
+        r"TensorShape=\[3\]",
+        out,
+    ), out
+    assert re.search(
+        r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
+        r"TensorShape=\[2\]",
+        out,
+    ), out
     assert "Tensor shapes: 3vs 2" in out
 
 
@@ -112,11 +142,20 @@ def test_different_order_is_named_by_the_flight_recorder(launches):
     out = ended_with_failure(launches["order"])
     assert f"Timed out waiting {PG_TIMEOUT * 1000}ms" in out  # the default: each rank's timeout, nothing more
     # each rank's last collective, the same sequence number, different operations and callers
-    last = dict(re.findall(r"\[rank (\d)\] flight recorder: last collective (#\d+ gloo:\w+ of shapes \S+, "
-                           r"called from \w+\(\))", out))
+    last = dict(
+        re.findall(
+            r"\[rank (\d)\] flight recorder: last collective (#\d+ gloo:\w+ of shapes \S+, "
+            r"called from \w+\(\))",
+            out,
+        )
+    )
     assert last.keys() == {"0", "1"}, out
-    assert re.fullmatch(r"#(\d+) gloo:broadcast of shapes \[\[1\]\], called from case_order\(\)", last["0"]), last
-    assert re.fullmatch(r"#(\d+) gloo:all_reduce of shapes \[\[\]\], called from mean_loss\(\)", last["1"]), last
+    assert re.fullmatch(
+        r"#(\d+) gloo:broadcast of shapes \[\[1\]\], called from case_order\(\)", last["0"]
+    ), last
+    assert re.fullmatch(r"#(\d+) gloo:all_reduce of shapes \[\[\]\], called from mean_loss\(\)", last["1"]), (
+        last
+    )
     assert last["0"].split()[0] == last["1"].split()[0]  # the same collective number
 
 
@@ -127,7 +166,9 @@ def test_a_rank_stuck_in_python_is_found_by_its_stack(launches):
     time.sleep(0.5)
     stacks = []
     if shutil.which("py-spy"):  # requirements-dev.txt installs it; it needs permission to trace
-        spy = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+        spy = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+        )
         assert spy.returncode == 0, spy.stdout + spy.stderr
         stacks.append(spy.stdout)
     os.kill(pid, signal.SIGUSR1)  # faulthandler: the rank prints its own stack
@@ -163,5 +204,7 @@ def test_every_fixed_case_finishes(launches):
 def test_hangs_outside_torchrun_is_one_clear_error(launches):
     _, stderr = launches["alone"].communicate(timeout=LAUNCH_LIMIT)
     assert launches["alone"].returncode == 2
-    assert stderr.strip().splitlines() == ["error: hangs.py runs under torchrun, e.g. torchrun --standalone "
-                                           "--nproc_per_node=2 05_multinode/hangs.py --case eval-on-rank0"]
+    assert stderr.strip().splitlines() == [
+        "error: hangs.py runs under torchrun, e.g. torchrun --standalone "
+        "--nproc_per_node=2 05_multinode/hangs.py --case eval-on-rank0"
+    ]

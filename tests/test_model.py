@@ -10,7 +10,6 @@ import torch
 from common.metrics import peak_flops
 from common.model import GPT, PRESETS, GPTConfig, load_hf_gpt2_state_dict, model_config, padded_vocab_size
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
 
 
@@ -97,7 +96,9 @@ def test_generate_shape_and_determinism():
     torch.manual_seed(0)
     model = GPT(PRESETS["tiny"]).eval()
     prompt = torch.tensor([[15496, 995]])
-    runs = [model.generate(prompt, 40, top_k=50, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    runs = [
+        model.generate(prompt, 40, top_k=50, generator=torch.Generator().manual_seed(3)) for _ in range(2)
+    ]
     assert runs[0].shape == (1, 42)  # longer than block_size 32: the context is cropped
     assert torch.equal(runs[0], runs[1])
     assert torch.equal(runs[0][:, :2], prompt)
@@ -116,8 +117,17 @@ def hf_gpt2(n_positions: int = 64):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=n_positions, vocab_size=50257,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new")
+    config = GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        n_positions=n_positions,
+        vocab_size=50257,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu_new",
+    )
     model = GPT2LMHeadModel(config).eval()
     # random biases and gains too, so a missed or transposed tensor cannot hide behind zeros and ones
     with torch.no_grad():
@@ -130,8 +140,11 @@ def hf_gpt2(n_positions: int = 64):
 def test_hugging_face_logits_match():
     hf = hf_gpt2()
     # the plain loss (chunked_loss=False) returns the logits of every position along with the loss
-    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32, vocab_size=50304, bias=True,
-                          chunked_loss=False)).eval()
+    model = GPT(
+        GPTConfig(
+            block_size=64, n_layer=2, n_head=2, n_embd=32, vocab_size=50304, bias=True, chunked_loss=False
+        )
+    ).eval()
     load_hf_gpt2_state_dict(model, hf.state_dict())
     idx = torch.randint(0, 50257, (3, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -147,12 +160,18 @@ def test_hugging_face_logits_match():
 
 def test_hugging_face_shorter_block_and_wrong_shapes():
     hf = hf_gpt2()
-    short = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True, chunked_loss=False)).eval()
+    short = GPT(
+        GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True, chunked_loss=False)
+    ).eval()
     load_hf_gpt2_state_dict(short, hf.state_dict())  # positions are cut to block_size
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(short(idx, idx)[0][..., :50257], hf(idx).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="larger than the 64 positions"):
-        load_hf_gpt2_state_dict(GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32)), hf.state_dict())
+        load_hf_gpt2_state_dict(
+            GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32)), hf.state_dict()
+        )
     with pytest.raises(ValueError):
-        load_hf_gpt2_state_dict(GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)), hf.state_dict())
+        load_hf_gpt2_state_dict(
+            GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)), hf.state_dict()
+        )

@@ -5,20 +5,30 @@ from __future__ import annotations
 import re
 import subprocess
 
-from launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
+from common.launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
 
 PREFLIGHT = REPO / "05_multinode" / "preflight.py"
 
 
-def run_two_nodes(script, nproc: int, args: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+def run_two_nodes(
+    script, nproc: int, args: list[str], timeout: float = 120
+) -> list[subprocess.CompletedProcess]:
     """Both nodes' torchrun started at once (each waits for the other), then both awaited."""
     port = free_port()
     # a session of its own for each torchrun; it puts its processes in sessions of their own too,
     # and stops them when it gets SIGTERM
-    procs = [subprocess.Popen(torchrun_command(script, nproc, args, nnodes=2, node_rank=node, port=port),
-                              cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            torchrun_command(script, nproc, args, nnodes=2, node_rank=node, port=port),
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     results = []
     try:
         for proc in procs:
@@ -36,11 +46,20 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
     out = nodes[0].stdout + nodes[1].stdout
 
     # every rank introduces itself, with its ranks and the variables that matter
-    intro = re.findall(r"^\[node (\d) rank (\d) local (\d)\] host \S+ pid \d+, world size 2, device cpu, backend gloo",
-                       out, re.MULTILINE)
+    intro = re.findall(
+        r"^\[node (\d) rank (\d) local (\d)\] host \S+ pid \d+, world size 2, device cpu, backend gloo",
+        out,
+        re.MULTILINE,
+    )
     assert sorted(intro) == [("0", "0", "0"), ("1", "1", "0")]
-    assert "MASTER_ADDR=127.0.0.1" in out and "NCCL_SOCKET_IFNAME=" in out and "TORCHELASTIC_RESTART_COUNT=0" in out
-    assert "TORCHELASTIC_USE_AGENT_STORE=True" in out  # the static rendezvous: torchrun's store, prefixed per attempt
+    assert (
+        "MASTER_ADDR=127.0.0.1" in out
+        and "NCCL_SOCKET_IFNAME=" in out
+        and "TORCHELASTIC_RESTART_COUNT=0" in out
+    )
+    assert (
+        "TORCHELASTIC_USE_AGENT_STORE=True" in out
+    )  # the static rendezvous: torchrun's store, prefixed per attempt
 
     # the known sum (1 + 2 = 3) arrived on both ranks
     assert len(re.findall(r"all-reduce check: OK \(sum of rank\+1 = 3\)", out)) == 2
@@ -57,4 +76,5 @@ def test_preflight_outside_torchrun_is_one_clear_error():
     proc = run_python([PREFLIGHT], check=False, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: preflight.py runs under torchrun, e.g. torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py"]
+        "error: preflight.py runs under torchrun, e.g. torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py"
+    ]

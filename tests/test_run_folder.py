@@ -18,8 +18,9 @@ import subprocess
 import sys
 import time
 
-from conftest import snapshot, tiny_run_args
-from launch import REPO, child_env, run_python, stop_launchers, torchrun_command
+from helpers import snapshot, tiny_run_args
+
+from common.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
 
 
 def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:
@@ -42,17 +43,29 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
     assert {"ckpt.pt", "metrics.jsonl"} <= before.keys()
 
     # the classic sequence: a different quick run with the same --out-dir
-    proc = run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=3, preset="tiny")], check=False)
+    proc = run_python(
+        ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=3, preset="tiny")], check=False
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
     assert "already holds a run" in proc.stderr and "--resume" in proc.stderr and "--out-dir" in proc.stderr
     assert snapshot(out) == before  # nothing of the earlier run lost
 
     # under torchrun every rank stops with rank 0's verdict (none is left waiting in a collective)
-    proc = subprocess.run(torchrun_command("04_ddp/train.py", 2, tiny_run_args(data_dir, out, batch_size=4)), cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        torchrun_command("04_ddp/train.py", 2, tiny_run_args(data_dir, out, batch_size=4)),
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode != 0
-    assert "[rank 0] error: " in proc.stderr and "[rank 1] error: " in proc.stderr and "already holds a run" in proc.stderr
+    assert (
+        "[rank 0] error: " in proc.stderr
+        and "[rank 1] error: " in proc.stderr
+        and "already holds a run" in proc.stderr
+    )
     assert snapshot(out) == before
 
     # continuing it is what --resume is for
@@ -65,21 +78,37 @@ def test_the_two_node_simulation_refuses_a_folder_that_holds_a_run(data_dir, tmp
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"iter": 1, "loss": 10.0}\n')
     (run_dir / "node0.log").write_text("the earlier run's log\n")
-    proc = subprocess.run(["bash", "05_multinode/simulate_two_nodes.sh"], cwd=REPO, capture_output=True, text=True,
-                          env=child_env(RUN_DIR=str(run_dir)), timeout=60)
+    proc = subprocess.run(
+        ["bash", "05_multinode/simulate_two_nodes.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=child_env(RUN_DIR=str(run_dir)),
+        timeout=60,
+    )
     assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
     assert (run_dir / "node0.log").read_text() == "the earlier run's log\n"
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goes_with_it(data_dir, tmp_path):
     out = tmp_path / "busy"
-    first = subprocess.Popen([sys.executable, "01_single_gpu/train.py",
-                              *tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2)],
-                             cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "01_single_gpu/train.py",
+            *tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2),
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert "checkpoint saved" in wait_for(first, "checkpoint saved")
-        second = run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"],
-                            check=False)
+        second = run_python(
+            ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"], check=False
+        )
         assert second.returncode == 2 and second.stderr.startswith("error: ")
         assert "in use by a run that is still going" in second.stderr
         assert first.poll() is None  # the first run goes on
@@ -87,7 +116,9 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
         first.kill()  # kill -9: no chance to clean up
         first.wait()
     # the operating system dropped the dead run's lock: continuing its run works
-    proc = run_python(["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"], check=False)
+    proc = run_python(
+        ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"], check=False
+    )
     assert "in use" not in proc.stderr
 
 
@@ -95,12 +126,25 @@ def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
     run_dir = tmp_path / "sim"
     env = child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="1")
     flags = ["--max-iters", "100000", "--data-dir", str(data_dir), "--shared-fs", "--eval-batches", "1"]
-    first = subprocess.Popen(["bash", "05_multinode/simulate_two_nodes.sh", *flags], cwd=REPO, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    first = subprocess.Popen(
+        ["bash", "05_multinode/simulate_two_nodes.sh", *flags],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         assert "iter" in wait_for(first, "iter")
-        second = subprocess.run(["bash", "05_multinode/simulate_two_nodes.sh", *flags], cwd=REPO, env=env, text=True,
-                                capture_output=True, timeout=60)
+        second = subprocess.run(
+            ["bash", "05_multinode/simulate_two_nodes.sh", *flags],
+            cwd=REPO,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=60,
+        )
         assert second.returncode == 2 and "in use by another simulation" in second.stderr
         assert first.poll() is None
     finally:
@@ -110,9 +154,18 @@ def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
 def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_path):
     for sig in (signal.SIGINT, signal.SIGTERM):
         out = tmp_path / sig.name
-        cmd = torchrun_command("04_ddp/train.py", 2, tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4))
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        cmd = torchrun_command(
+            "04_ddp/train.py", 2, tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
+        )
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             seen = wait_for(proc, "iter")
             assert "iter" in seen, seen
@@ -134,8 +187,14 @@ def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_pat
     """As `script -qc "python 01_single_gpu/train.py ..."` runs it: a terminal that reports 0 columns."""
     parent, child = pty.openpty()
     assert os.get_terminal_size(child).columns == 0
-    proc = subprocess.Popen([sys.executable, "01_single_gpu/train.py", *tiny_run_args(data_dir, tmp_path / "pty", max_iters=4)],
-                            cwd=REPO, env=child_env(), stdin=child, stdout=child, stderr=child)
+    proc = subprocess.Popen(
+        [sys.executable, "01_single_gpu/train.py", *tiny_run_args(data_dir, tmp_path / "pty", max_iters=4)],
+        cwd=REPO,
+        env=child_env(),
+        stdin=child,
+        stdout=child,
+        stderr=child,
+    )
     os.close(child)
     output = b""
     while True:

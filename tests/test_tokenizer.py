@@ -59,12 +59,22 @@ def test_same_ids_as_genuine_tiktoken(tmp_path):
         shutil.copyfile(source, cache / hashlib.sha1(url.encode()).hexdigest())
     # A fresh process: tiktoken's registry and our lru_cache start empty, and nothing reaches the
     # network (a cache miss would try to download and fail here).
-    env = {"TIKTOKEN_CACHE_DIR": str(cache), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    env = {
+        "TIKTOKEN_CACHE_DIR": str(cache),
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+    }
     sample_file = tmp_path / "sample.json"
     sample_file.write_text(json.dumps(SAMPLE), encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-c", GENUINE, str(sample_file)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", GENUINE, str(sample_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     genuine = json.loads(proc.stdout)
     assert genuine["eot"] == eot_id()

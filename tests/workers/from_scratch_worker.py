@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -34,8 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "04_ddp"))  # 04_ddp is not a valid package name; import the module directly
 
-from common.model import GPT, model_config  # noqa: E402
 from from_scratch import BucketedDataParallel, NaiveDataParallel  # noqa: E402
+
+from common.model import GPT, model_config  # noqa: E402
 
 STEPS = 3
 MICRO_BATCH = 2  # sequences per rank per micro-step
@@ -44,6 +44,7 @@ CONFIG = model_config("tiny", n_embd=16, vocab_size=512, block_size=16, dropout=
 
 
 # --- deliberately broken variants: the tests must tell them apart from the real thing ----------
+
 
 class StaleGradHook(BucketedDataParallel):
     """The bucketed design, but with `Tensor.register_hook` instead of a post-accumulate hook.
@@ -104,7 +105,7 @@ class ReduceParameter(BucketedDataParallel):
     def _launch(self, bucket):
         offset = 0
         for p in bucket.params:
-            bucket.buffer[offset:offset + p.numel()].copy_(p.reshape(-1))
+            bucket.buffer[offset : offset + p.numel()].copy_(p.reshape(-1))
             offset += p.numel()
         bucket.buffer.div_(self.world_size)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
@@ -117,7 +118,7 @@ class ReduceParameter(BucketedDataParallel):
             bucket.work = None
             offset = 0
             for p in bucket.params:
-                p.copy_(bucket.buffer[offset:offset + p.numel()].view_as(p))
+                p.copy_(bucket.buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             bucket.ready = 0
         self._next_bucket = 0
@@ -138,12 +139,16 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def run(impl: str, K: int, rank: int, world: int, ddp_params: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+def run(
+    impl: str, K: int, rank: int, world: int, ddp_params: torch.Tensor | None
+) -> tuple[dict, torch.Tensor]:
     torch.manual_seed(100 + rank)  # a different initialisation on every rank, on purpose
     model = GPT(CONFIG)
     rank0 = flat(model.parameters())
     dist.broadcast(rank0, src=0)
-    init_before_wrap = (flat(model.parameters()) - rank0).abs().max().item()  # > 0: the check below means something
+    init_before_wrap = (
+        (flat(model.parameters()) - rank0).abs().max().item()
+    )  # > 0: the check below means something
     wrapped = IMPLS[impl](model)
     params = list(wrapped.module.parameters())  # unique: the tied matrix once
     init_across_ranks = (flat(params) - rank0).abs().max().item()
@@ -204,8 +209,10 @@ def run(impl: str, K: int, rank: int, world: int, ddp_params: torch.Tensor | Non
     final = flat(params)
     params_vs_ddp = 0.0 if ddp_params is None else (final - ddp_params).abs().max().item()
     names = ["init_before_wrap", "init_across_ranks", "grad_vs_single", "grad_across_ranks", "params_vs_ddp"]
-    worst = torch.tensor([init_before_wrap, init_across_ranks, grad_vs_single, grad_across_ranks, params_vs_ddp],
-                         dtype=torch.float64)
+    worst = torch.tensor(
+        [init_before_wrap, init_across_ranks, grad_vs_single, grad_across_ranks, params_vs_ddp],
+        dtype=torch.float64,
+    )
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     result = dict(zip(names, worst.tolist()))
     result["n_params"] = len(params)

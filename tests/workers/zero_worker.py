@@ -44,18 +44,20 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "04_ddp"))  # 04_ddp is not a valid package name; import the modules directly
 
+from zero1 import ShardedOptimizer, ZeroOneDataParallel  # noqa: E402
+
 from common.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from common.config import gpt_config_from_args, parse_args  # noqa: E402
 from common.data import batch_loader, load_splits, prepare  # noqa: E402
 from common.model import GPT  # noqa: E402
 from common.training import lr_at  # noqa: E402
-from zero1 import ShardedOptimizer, ZeroOneDataParallel  # noqa: E402
 
 BUCKET_MB = 0.01  # 10 KB: the small blocks' gradients fill several buckets, the tied matrix one of its own
 SAVE_AT = 5
 
 
 # --- deliberately broken variants: the tests must tell them apart from the real thing ----------
+
 
 class LocalNormClip(ShardedOptimizer):
     """Clips each slice with the norm of that slice alone: no all-reduce of the squared norms.
@@ -89,7 +91,7 @@ class SumNotAverage(ZeroOneDataParallel):
     @torch.no_grad()
     def _launch(self, bucket):
         self._pack(bucket)
-        bucket.buffer[bucket.numel:].zero_()
+        bucket.buffer[bucket.numel :].zero_()
         bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
         self.comm_calls += 1
 
@@ -118,7 +120,8 @@ class Run:
         else:
             wrapper = SumNotAverage if impl == "broken_sum_not_average" else ZeroOneDataParallel
             optimizer = {"broken_local_norm_clip": LocalNormClip, "broken_no_all_gather": NoAllGather}.get(
-                impl, ShardedOptimizer)
+                impl, ShardedOptimizer
+            )
             self.model = wrapper(model, bucket_cap_mb=BUCKET_MB)
             self.optimizer = optimizer(self.model, groups, torch.optim.AdamW, **adamw)
         self.params = list(self.model.module.parameters())  # unique: the tied matrix once
@@ -145,7 +148,7 @@ class Run:
         for micro in range(K):
             ctx = self.model.no_sync() if micro < K - 1 else contextlib.nullcontext()
             with ctx:
-                _, loss = self.model(xs[micro * B:(micro + 1) * B], ys[micro * B:(micro + 1) * B])
+                _, loss = self.model(xs[micro * B : (micro + 1) * B], ys[micro * B : (micro + 1) * B])
                 (loss / K).backward()
             loss_sum += loss.detach() / K
         if isinstance(self.model, DistributedDataParallel):
@@ -200,11 +203,18 @@ def train(impl, K, args, config, batches, rank, world, start=0, checkpoint=None,
         if save_dir is not None and iter_num + 1 == SAVE_AT:
             full = run.full_optimizer_state()
             if rank == 0:
-                save_checkpoint(save_dir, model_state=run.model.module.state_dict(), optimizer_state=full,
-                                iter_num=SAVE_AT, model_config=config,
-                                train_config=vars(args) | {"global_batch": args.batch_size, "chapter": 4})
+                save_checkpoint(
+                    save_dir,
+                    model_state=run.model.module.state_dict(),
+                    optimizer_state=full,
+                    iter_num=SAVE_AT,
+                    model_config=config,
+                    train_config=vars(args) | {"global_batch": args.batch_size, "chapter": 4},
+                )
     losses = torch.stack(losses)
-    dist.all_reduce(losses)  # each rank's loss is the mean over its rows: the mean of the means is the global loss
+    dist.all_reduce(
+        losses
+    )  # each rank's loss is the mean over its rows: the mean of the means is the global loss
     return run, (losses / world).tolist(), norms
 
 
@@ -212,17 +222,26 @@ def measure(run, losses, norms, rank, world, reference: torch.Tensor) -> dict:
     final = flat(run.params)
     rank0 = final.clone()
     dist.broadcast(rank0, src=0)
-    worst = torch.tensor([(final - reference).abs().max().item(), (final - rank0).abs().max().item()],
-                         dtype=torch.float64)
+    worst = torch.tensor(
+        [(final - reference).abs().max().item(), (final - rank0).abs().max().item()], dtype=torch.float64
+    )
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     sharded = isinstance(run.model, ZeroOneDataParallel)
-    mine = torch.tensor([run.state_bytes(), sum(end - start for _, start, end, *_ in run.optimizer.pieces)
-                         if sharded else 0], dtype=torch.int64)
+    mine = torch.tensor(
+        [run.state_bytes(), sum(end - start for _, start, end, *_ in run.optimizer.pieces) if sharded else 0],
+        dtype=torch.int64,
+    )
     per_rank = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(per_rank, mine)
-    result = {"losses": losses, "grad_norms": norms, "params_vs_reference": worst[0].item(),
-              "params_across_ranks": worst[1].item(), "state_bytes": [int(t[0]) for t in per_rank],
-              "n_elements": final.numel(), "n_params": len(run.params)}
+    result = {
+        "losses": losses,
+        "grad_norms": norms,
+        "params_vs_reference": worst[0].item(),
+        "params_across_ranks": worst[1].item(),
+        "state_bytes": [int(t[0]) for t in per_rank],
+        "n_elements": final.numel(),
+        "n_params": len(run.params),
+    }
     if sharded:
         result["owned_numel"] = [int(t[1]) for t in per_rank]  # elements of the model each rank updates
         result["n_buckets"] = len(run.model.buckets)
@@ -242,20 +261,24 @@ def compare_states(full: dict, reference: dict) -> float:
         for key, value in entry.items():
             worst = max(worst, (full["state"][i][key].float() - value.float()).abs().max().item())
     groups = [{k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in full["param_groups"]]
-    wanted = [{k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in reference["param_groups"]]
+    wanted = [
+        {k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in reference["param_groups"]
+    ]
     return worst if groups == wanted else float("inf")
 
 
 def main() -> None:
     out_dir, ch01_step5, ch01_final = map(Path, sys.argv[1:4])
-    extras = "--extras" in sys.argv[4:sys.argv.index("--")]
-    args = parse_args(chapter=1, description="", argv=sys.argv[sys.argv.index("--") + 1:])
+    extras = "--extras" in sys.argv[4 : sys.argv.index("--")]
+    args = parse_args(chapter=1, description="", argv=sys.argv[sys.argv.index("--") + 1 :])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.use_deterministic_algorithms(True)
         config = gpt_config_from_args(args)
-        train_set, _ = load_splits(prepare(args.dataset, args.data_dir, log=lambda *a: None), config.block_size)
+        train_set, _ = load_splits(
+            prepare(args.dataset, args.data_dir, log=lambda *a: None), config.block_size
+        )
         order = torch.Generator().manual_seed(args.seed)  # epoch 0, as chapter 01 seeds it
         loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size))
         batches = [next(loader) for _ in range(args.max_iters)]  # chapter 01's global batches, (G, T) each
@@ -271,8 +294,16 @@ def main() -> None:
             for impl in ("zero1", "zero_redundancy", *(broken if extras and K == 3 else ())):
                 # with --extras, the two real ones save a gathered checkpoint at step 5 for chapter 01
                 save = extras and K == 3 and impl in ("zero1", "zero_redundancy")
-                run, losses, norms = train(impl, K, args, config, batches, rank, world,
-                                           save_dir=out_dir / f"{impl}_step{SAVE_AT}" if save else None)
+                run, losses, norms = train(
+                    impl,
+                    K,
+                    args,
+                    config,
+                    batches,
+                    rank,
+                    world,
+                    save_dir=out_dir / f"{impl}_step{SAVE_AT}" if save else None,
+                )
                 results[f"{impl}/K={K}"] = measure(run, losses, norms, rank, world, ddp_params)
                 if impl in ("zero1", "zero_redundancy"):
                     full = run.full_optimizer_state()  # the whole state, gathered on rank 0
@@ -283,8 +314,17 @@ def main() -> None:
             final = load_checkpoint(ch01_final)["model"]
             reference = flat(final[name] for name, _ in GPT(config).named_parameters())
             for impl in ("zero1", "zero_redundancy"):
-                run, losses, norms = train(impl, 3, args, config, batches, rank, world,
-                                           start=checkpoint["iter_num"], checkpoint=checkpoint)
+                run, losses, norms = train(
+                    impl,
+                    3,
+                    args,
+                    config,
+                    batches,
+                    rank,
+                    world,
+                    start=checkpoint["iter_num"],
+                    checkpoint=checkpoint,
+                )
                 results[f"{impl}/resumed_from_ch01"] = measure(run, losses, norms, rank, world, reference)
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)

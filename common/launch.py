@@ -1,0 +1,159 @@
+"""Starting the chapters' scripts as a reader does: `python X`, `torchrun X`, or two torchruns as two nodes.
+
+The tests, the benchmark, the plots and the notebooks all start runs; this is the one place that knows
+how. No chapter imports it: a chapter is started by these commands, it does not start anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# `torchrun` is `python -m torch.distributed.run`: this spelling uses the running Python, whatever
+# environment it is in, where a bare `torchrun` could find another one on the PATH.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
+    """The environment of a started run: `threads` torch threads per process (None: torch's own choice).
+
+    The tests give every process one thread, since their ranks share two cores.
+    """
+    env = dict(os.environ)
+    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if threads is None:
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.update(extra)
+    return env
+
+
+def torchrun_command(
+    script: str | Path,
+    nproc: int,
+    args: list,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    port: int | None = None,
+    extra: list[str] | None = None,
+    rdzv_id: str | None = None,
+) -> list[str]:
+    """A torchrun command line on 127.0.0.1. One node: --standalone unless a port is given.
+
+    Several nodes: a static rendezvous at 127.0.0.1:port, with this node's rank. With rdzv_id: the
+    elastic c10d rendezvous instead, the same line on every node (no node rank, no master).
+    """
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and port is None:
+        cmd.append("--standalone")
+    elif rdzv_id is not None:
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        cmd.append(f"--rdzv-id={rdzv_id}")
+    else:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1"]
+        cmd.append(f"--master-port={port}")
+    cmd += list(extra or [])
+    return cmd + [str(script), *map(str, args)]
+
+
+def two_node_commands(script: str | Path, nproc_per_node: int, args: list) -> list[list[str]]:
+    """Two torchruns that meet on 127.0.0.1, as two machines would over the network: one per node."""
+    port = free_port()
+    return [
+        torchrun_command(script, nproc_per_node, args, nnodes=2, node_rank=node, port=port) for node in (0, 1)
+    ]
+
+
+def shown_command(cmd: list) -> str:
+    """A command as a reader would type it: `python`, `torchrun` and paths relative to the repository."""
+    words = [str(word) for word in cmd]
+    if words[: len(TORCHRUN)] == TORCHRUN:
+        words = ["torchrun", *words[len(TORCHRUN) :]]
+    elif words and words[0] == sys.executable:
+        words[0] = "python"
+    return " ".join(shlex.quote(word.replace(f"{REPO}/", "")) for word in words)
+
+
+def run_python(
+    args: list, timeout: float = 300, check: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repository root, as the README shows it, with one thread.
+
+    check=True fails the way a test assertion does, with the command's whole output in the message.
+    """
+    cmd = [sys.executable, *map(str, args)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def run_torchrun(
+    script: str | Path, nproc: int, args: list, timeout: float = 300, check: bool = True, **kw
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` (or the rendezvous `kw` asks for) from the repository root, one thread a rank."""
+    cmd = torchrun_command(script, nproc, args, **kw)
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def stop_launchers(procs: list[subprocess.Popen], grace: float = 15) -> None:
+    """Stop launchers that are still running, each started with start_new_session=True.
+
+    torchrun passes SIGTERM on to the processes it started; a launcher that has not ended after
+    `grace` seconds has its whole process group killed, so no worker outlives whoever started it.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def run_together(commands: list[list[str]], env: dict, logs: list, timeout: float) -> int:
+    """Start the commands at once (the nodes of one run), each writing to its open log; wait for all.
+
+    Returns the first non-zero exit status (124 after `timeout` seconds), else 0. When one node fails
+    the others are stopped at once: they would otherwise wait for it until their own timeout.
+    """
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        for cmd, log in zip(commands, logs)
+    ]
+    deadline = time.monotonic() + timeout
+    status = 0
+    try:
+        for proc in procs:
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = 124
+            if code != 0 and status == 0:
+                status = code
+                stop_launchers(procs, grace=5)
+    finally:
+        stop_launchers(procs, grace=0)
+    return status
