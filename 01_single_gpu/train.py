@@ -9,7 +9,6 @@ Every later chapter is this script with one idea added.
 """
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
@@ -19,10 +18,10 @@ from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, load_splits, prepare, validation_windows
+from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.errors import CourseError, run_main
-from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
+from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
@@ -46,22 +45,27 @@ def main():
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
     if steps_per_epoch == 0:
-        raise CourseError(f"the training split has {len(train_set)} windows, fewer than one batch of "
-                          f"{global_batch}; lower --batch-size or use a larger corpus")
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every stage
+        raise CourseError(
+            f"the training split has {len(train_set)} windows, fewer than one batch of "
+            f"{global_batch}; lower --batch-size or use a larger corpus"
+        )
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked while `run_lock` stays open (the whole run), so no second run
-    # writes into it meanwhile.
-    run_lock = claim_out_dir(out_dir, resume=args.resume)
+    # run is using it; then locked until this process ends, so no second run writes into it.
+    claim_out_dir(out_dir, resume=args.resume)
     checkpoint = load_checkpoint(out_dir) if args.resume else None
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
-    optimizer = torch.optim.AdamW(model.optimizer_groups(args.weight_decay), lr=args.lr,
-                                  betas=(args.beta1, args.beta2), fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # resuming: the optimizer's averages, the loss scale and the random state continue where they were
@@ -71,10 +75,12 @@ def main():
         model = torch.compile(model)
 
     peak = peak_flops(device, dtype)
-    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-          f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})")
-    print(f"global batch: {global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,} tokens per step; "
-          f"{steps_per_epoch} steps per epoch")
+    print(
+        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
+        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    )
+    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    print(f"global batch: {per_step}")
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -87,14 +93,15 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 1}
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
-    last_log_time, last_log_iter = time.perf_counter(), iter_num
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
-        batches = iter(batch_loader(train_set, sampler, args.batch_size, skip_batches=step_in_epoch,
-                                    pin_memory=device.type == "cuda"))
+        skip = step_in_epoch  # batches of this epoch a resumed run trained on
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
+        batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
                 break
@@ -120,14 +127,11 @@ def main():
             if log_now:
                 loss_value = loss.item()
                 stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
-                elapsed = time.perf_counter() - last_log_time
-                tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
-                mfu = model_flops_utilization(raw_model.flops_per_token(), tokens_per_sec, peak)
-                metrics.write(iter=iter_num, loss=loss_value, lr=lr, tokens_seen=iter_num * tokens_per_step,
-                              dt_ms=1000 * elapsed / (iter_num - last_log_iter), tokens_per_sec=tokens_per_sec,
-                              mfu=mfu, max_mem_mb=max_memory_mb(device))
-                last_log_time, last_log_iter = time.perf_counter(), iter_num
-            progress.step(iter_num, loss_value if log_now else None, tokens_per_sec if log_now else None, lr)
+                figures = speed.measure(iter_num)  # since the last log line
+                metrics.write(
+                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                )
+            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
@@ -137,11 +141,19 @@ def main():
                 stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                save_checkpoint(out_dir, model_state=raw_model.state_dict(), optimizer_state=optimizer.state_dict(),
-                                iter_num=iter_num, model_config=model_config, train_config=train_config,
-                                best_val_loss=best_val_loss, scaler_state=scaler.state_dict())
-                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {out_dir / 'ckpt.pt'}")
-                last_log_time = time.perf_counter()  # evaluation time is not training time
+                save_checkpoint(
+                    out_dir,
+                    model_state=raw_model.state_dict(),
+                    optimizer_state=optimizer.state_dict(),
+                    iter_num=iter_num,
+                    model_config=model_config,
+                    train_config=train_config,
+                    best_val_loss=best_val_loss,
+                    scaler_state=scaler.state_dict(),
+                )
+                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
+                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
+                speed.restart_clock()  # evaluation time is not training time
     progress.close()
 
     if args.sample_tokens:

@@ -15,7 +15,6 @@ import datetime
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
@@ -27,53 +26,45 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
+from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
+from common.device import autocast_context, describe, pick_dtype, rank_device, setup_math, share_cpu_cores
+from common.distributed import one_rank_first, ranks_unlike_rank0
 from common.errors import CourseError, run_main
-from common.metrics import MetricsLog, Progress, max_memory_mb, model_flops_utilization, peak_flops
+from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 
 def main():
     args = parse_args(chapter=4, description=__doc__)
-    torch.manual_seed(args.seed)  # the same on every rank: the copies start equal even before DDP broadcasts rank 0's
+    # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
+    torch.manual_seed(args.seed)
 
     # ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place ----
-    launched = "RANK" in os.environ  # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT
+    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    launched = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))  # this process among all of them: 0 .. world_size - 1
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process among those on this machine: its GPU
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     is_rank0 = rank == 0
+    who = f"[rank {rank}]"
+
+    def say(message: str) -> None:
+        """A line from this rank, which says who is speaking."""
+        print(f"{who} {message}", flush=True)
 
     def log(message: str) -> None:
-        """Rank 0 speaks for every rank; its lines say who is speaking."""
+        """A line from rank 0, which speaks for every rank."""
         if is_rank0:
-            print(f"[rank {rank}] {message}", flush=True)
+            say(message)
 
-    if args.gpus:
-        raise CourseError("--gpus is chapter 03's DataParallel flag; here each process drives one GPU and torchrun "
-                          "starts them: torchrun --standalone --nproc_per_node=N 04_ddp/train.py")
-    # NCCL and gloo send CUDA and CPU tensors, not Apple's mps ones: "auto" means CUDA, else the CPU.
-    device = pick_device(args.device if args.device != "auto" or torch.cuda.is_available() else "cpu")
-    if device.type == "mps":
-        raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
+    # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
+    device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
     if device.type == "cuda":
-        if device.index is not None and local_world_size > 1:
-            raise CourseError(f"--device {args.device}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda")
-        # LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7.
-        device = torch.device("cuda", local_rank if device.index is None else device.index)
-        if device.index >= torch.cuda.device_count():
-            raise CourseError(f"LOCAL_RANK {local_rank}, but this machine has {torch.cuda.device_count()} GPU(s): "
-                              f"start at most that many processes per machine (--nproc_per_node)")
         torch.cuda.set_device(device)  # before any CUDA work, or it would all land on cuda:0
-    elif local_world_size > 1 and os.environ.get("OMP_NUM_THREADS", "1") == "1":
-        # Ranks on one CPU share its cores: an equal share each. Torch alone would give every rank all
-        # cores (oversubscribed); torchrun sets OMP_NUM_THREADS=1, which leaves a big CPU mostly idle.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    threads = (f"{os.cpu_count()} cores / {local_world_size} rank(s)" if local_world_size > 1 and os.environ.get("OMP_NUM_THREADS", "1") == "1"
-               else "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch's default")
+    # ranks on one CPU share its cores
+    cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
@@ -81,35 +72,36 @@ def main():
 
     # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it ----
     # NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
-    backend = args.backend if args.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise CourseError("--backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)")
+        raise CourseError(
+            "--backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
+        )
     # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of hanging.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     if launched:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        gpu = device if device.type == "cuda" else None  # NCCL binds this rank to its GPU from the start
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu)
     else:  # plain `python`: a world of one needs no meeting point, an in-memory store will do
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    print(f"[rank {rank}] process {os.getpid()} on {platform.node()}: rank {rank} of {world_size}, "
-          f"local rank {local_rank}, device {device}", flush=True)
+    place = f"rank {rank} of {world_size}, local rank {local_rank}"
+    say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
-        log("not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
-            "torchrun --standalone --nproc_per_node=N 04_ddp/train.py")
+        log(
+            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "torchrun --standalone --nproc_per_node=N 04_ddp/train.py"
+        )
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # Local rank 0 of each machine prepares the token files once; the other ranks there wait at the
-    # barrier (every rank calls it once), then find the files ready and prepare() does no work.
-    # Tokenizing a large data set can take hours, far longer than a training collective may wait,
-    # so they wait in a group of their own (gloo: a CPU barrier, whatever the backend) with a long timeout.
-    preparation = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
-    if local_rank != 0:
-        dist.barrier(group=preparation)
-    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column,
-                          log=lambda message: print(f"[rank {rank}] {message}", flush=True))
-    if local_rank == 0:
-        dist.barrier(group=preparation)
+    # Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
+    # (every rank calls one_rank_first), then find the files ready and prepare() does no work.
+    with one_rank_first(local_rank == 0):
+        data_folder = prepare(
+            args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column, log=say
+        )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
@@ -118,22 +110,27 @@ def main():
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
     if steps_per_epoch == 0:
-        raise CourseError(f"the training split has {len(train_set)} windows, fewer than one batch of "
-                          f"{global_batch}; lower --batch-size or use a larger corpus")
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every stage
+        raise CourseError(
+            f"the training split has {len(train_set)} windows, fewer than one batch of "
+            f"{global_batch}; lower --batch-size or use a larger corpus"
+        )
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked while `run_lock` stays open (the whole run), so no second run
-    # writes into it meanwhile.
-    run_lock = claim_out_dir(out_dir, resume=args.resume)
+    # run is using it; then locked until this process ends, so no second run writes into it.
+    claim_out_dir(out_dir, resume=args.resume)
     checkpoint = load_checkpoint(out_dir) if args.resume else None
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
-    optimizer = torch.optim.AdamW(model.optimizer_groups(args.weight_decay), lr=args.lr,
-                                  betas=(args.beta1, args.beta2), fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # resuming: the optimizer's averages, the loss scale and the random state continue where they were
@@ -148,12 +145,16 @@ def main():
         model = torch.compile(model)
 
     peak = peak_flops(device, dtype)
-    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})")
-    log(f"global batch: {args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size} = {global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,} tokens per step; "
-        f"{steps_per_epoch} steps per epoch")
-    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}; gradients are averaged over ranks "
-        f"in buckets during backward" + (f"; {torch.get_num_threads()} CPU thread(s) per rank ({threads})" if device.type == "cpu" else ""))
+    log(
+        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
+        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    )
+    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
+    log(f"global batch: {split} = {per_step}")
+    averaging = "gradients are averaged over ranks in buckets during backward"
+    threads = f"; {cpu_threads}" if cpu_threads else ""
+    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -161,23 +162,28 @@ def main():
     # Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W, ...
     # (W = world_size): the ranks' micro-batches of one step together are the G consecutive
     # positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
 
     # only rank 0 writes files and draws the progress bar
-    metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num if checkpoint else None)
-    progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"[rank {rank}] ")
+    metrics = MetricsLog(
+        out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num if checkpoint else None
+    )
+    progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size, "chapter": 4}
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
-    last_log_time, last_log_iter = time.perf_counter(), iter_num
+    # tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         sampler.set_epoch(epoch)  # the permutation of seed + epoch; without this every epoch repeats epoch 0
-        batches = iter(batch_loader(train_set, sampler, args.batch_size, skip_batches=step_in_epoch * args.grad_accum,
-                                    pin_memory=device.type == "cuda"))
+        skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
+        batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
                 break
@@ -219,15 +225,11 @@ def main():
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
                 stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
-                elapsed = time.perf_counter() - last_log_time
-                tokens_per_sec = (iter_num - last_log_iter) * tokens_per_step / elapsed
-                # tokens_per_sec counts the tokens of all ranks, so it is measured against all devices' peak
-                mfu = model_flops_utilization(raw_model.flops_per_token(), tokens_per_sec, peak, devices=world_size)
-                metrics.write(iter=iter_num, loss=loss_value, lr=lr, tokens_seen=iter_num * tokens_per_step,
-                              dt_ms=1000 * elapsed / (iter_num - last_log_iter), tokens_per_sec=tokens_per_sec,
-                              mfu=mfu, max_mem_mb=max_memory_mb(device))
-                last_log_time, last_log_iter = time.perf_counter(), iter_num
-            progress.step(iter_num, loss_value if log_now else None, tokens_per_sec if log_now else None, lr)
+                figures = speed.measure(iter_num)  # since the last log line
+                metrics.write(
+                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                )
+            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
@@ -235,29 +237,34 @@ def main():
                 # for DDP to do); the loss sums and window counts are added over ranks, so every rank
                 # gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
-                val_sum = evaluate(raw_model, val_set, my_windows, args.batch_size, device, autocast) * len(my_windows)
-                val_stats = torch.stack([val_sum, torch.tensor(float(len(my_windows)), device=device)])
+                my_loss = evaluate(raw_model, val_set, my_windows, args.batch_size, device, autocast)
+                my_count = torch.tensor(float(len(my_windows)), device=device)
+                val_stats = torch.stack([my_loss * my_count, my_count])  # the sum of my losses, their count
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
                 stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 if is_rank0:
-                    save_checkpoint(out_dir, model_state=model.module.state_dict(), optimizer_state=optimizer.state_dict(),
-                                    iter_num=iter_num, model_config=model_config, train_config=train_config,
-                                    best_val_loss=best_val_loss, scaler_state=scaler.state_dict())
-                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {out_dir / 'ckpt.pt'}")
-                last_log_time = time.perf_counter()  # evaluation time is not training time
+                    save_checkpoint(
+                        out_dir,
+                        model_state=model.module.state_dict(),
+                        optimizer_state=optimizer.state_dict(),
+                        iter_num=iter_num,
+                        model_config=model_config,
+                        train_config=train_config,
+                        best_val_loss=best_val_loss,
+                        scaler_state=scaler.state_dict(),
+                    )
+                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
+                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
+                speed.restart_clock()  # evaluation time is not training time
     progress.close()
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     # bit for bit against rank 0's copy.
-    params = torch.cat([p.detach().reshape(-1) for p in raw_model.parameters()])
-    rank0_params = params.clone()
-    dist.broadcast(rank0_params, src=0)
-    differing = torch.tensor(0.0 if torch.equal(params, rank0_params) else 1.0, device=device)
-    dist.all_reduce(differing, op=dist.ReduceOp.SUM)
-    log(f"parameters identical on all {world_size} rank(s): "
-        + ("yes" if differing.item() == 0 else f"NO, {differing.item():.0f} rank(s) differ from rank 0"))
+    differing = ranks_unlike_rank0(raw_model)
+    verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
+    log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")

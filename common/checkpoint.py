@@ -33,15 +33,23 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             stripped = False
             for prefix in WRAPPER_PREFIXES:
                 if name.startswith(prefix):
-                    name, stripped = name[len(prefix):], True
+                    name, stripped = name[len(prefix) :], True
         return name
 
     return {clean(k): v for k, v in state.items()}
 
 
-def save_checkpoint(out_dir: str | Path, *, model_state: dict, optimizer_state: dict, iter_num: int,
-                    model_config: GPTConfig, train_config: dict, best_val_loss: float | None = None,
-                    scaler_state: dict | None = None) -> Path:
+def save_checkpoint(
+    out_dir: str | Path,
+    *,
+    model_state: dict,
+    optimizer_state: dict,
+    iter_num: int,
+    model_config: GPTConfig,
+    train_config: dict,
+    best_val_loss: float | None = None,
+    scaler_state: dict | None = None,
+) -> Path:
     """Write <out_dir>/ckpt.pt through a temporary file and os.replace.
 
     A crash mid-write leaves a stray temporary file and the previous checkpoint untouched.
@@ -55,7 +63,9 @@ def save_checkpoint(out_dir: str | Path, *, model_state: dict, optimizer_state: 
         "optimizer": optimizer_state,
         "iter_num": iter_num,
         "model_config": model_config.to_dict(),
-        "train_config": {k: v for k, v in train_config.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "train_config": {
+            k: v for k, v in train_config.items() if isinstance(v, (int, float, str, bool, type(None)))
+        },
         "best_val_loss": best_val_loss,
         "rng_cpu": torch.get_rng_state(),
         # the current GPU's generator, where this process has used CUDA (dropout on the GPU draws from it)
@@ -77,21 +87,28 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     if path.is_dir() or path.suffix != ".pt":
         path = path / CKPT_NAME
     if not path.exists():
-        raise CourseError(f"no checkpoint at {path}: train first (a run writes one at every evaluation), "
-                          "or point --out-dir at a run's folder")
+        raise CourseError(
+            f"no checkpoint at {path}: train first (a run writes one at every evaluation), "
+            "or point --out-dir at a run's folder"
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as err:
         reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-        raise CourseError(f"checkpoint {path} is unreadable, truncated or corrupted ({reason}); "
-                          "delete it to start over, or restore a good copy") from None
+        raise CourseError(
+            f"checkpoint {path} is unreadable, truncated or corrupted ({reason}); "
+            "delete it to start over, or restore a good copy"
+        ) from None
     if not isinstance(checkpoint, dict) or not {"model", "model_config", "iter_num"} <= checkpoint.keys():
-        raise CourseError(f"{path} is not a checkpoint of this course (it lacks model, model_config or iter_num)")
+        raise CourseError(
+            f"{path} is not a checkpoint of this course (it lacks model, model_config or iter_num)"
+        )
     return checkpoint
 
 
-def restore_training_state(checkpoint: dict, optimizer: torch.optim.Optimizer,
-                           scaler: torch.amp.GradScaler) -> int:
+def restore_training_state(
+    checkpoint: dict, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> int:
     """Put the optimizer, the loss scaler and the random generators back where the checkpoint left
     them, so the run continues as if it had never stopped; returns the step to continue from."""
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -111,7 +128,13 @@ def check_same_shape(checkpoint: dict, config: GPTConfig, path_hint: str = "the 
     """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
     saved = checkpoint_model_config(checkpoint)
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
-    differs = [f"{f} {getattr(saved, f)} (now {getattr(config, f)})" for f in fields if getattr(saved, f) != getattr(config, f)]
+    differs = [
+        f"{f} {getattr(saved, f)} (now {getattr(config, f)})"
+        for f in fields
+        if getattr(saved, f) != getattr(config, f)
+    ]
     if differs:
-        raise CourseError(f"{path_hint} is for another model shape: {', '.join(differs)}; "
-                          "resume with the same --preset and overrides, or use a new --out-dir")
+        raise CourseError(
+            f"{path_hint} is for another model shape: {', '.join(differs)}; "
+            "resume with the same --preset and overrides, or use a new --out-dir"
+        )

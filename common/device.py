@@ -7,12 +7,18 @@ the tests can check them on a CPU with the values real GPUs report.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
 from .errors import CourseError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -26,9 +32,13 @@ def pick_device(requested: str = "auto") -> torch.device:
     try:
         device = torch.device(requested)
     except RuntimeError:
-        raise CourseError(f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+        raise CourseError(
+            f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise CourseError(f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; use --device cpu")
+        raise CourseError(
+            f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; use --device cpu"
+        )
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise CourseError(f"--device {requested}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
     if device.type == "mps" and not torch.backends.mps.is_available():
@@ -38,6 +48,70 @@ def pick_device(requested: str = "auto") -> torch.device:
         # plain "cuda" would otherwise land on GPU 0, which may be someone else's.
         torch.cuda.set_device(device)
     return device
+
+
+def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> torch.device:
+    """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
+
+    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. The
+    decision takes the machine's GPU count as a plain number, so the tests can check it on a CPU
+    for machines they do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
+    """
+    if requested == "auto":
+        requested = "cuda" if cuda_gpus else "cpu"
+    if not requested.startswith("cuda"):
+        device = pick_device(requested)
+        if device.type == "mps":
+            raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
+        return device
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise CourseError(
+            f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    if cuda_gpus == 0:
+        raise CourseError(
+            f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; use --device cpu"
+        )
+    if device.index is not None:  # one GPU named by the reader: only for a single process per machine
+        if local_world_size > 1:
+            raise CourseError(
+                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
+            )
+        if device.index >= cuda_gpus:
+            raise CourseError(f"--device {requested}: only {cuda_gpus} CUDA GPU(s) are visible")
+        return device
+    if local_rank >= cuda_gpus:
+        raise CourseError(
+            f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "
+            "start at most that many processes per machine (--nproc_per_node)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def cpu_threads_per_rank(
+    local_world_size: int, cpu_count: int, omp_num_threads: str | None
+) -> tuple[int | None, str]:
+    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's choice).
+
+    Torch alone would give every rank all the cores (oversubscribed); torchrun sets
+    OMP_NUM_THREADS=1, which leaves a big CPU mostly idle. So when the threads are unset or 1, each
+    rank gets an equal share of the cores; any other OMP_NUM_THREADS is the reader's choice.
+    """
+    if local_world_size > 1 and omp_num_threads in (None, "1"):
+        return max(1, cpu_count // local_world_size), f"{cpu_count} cores / {local_world_size} rank(s)"
+    return None, "OMP_NUM_THREADS" if omp_num_threads is not None else "torch's default"
+
+
+def share_cpu_cores(local_world_size: int) -> str:
+    """Give this rank its share of the CPU's cores; says how many threads it has, and why."""
+    threads, why = cpu_threads_per_rank(
+        local_world_size, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS")
+    )
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return f"{torch.get_num_threads()} CPU thread(s) per rank ({why})"
 
 
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:

@@ -39,7 +39,7 @@ def run_main(main: Callable[[], int | None]) -> None:
     except (KeyboardInterrupt, Exception):
         if not stop_signals:
             raise  # a real bug: its traceback is what the reader needs
-        print(f"{prefix}stopped by {stop_signals[0]}: the last checkpoint written is intact; continue with --resume",
-              file=sys.stderr, flush=True)
+        intact = "the last checkpoint written is intact; continue with --resume"
+        print(f"{prefix}stopped by {stop_signals[0]}: {intact}", file=sys.stderr, flush=True)
         sys.exit(130)
     sys.exit(status or 0)

@@ -109,7 +109,10 @@ def run_python(
 def run_torchrun(
     script: str | Path, nproc: int, args: list, timeout: float = 300, check: bool = True, **kw
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` (or the rendezvous `kw` asks for) from the repository root, one thread a rank."""
+    """`torchrun --standalone` (or the rendezvous `kw` asks for) from the repository root.
+
+    Every rank gets one thread; check=True fails as run_python does.
+    """
     cmd = torchrun_command(script, nproc, args, **kw)
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ def gpu_model(name: str) -> tuple[str, str] | None:
 
     def named(model: str) -> bool:  # the model's words appear, whole and in order
         wanted = model.upper().split()
-        return any(words[i:i + len(wanted)] == wanted for i in range(len(words)))
+        return any(words[i : i + len(wanted)] == wanted for i in range(len(words)))
 
     for model, variant in PEAK_FLOPS:  # a variant the name spells out: "PCIE", "NVL", "SXM4"
         if variant and named(model) and any(w.startswith(variant.upper()) for w in words):
@@ -69,11 +70,50 @@ def peak_flops_of(name: str, dtype: torch.dtype) -> float | None:
     return PEAK_FLOPS[model].get(key) if model else None
 
 
-def model_flops_utilization(flops_per_token: float, tokens_per_sec: float, peak: float | None,
-                            devices: int = 1) -> float | None:
+def model_flops_utilization(
+    flops_per_token: float, tokens_per_sec: float, peak: float | None, devices: int = 1
+) -> float | None:
     """MFU: the model's FLOP/s over the hardware's peak. tokens_per_sec counts the tokens of all
     `devices` together, so it is measured against all of their peaks: peak x devices."""
     return flops_per_token * tokens_per_sec / (peak * devices) if peak else None
+
+
+class Throughput:
+    """The speed between two log lines: milliseconds per step, tokens per second and MFU.
+
+    `devices` run side by side (DataParallel's replicas, DDP's ranks) and tokens_per_step counts the
+    tokens of all of them, so the MFU is measured against the peak of all of them together.
+    """
+
+    def __init__(
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak: float | None,
+        devices: int = 1,
+        start: int = 0,
+    ):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.devices = peak, devices
+        self.since_iter, self.since = start, time.perf_counter()
+
+    def measure(self, iter_num: int) -> dict:
+        """The figures since the last measure (or the start), for a metrics line; starts a new interval."""
+        elapsed = time.perf_counter() - self.since
+        steps = iter_num - self.since_iter
+        tokens_per_sec = steps * self.tokens_per_step / elapsed
+        mfu = model_flops_utilization(self.flops_per_token, tokens_per_sec, self.peak, self.devices)
+        self.since_iter, self.since = iter_num, time.perf_counter()
+        return {
+            "tokens_seen": iter_num * self.tokens_per_step,
+            "dt_ms": 1000 * elapsed / steps,
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": mfu,
+        }
+
+    def restart_clock(self) -> None:
+        """Time spent from here back to the last measure is not training time (an evaluation)."""
+        self.since = time.perf_counter()
 
 
 def max_memory_mb(device: torch.device) -> float | None:
@@ -106,8 +146,11 @@ class MetricsLog:
             self.path.write_text("")
         elif self.path.exists():
             # a resumed run rewrites what came after its checkpoint, so each iteration appears once
-            keep = [line for line in self.path.read_text().splitlines()
-                    if (record := _parse(line)) is not None and record.get("iter", 0) <= resume_from]
+            keep = [
+                line
+                for line in self.path.read_text().splitlines()
+                if (record := _parse(line)) is not None and record.get("iter", 0) <= resume_from
+            ]
             self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, **fields) -> None:
@@ -138,21 +181,29 @@ class Progress:
         # a bar needs a terminal that knows its width; a pseudo-terminal without a size (`script`,
         # some CI runners and IDE consoles) reports 0 columns, where tqdm would draw nothing at all
         self.on_terminal = enabled and sys.stderr.isatty() and _terminal_columns(sys.stderr) > 0
-        self.bar = tqdm(total=total, initial=initial, disable=not self.on_terminal, dynamic_ncols=True,
-                        desc=prefix.strip() or None)
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            disable=not self.on_terminal,
+            dynamic_ncols=True,
+            desc=prefix.strip() or None,
+        )
 
-    def step(self, iter_num: int, loss: float | None = None, tokens_per_sec: float | None = None,
-             lr: float | None = None) -> None:
-        """Advance one step; the numbers are shown when given (only at log intervals)."""
+    def step(
+        self, iter_num: int, loss: float | None = None, figures: dict | None = None, lr: float | None = None
+    ) -> None:
+        """Advance one step; the loss and the speed (Throughput's figures) are shown when given."""
         if not self.enabled:
             return
         self.bar.update(1)
         if loss is None:
             return
+        tokens_per_sec = figures["tokens_per_sec"]
         if self.on_terminal:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
         else:
-            print(f"{self.prefix}iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tokens/s", flush=True)
+            speed = f"{tokens_per_sec:,.0f} tokens/s"
+            print(f"{self.prefix}iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {speed}", flush=True)
 
     def print(self, message: str) -> None:
         """A line that does not tear the bar."""

@@ -33,7 +33,8 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
-    # the training loss without the full logits (common/chunked_loss.py); False: the plain lm_head + F.cross_entropy
+    # the training loss without the full logits (common/chunked_loss.py);
+    # False: the plain lm_head + F.cross_entropy
     chunked_loss: bool = True
 
     def to_dict(self) -> dict:
@@ -166,8 +167,10 @@ class GPT(nn.Module):
             return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)  # (B, T, vocab_size)
         # float32 for the softmax even under bf16 autocast; float64 stays float64
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(torch.promote_types(logits.dtype, torch.float32)),
-                               targets.reshape(-1))
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)).to(torch.promote_types(logits.dtype, torch.float32)),
+            targets.reshape(-1),
+        )
         return logits, loss
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
@@ -219,7 +222,9 @@ def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> No
     block_size may be smaller than the checkpoint's (positions are cut).
     """
     ours = model.state_dict()
-    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith(".attn.bias")}
+    hf_state = {
+        k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith(".attn.bias")
+    }
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(".attn.masked_bias")}
     with torch.no_grad():
         for name, value in hf_state.items():
@@ -238,11 +243,15 @@ def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> No
                 value = value[: target.shape[0]]
             if name in ("wte.weight", "lm_head.weight"):
                 if value.shape[1] != target.shape[1] or value.shape[0] > target.shape[0]:
-                    raise ValueError(f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
+                    raise ValueError(
+                        f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
+                    )
                 target[: value.shape[0]].copy_(value)
                 continue
             if value.shape != target.shape:
-                raise ValueError(f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
+                raise ValueError(
+                    f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
+                )
             target.copy_(value)
 
 

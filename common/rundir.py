@@ -29,23 +29,23 @@ def holds_a_run(out_dir: Path) -> bool:
     return (out_dir / CKPT_NAME).exists() or (metrics.exists() and metrics.stat().st_size > 0)
 
 
-def claim_out_dir(out_dir: str | Path, resume: bool):
+def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
     """Make sure `out_dir` can take this run's files, and lock it until this process ends.
 
     In a process group only global rank 0 writes files, so it alone checks and locks the folder,
     and every rank hears its verdict: when the folder is refused, all ranks stop with the same
     line, and none is left waiting in a collective for the others.
 
-    Returns the locked folder's file descriptor on the rank that writes (None elsewhere): the lock
-    lasts while it is open, so keep it for the whole run.
+    The lock is held by a file descriptor of the folder that is never closed: it lasts until the
+    process ends.
     Raises CourseError, with what to do, when the folder holds another run or is in use (an
     --out-dir that is a file was refused earlier, by common.config).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    lock, problem = None, None
+    problem = None
     if not distributed or dist.get_rank() == 0:
         try:
-            lock = _claim(Path(out_dir), resume)
+            _claim(Path(out_dir), resume)
         except CourseError as err:
             problem = str(err)
     if distributed:
@@ -54,20 +54,22 @@ def claim_out_dir(out_dir: str | Path, resume: bool):
         problem = verdict[0]
     if problem:
         raise CourseError(problem)
-    return lock
 
 
-def _claim(out_dir: Path, resume: bool) -> int:
+def _claim(out_dir: Path, resume: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = os.open(out_dir, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(lock)
-        raise CourseError(f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
-                          "wait for it to end, or give this run another --out-dir") from None
+        raise CourseError(
+            f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
+            "wait for it to end, or give this run another --out-dir"
+        ) from None
     if not resume and holds_a_run(out_dir):
         os.close(lock)
-        raise CourseError(f"{out_dir} already holds a run (its {CKPT_NAME} / {METRICS_NAME}); continue it "
-                          f"with --resume, start a new run with another --out-dir, or delete {out_dir} first")
-    return lock
+        raise CourseError(
+            f"{out_dir} already holds a run (its {CKPT_NAME} / {METRICS_NAME}); continue it "
+            f"with --resume, start a new run with another --out-dir, or delete {out_dir} first"
+        )

@@ -1,6 +1,6 @@
 """Print text from the model in any stage's checkpoint.
 
-    python -m common.sample --out-dir out/01_single_gpu --prompt "ROMEO:" --tokens 200
+python -m common.sample --out-dir out/01_single_gpu --prompt "ROMEO:" --tokens 200
 """
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ from .training import sample_text
 
 
 def main() -> None:
-    parser = OneLineParser(prog="python -m common.sample", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(
+        prog="python -m common.sample",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--out-dir", default="out/01_single_gpu", help="a run's folder (or a ckpt.pt file)")
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--tokens", type=positive_int, default=200, help="how many tokens to generate")
     parser.add_argument("--num-samples", type=positive_int, default=1)
-    parser.add_argument("--temperature", type=float, default=0.8, help="below 1: safer choices; above 1: wilder")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="below 1: safer choices; above 1: wilder"
+    )
     parser.add_argument("--top-k", type=int, default=200, help="sample only among the k likeliest tokens")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto")
@@ -38,7 +43,11 @@ def main() -> None:
     chapter = checkpoint.get("train_config", {}).get("chapter", "?")
     print(f"# checkpoint of chapter {chapter} at step {checkpoint['iter_num']}")
     for i in range(args.num_samples):
-        print(sample_text(model, args.prompt, args.tokens, device, args.temperature, args.top_k, seed=args.seed + i))
+        print(
+            sample_text(
+                model, args.prompt, args.tokens, device, args.temperature, args.top_k, seed=args.seed + i
+            )
+        )
         print("---")
 
 

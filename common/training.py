@@ -26,8 +26,10 @@ def build_model(config: GPTConfig, init_from: str = "scratch", checkpoint: dict 
         try:
             return gpt2_pretrained(block_size=config.block_size, dropout=config.dropout)
         except OSError as err:  # transformers raises OSError when it cannot download
-            raise CourseError(f"could not fetch GPT-2's weights ({str(err).splitlines()[0][:100]}); "
-                              "this needs the network once; offline, use --init-from scratch") from None
+            raise CourseError(
+                f"could not fetch GPT-2's weights ({str(err).splitlines()[0][:100]}); "
+                "this needs the network once; offline, use --init-from scratch"
+            ) from None
     return GPT(config)
 
 
@@ -36,8 +38,10 @@ def check_resume(checkpoint: dict, global_batch: int, seed: int) -> None:
     saved = checkpoint.get("train_config", {})
     for name, now in (("global_batch", global_batch), ("seed", seed)):
         if name in saved and saved[name] != now:
-            raise CourseError(f"the checkpoint was trained with {name} {saved[name]}, this run has {now}; "
-                              "resume with the same batch settings and --seed so the data order continues")
+            raise CourseError(
+                f"the checkpoint was trained with {name} {saved[name]}, this run has {now}; "
+                "resume with the same batch settings and --seed so the data order continues"
+            )
 
 
 def lr_at(iteration: int, args: argparse.Namespace) -> float:
@@ -65,8 +69,13 @@ def is_divergence(loss: float, grad_norm: float | None = None, skips_inf_steps: 
     return not skips_inf_steps
 
 
-def stop_if_diverged(step: int, loss: float, grad_norm: torch.Tensor | None = None,
-                     scaler: torch.amp.GradScaler | None = None, what: str = "training loss") -> None:
+def stop_if_diverged(
+    step: int,
+    loss: float,
+    grad_norm: torch.Tensor | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    what: str = "training loss",
+) -> None:
     """Stop the run with one clear line when `loss` (already on the host) or the gradient norm is not finite.
 
     The stages call this only where they already wait for the device (the log interval, the
@@ -78,14 +87,17 @@ def stop_if_diverged(step: int, loss: float, grad_norm: torch.Tensor | None = No
     norm = None if grad_norm is None else float(grad_norm)  # the device is idle here: no stall
     if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
         norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
-        raise CourseError(f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was written "
-                          "from it (the last one, if any, is intact); try a lower --lr, --grad-clip 1.0 or "
-                          "--dtype float32, with --resume to continue from the checkpoint")
+        raise CourseError(
+            f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was written "
+            "from it (the last one, if any, is intact); try a lower --lr, --grad-clip 1.0 or "
+            "--dtype float32, with --resume to continue from the checkpoint"
+        )
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset, windows: list[int], batch_size: int, device: torch.device,
-             autocast) -> torch.Tensor:
+def evaluate(
+    model: torch.nn.Module, dataset, windows: list[int], batch_size: int, device: torch.device, autocast
+) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
     was_training = model.training
     model.eval()
@@ -101,8 +113,15 @@ def evaluate(model: torch.nn.Module, dataset, windows: list[int], batch_size: in
     return total / max(seen, 1)
 
 
-def sample_text(model: GPT, prompt: str, max_new_tokens: int, device: torch.device, temperature: float = 0.8,
-                top_k: int | None = 200, seed: int = 1337) -> str:
+def sample_text(
+    model: GPT,
+    prompt: str,
+    max_new_tokens: int,
+    device: torch.device,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int = 1337,
+) -> str:
     """Text the model writes after `prompt` (seeded, so the same weights give the same text)."""
     ids = encode(prompt) or [50256]
     context = torch.tensor([ids], dtype=torch.long, device=device)

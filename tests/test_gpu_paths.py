@@ -102,7 +102,7 @@ def test_mfu_divides_by_the_peak_of_all_devices():
         calls = [
             node
             for node in ast.walk(ast.parse((REPO / script / "train.py").read_text()))
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "model_flops_utilization"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Throughput"
         ]
         assert len(calls) == 1, script
         assert [ast.unparse(k.value) for k in calls[0].keywords if k.arg == "devices"] == [devices], script

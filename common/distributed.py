@@ -1,0 +1,63 @@
+"""What the DDP chapters need from torch.distributed but do not teach: one rank first, the copies
+check, and a meeting point that survives torchrun's restarts.
+
+Every function here is a collective or joins one: every rank of the group must call it, in the
+same order, or the ranks that did wait for the others until the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# Tokenizing a large data set can take hours, far longer than a training collective may wait.
+PREPARATION_TIMEOUT = datetime.timedelta(hours=6)
+
+
+@contextlib.contextmanager
+def one_rank_first(is_first: bool):
+    """Run the block on the first rank, then on every other one: for work done once on disk.
+
+    The others wait until the first rank has finished the block (the data preparation), then run
+    it and find the work done. They wait in a group of their own (gloo: a CPU barrier, whatever the
+    training backend) with a timeout of hours, so a slow preparation is not taken for a dead peer.
+    """
+    group = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
+    if not is_first:
+        dist.barrier(group=group)
+    yield
+    if is_first:
+        dist.barrier(group=group)
+
+
+def ranks_unlike_rank0(model: torch.nn.Module) -> int:
+    """How many ranks hold parameters that differ from rank 0's, bit for bit (0 on every rank when DDP
+    kept its promise: the same start and the same averaged gradients keep every copy equal)."""
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rank0_params = params.clone()
+    dist.broadcast(rank0_params, src=0)
+    differing = torch.tensor(0.0 if torch.equal(params, rank0_params) else 1.0, device=params.device)
+    dist.all_reduce(differing, op=dist.ReduceOp.SUM)  # SUM works on every backend
+    return int(differing.item())
+
+
+def restart_store(world_size: int, restart_count: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Where the ranks of this attempt meet; None: init_process_group connects to MASTER_ADDR itself.
+
+    Under torchrun the meeting point can be torchrun's own key-value store
+    (TORCHELASTIC_USE_AGENT_STORE=True), and that store outlives a restart (--max-restarts): the
+    processes of a restarted group would meet where the failed group met, read their dead
+    predecessors' addresses and wait for them. So every attempt meets under its own prefix, the
+    restart count. (That count is per node: with the static rendezvous every node counts the same
+    failures; with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which launch_c10d.sh sets, gives every
+    attempt a new store instead, and this is not needed.)
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{restart_count}", agent_store)

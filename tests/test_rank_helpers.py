@@ -1,0 +1,99 @@
+"""The decisions chapters 04 and 05 take from common/: which device a rank drives, how many CPU
+threads it uses, whether a retired flag is refused, and whether the ranks' copies still agree.
+
+The device and thread decisions take the machine's facts as plain numbers, so they are checked here
+for machines this CPU is not: an 8-GPU node, the second node of a job, a big CPU shared by ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.config import parse_args
+from common.device import cpu_threads_per_rank, rank_device
+from common.distributed import ranks_unlike_rank0
+from common.errors import CourseError
+from common.launch import free_port
+
+
+@pytest.mark.parametrize("local_rank", range(8))
+def test_every_rank_of_an_8_gpu_node_takes_the_gpu_of_its_local_rank(local_rank):
+    assert rank_device("auto", local_rank, 8, cuda_gpus=8) == torch.device("cuda", local_rank)
+    assert rank_device("cuda", local_rank, 8, cuda_gpus=8) == torch.device("cuda", local_rank)
+
+
+def test_the_second_node_counts_its_gpus_from_0():
+    # global rank 8 is local rank 0 on the second node: the function is given the local rank only
+    assert rank_device("auto", 0, 8, cuda_gpus=8) == torch.device("cuda", 0)
+
+
+def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
+    with pytest.raises(CourseError, match=r"LOCAL_RANK 8, but this machine has 8 GPU\(s\).*--nproc_per_node"):
+        rank_device("auto", 8, 9, cuda_gpus=8)
+
+
+def test_a_named_gpu_is_for_one_process_per_machine():
+    assert rank_device("cuda:1", 0, 1, cuda_gpus=2) == torch.device("cuda", 1)
+    with pytest.raises(CourseError, match="every rank takes cuda:LOCAL_RANK; use --device cuda"):
+        rank_device("cuda:1", 0, 2, cuda_gpus=2)
+    with pytest.raises(CourseError, match=r"--device cuda:3: only 2 CUDA GPU\(s\) are visible"):
+        rank_device("cuda:3", 0, 1, cuda_gpus=2)
+
+
+def test_without_gpus_the_ranks_use_the_cpu():
+    assert rank_device("auto", 1, 2, cuda_gpus=0) == torch.device("cpu")
+    assert rank_device("cpu", 1, 2, cuda_gpus=8) == torch.device("cpu")
+    with pytest.raises(CourseError, match="sees no CUDA GPU; use --device cpu"):
+        rank_device("cuda", 0, 2, cuda_gpus=0)
+    with pytest.raises(CourseError, match="mps"):  # NCCL and gloo cannot send Apple's GPU tensors
+        rank_device("mps", 0, 1, cuda_gpus=0)
+
+
+@pytest.mark.parametrize(
+    "ranks, cores, omp, expected",
+    [
+        (2, 16, None, (8, "16 cores / 2 rank(s)")),  # torch alone would give each rank all 16
+        (2, 16, "1", (8, "16 cores / 2 rank(s)")),  # torchrun's OMP_NUM_THREADS=1 would leave 14 idle
+        (3, 2, None, (1, "2 cores / 3 rank(s)")),  # never fewer than one
+        (2, 16, "4", (None, "OMP_NUM_THREADS")),  # the reader's own choice stays
+        (1, 16, None, (None, "torch's default")),  # a single rank has the CPU to itself
+    ],
+)
+def test_ranks_on_one_cpu_share_its_cores(ranks, cores, omp, expected):
+    assert cpu_threads_per_rank(ranks, cores, omp) == expected
+
+
+def test_a_retired_flag_is_refused_after_its_last_chapter():
+    assert parse_args(chapter=3, description="", argv=["--gpus", "2"]).gpus == 2
+    for chapter, script in ((4, "04_ddp/train.py"), (5, "05_multinode/train.py")):
+        with pytest.raises(CourseError) as refused:
+            parse_args(chapter=chapter, description="", argv=["--gpus", "2"])
+        message = str(refused.value)
+        assert message.startswith("--gpus is chapter 03's DataParallel flag"), message
+        assert message.endswith(f"torchrun --standalone --nproc_per_node=N {script}"), message
+
+
+def _count_differing_copies(rank: int, port: int, results) -> None:
+    """One rank of a real gloo group of two on 127.0.0.1, with copies that start equal, then not."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        for same_start in (True, False):
+            torch.manual_seed(0 if same_start else rank)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            results[rank, same_start] = ranks_unlike_rank0(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_unlike_rank0_counts_the_copies_that_differ():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_count_differing_copies, args=(free_port(), results), nprocs=2)
+        # every rank hears the same count: each can print the verdict, or act on it
+        assert dict(results) == {(0, True): 0, (1, True): 0, (0, False): 1, (1, False): 1}
