@@ -1,4 +1,4 @@
-"""ckpt.pt: written atomically, read without unpickling code, loadable by every stage.
+"""ckpt.pt: written atomically, read without unpickling code, loadable by every chapter.
 
 A checkpoint holds plain tensors and Python values only (so `torch.load(weights_only=True)` reads
 it): the model's state dict without any `module.` prefix, the optimizer's state, the float16 loss

@@ -1,4 +1,4 @@
-"""One command line for every stage.
+"""One command line for every chapter.
 
 Every flag means the same in every chapter. A flag that a chapter does not support yet is still
 recognised, so that using it too early gets a message naming the chapter that introduces it

@@ -355,7 +355,7 @@ def batch_loader(
 ) -> DataLoader:
     """Batches built in CPU memory in the sampler's order, starting `skip_batches` batches in.
 
-    Incomplete last batches are dropped, as every stage drops the end of an epoch.
+    Incomplete last batches are dropped, as every chapter drops the end of an epoch.
     """
     # The loader gets its own generator so that building one does not draw from the global random
     # state that dropout uses: a resumed run then draws the same dropout masks as an unbroken one.

@@ -29,24 +29,30 @@ def pick_device(requested: str = "auto") -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
+    device = parse_device(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if device.type == "cuda" and device.index is not None:
+        # Make it the current GPU now: pinned memory, capability queries and anything created on
+        # plain "cuda" would otherwise land on GPU 0, which may be someone else's.
+        torch.cuda.set_device(device)
+    return device
+
+
+def parse_device(requested: str, cuda_gpus: int) -> torch.device:
+    """--device as a torch.device, checked against the `cuda_gpus` GPUs this machine has."""
     try:
         device = torch.device(requested)
     except RuntimeError:
         raise CourseError(
             f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
         ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and cuda_gpus == 0:
         raise CourseError(
             f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; use --device cpu"
         )
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise CourseError(f"--device {requested}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    if device.type == "cuda" and device.index is not None and device.index >= cuda_gpus:
+        raise CourseError(f"--device {requested}: only {cuda_gpus} CUDA GPU(s) are visible")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise CourseError("--device mps asked for Apple's GPU, which is not available here; use --device cpu")
-    if device.type == "cuda" and device.index is not None:
-        # Make it the current GPU now: pinned memory, capability queries and anything created on
-        # plain "cuda" would otherwise land on GPU 0, which may be someone else's.
-        torch.cuda.set_device(device)
     return device
 
 
@@ -59,28 +65,16 @@ def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpu
     """
     if requested == "auto":
         requested = "cuda" if cuda_gpus else "cpu"
-    if not requested.startswith("cuda"):
-        device = pick_device(requested)
-        if device.type == "mps":
-            raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
+    device = parse_device(requested, cuda_gpus)
+    if device.type == "mps":
+        raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
+    if device.type != "cuda":
         return device
-    try:
-        device = torch.device(requested)
-    except RuntimeError:
-        raise CourseError(
-            f"--device {requested!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
-        ) from None
-    if cuda_gpus == 0:
-        raise CourseError(
-            f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; use --device cpu"
-        )
     if device.index is not None:  # one GPU named by the reader: only for a single process per machine
         if local_world_size > 1:
             raise CourseError(
                 f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
             )
-        if device.index >= cuda_gpus:
-            raise CourseError(f"--device {requested}: only {cuda_gpus} CUDA GPU(s) are visible")
         return device
     if local_rank >= cuda_gpus:
         raise CourseError(

@@ -1,7 +1,7 @@
 """The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT.
 
 The model knows nothing about devices, ranks or data: it maps token ids to logits, or to a loss when
-targets are given (computed without the full logits unless `chunked_loss=False`). Every stage
+targets are given (computed without the full logits unless `chunked_loss=False`). Every chapter
 builds it from a `GPTConfig`, usually one of `PRESETS`.
 """
 

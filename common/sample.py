@@ -1,4 +1,4 @@
-"""Print text from the model in any stage's checkpoint.
+"""Print text from the model in any chapter's checkpoint.
 
 python -m common.sample --out-dir out/01_single_gpu --prompt "ROMEO:" --tokens 200
 """

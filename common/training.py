@@ -1,5 +1,5 @@
 """Pieces of a training run that no chapter teaches: building the model, the learning-rate
-schedule, the divergence guard, evaluation and sampling. The loop itself is written out in each stage."""
+schedule, the divergence guard, evaluation and sampling. The loop itself is written out in each chapter."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def stop_if_diverged(
 ) -> None:
     """Stop the run with one clear line when `loss` (already on the host) or the gradient norm is not finite.
 
-    The stages call this only where they already wait for the device (the log interval, the
+    The chapters call this only where they already wait for the device (the log interval, the
     evaluation), so it costs no extra sync in the hot loop; the evaluation's check runs before the
     checkpoint is written, so a checkpoint never holds the broken parameters. Under DDP the loss is
     the all-reduced one and the gradient norm is computed from the averaged gradients, both equal on
