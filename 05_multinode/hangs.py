@@ -50,11 +50,8 @@ VAL_WINDOWS = 5  # validation examples: 3 for rank 0 and 2 for rank 1, as rank r
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="05_multinode/hangs.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring's line breaks kept
+    p = argparse.ArgumentParser(prog="05_multinode/hangs.py", description=__doc__, formatter_class=raw)
     p.add_argument(
         "--case", choices=CASES + ["all"], required=True, help="all: every case in turn (with --fixed)"
     )

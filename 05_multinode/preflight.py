@@ -62,11 +62,8 @@ WATCHED_VARIABLES = [
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="05_multinode/preflight.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring's line breaks kept
+    p = argparse.ArgumentParser(prog="05_multinode/preflight.py", description=__doc__, formatter_class=raw)
     p.add_argument(
         "--backend",
         choices=["auto", "nccl", "gloo"],

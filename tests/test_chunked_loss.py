@@ -121,9 +121,8 @@ def test_tied_weight_gradient_arrives_once():
     for model in tiny_pair():
         fired = {name: 0 for name, _ in model.named_parameters()}
         for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda p, name=name: fired.__setitem__(name, fired[name] + 1)
-            )
+            # the defaults bind this model's counts and this parameter's name to the hook
+            p.register_post_accumulate_grad_hook(lambda _, n=name, f=fired: f.__setitem__(n, f[n] + 1))
         x, y = batch()
         model(x, y)[1].backward()
         assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired  # one tensor, one name
