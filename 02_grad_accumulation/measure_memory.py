@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -57,17 +58,33 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
     p.add_argument("--block-size", type=int, default=None, help="override the preset's context length")
-    p.add_argument("--batch-size", type=int, default=16, help="the global batch: sequences per optimizer step (default: 16)")
-    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[16, 4, 2, 1],
-                   help="micro-batch sizes to try; each must divide --batch-size (default: 16 4 2 1)")
-    p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per configuration (default: 2)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="the global batch: sequences per optimizer step (default: 16)",
+    )
+    p.add_argument(
+        "--micro-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[16, 4, 2, 1],
+        help="micro-batch sizes to try; each must divide --batch-size (default: 16 4 2 1)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=2, help="timed optimizer steps per configuration (default: 2)"
+    )
     p.add_argument("--dataset", default="shakespeare")
     p.add_argument("--data-dir", default="data")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
-                   help="the model's chunked output layer + loss (the default); --no-chunked-loss: the plain one")
+    p.add_argument(
+        "--chunked-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the model's chunked output layer + loss (the default); --no-chunked-loss: the plain one",
+    )
     args = p.parse_args()
     if args.batch_size < 1 or args.steps < 1:
         raise CourseError("--batch-size and --steps must be positive")
@@ -180,7 +197,9 @@ def main():
             peak = torch.cuda.max_memory_allocated(device)
         else:
             resting = tensor_bytes(model, optimizer)
-            peak = resting + cpu_peak_added(lambda: optimizer_step(model, optimizer, last, autocast))
+            peak = resting + cpu_peak_added(
+                functools.partial(optimizer_step, model, optimizer, last, autocast)
+            )
         rows.append((micro, G // micro, first_loss, peak, peak - resting, seconds, cpu_seconds))
         del model, optimizer, timed, last
         gc.collect()
@@ -188,19 +207,30 @@ def main():
             torch.cuda.empty_cache()
 
     n_params = sum(p.numel() for p in GPT(config).parameters())
-    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {args.preset}: "
-          f"{n_params / 1e6:.2f}M parameters, block {T}, {'chunked' if args.chunked_loss else 'plain'} loss; global batch {G} sequences = {G * T:,} tokens per step")
-    print(f"resting memory (weights + AdamW state): {rows[0][3] - rows[0][4]:,.0f} bytes = "
-          f"{(rows[0][3] - rows[0][4]) / MiB:,.1f} MiB; memory measured with "
-          + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler (CPU allocator)"))
+    loss_kind = "chunked" if args.chunked_loss else "plain"
+    print(
+        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {args.preset}: "
+        f"{n_params / 1e6:.2f}M parameters, block {T}, {loss_kind} loss; "
+        f"global batch {G} sequences = {G * T:,} tokens per step"
+    )
+    print(
+        f"resting memory (weights + AdamW state): {rows[0][3] - rows[0][4]:,.0f} bytes = "
+        f"{(rows[0][3] - rows[0][4]) / MiB:,.1f} MiB; memory measured with "
+        + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler (CPU allocator)")
+    )
     print()
     on_cpu = device.type == "cpu"  # there the CPU time is the work done, even on a busy machine
-    print("| micro-batch x K | sequences per step | loss of step 1 | peak memory (MiB) | above resting (MiB) "
-          "| time per step (ms) | tokens/s |" + (" CPU time per step (ms) |" if on_cpu else ""))
+    print(
+        "| micro-batch x K | sequences per step | loss of step 1 | peak memory (MiB) | above resting (MiB) "
+        "| time per step (ms) | tokens/s |" + (" CPU time per step (ms) |" if on_cpu else "")
+    )
     print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if on_cpu else ""))
     for micro, k, loss, peak, added, seconds, cpu_seconds in rows:
-        print(f"| {micro} x {k} | {G} | {loss:.4f} | {peak / MiB:,.1f} | {added / MiB:,.1f} "
-              f"| {1000 * seconds:,.0f} | {G * T / seconds:,.0f} |" + (f" {1000 * cpu_seconds:,.0f} |" if on_cpu else ""))
+        print(
+            f"| {micro} x {k} | {G} | {loss:.4f} | {peak / MiB:,.1f} | {added / MiB:,.1f} "
+            f"| {1000 * seconds:,.0f} | {G * T / seconds:,.0f} |"
+            + (f" {1000 * cpu_seconds:,.0f} |" if on_cpu else "")
+        )
 
 
 if __name__ == "__main__":

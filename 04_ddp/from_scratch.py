@@ -118,7 +118,9 @@ class NaiveDataParallel(_DataParallelBase):
             if p.grad is None:
                 # Every rank must make the same collective calls in the same order, or they
                 # wait for each other forever; a parameter without a gradient would break that.
-                raise RuntimeError("a parameter received no gradient; this wrapper needs every parameter used")
+                raise RuntimeError(
+                    "a parameter received no gradient; this wrapper needs every parameter used"
+                )
             # SUM over ranks, in place, then divide: the average gradient. One blocking call per
             # parameter: for a small model most of the time goes into per-call latency.
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -143,8 +145,9 @@ class _Bucket:
 class BucketedDataParallel(_DataParallelBase):
     """All-reduce gradients in buckets, asynchronously, while backward is still running."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0,
-                 process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None
+    ):
         super().__init__(module, process_group)
         self.buckets = self._make_buckets(bucket_cap_mb)
         self._next_bucket = 0  # buckets are launched strictly in this order, see _mark_ready
@@ -182,12 +185,15 @@ class BucketedDataParallel(_DataParallelBase):
     def _make_hook(self, bucket_index: int):
         def hook(param: torch.Tensor) -> None:
             self._mark_ready(bucket_index)
+
         return hook
 
     def _before_forward(self) -> None:
         if any(b.work is not None for b in self.buckets):
-            raise RuntimeError("all-reduces from the last backward are still pending: "
-                               "call finish_gradient_sync() before optimizer.step()")
+            raise RuntimeError(
+                "all-reduces from the last backward are still pending: "
+                "call finish_gradient_sync() before optimizer.step()"
+            )
         # A new forward, a new backward: no gradient of it is ready yet.
         for bucket in self.buckets:
             bucket.ready = 0
@@ -199,16 +205,20 @@ class BucketedDataParallel(_DataParallelBase):
         bucket = self.buckets[bucket_index]
         bucket.ready += 1
         if bucket.ready > len(bucket.params):
-            raise RuntimeError("a gradient became ready twice in one backward (two backward passes "
-                               "through one forward?); call the wrapped model once per backward")
+            raise RuntimeError(
+                "a gradient became ready twice in one backward (two backward passes "
+                "through one forward?); call the wrapped model once per backward"
+            )
         # Launch buckets strictly in bucket order, never out of it. Every rank must issue its
         # collectives in the same order: the k-th all-reduce of rank 0 is matched with the k-th of
         # rank 1. If the hooks fired in a different order on some rank (they can, e.g. when the
         # graph differs between ranks), launching "whichever bucket is full" could pair bucket 2
         # of one rank with bucket 3 of another: wrong sums or a hang. DDP does the same.
-        while (self._next_bucket < len(self.buckets)
-               and self.buckets[self._next_bucket].ready == len(self.buckets[self._next_bucket].params)):
-            self._launch(self.buckets[self._next_bucket])
+        while self._next_bucket < len(self.buckets):
+            next_bucket = self.buckets[self._next_bucket]
+            if next_bucket.ready != len(next_bucket.params):
+                break  # not full yet: later buckets wait for it, however full they are
+            self._launch(next_bucket)
             self._next_bucket += 1
 
     @torch.no_grad()
@@ -219,8 +229,9 @@ class BucketedDataParallel(_DataParallelBase):
         bucket.buffer.div_(self.world_size)
         # async_op=True returns at once with a handle; the reduction runs in the background (gloo's
         # or NCCL's own threads/streams) while autograd goes on with earlier layers.
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.process_group,
-                                      async_op=True)
+        bucket.work = dist.all_reduce(
+            bucket.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+        )
         self.comm_calls += 1
 
     @torch.no_grad()
@@ -245,7 +256,7 @@ class BucketedDataParallel(_DataParallelBase):
         offset = 0
         for p in bucket.params:
             n = p.numel()
-            bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
+            bucket.buffer[offset : offset + n].copy_(p.grad.reshape(-1))
             offset += n
 
     @torch.no_grad()
@@ -254,5 +265,5 @@ class BucketedDataParallel(_DataParallelBase):
         offset = 0
         for p in bucket.params:
             n = p.numel()
-            p.grad.copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
+            p.grad.copy_(bucket.buffer[offset : offset + n].view_as(p.grad))
             offset += n

@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl naive
     torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl ddp
     torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl all  # side by side
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero1            # next to DDP
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero_redundancy  # next to DDP
+    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero1
+    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero_redundancy
 
 A measuring bench, not a training run: the batches are random tokens from a seeded generator, so
 the script needs no data set. Every rank draws the same global batch and takes its rows r::W.
@@ -35,17 +35,28 @@ from zero1 import ShardedOptimizer, ZeroOneDataParallel
 
 from common.model import GPT, PRESETS, model_config
 
-IMPLS = {"naive": ["naive"], "bucketed": ["bucketed"], "ddp": ["ddp"], "zero1": ["ddp", "zero1"],
-         "zero_redundancy": ["ddp", "zero_redundancy"], "all": ["naive", "bucketed", "ddp"]}
+IMPLS = {
+    "naive": ["naive"],
+    "bucketed": ["bucketed"],
+    "ddp": ["ddp"],
+    "zero1": ["ddp", "zero1"],
+    "zero_redundancy": ["ddp", "zero_redundancy"],
+    "all": ["naive", "bucketed", "ddp"],
+}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--impl", choices=list(IMPLS), default="bucketed",
-                   help="naive/bucketed: from_scratch.py; ddp: torch's DistributedDataParallel; "
-                        "all: the three taking turns, step by step; zero1 (zero1.py) and "
-                        "zero_redundancy (ZeroRedundancyOptimizer): each taking turns with ddp")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--impl",
+        choices=list(IMPLS),
+        default="bucketed",
+        help="naive/bucketed: from_scratch.py; ddp: torch's DistributedDataParallel; "
+        "all: the three taking turns, step by step; zero1 (zero1.py) and "
+        "zero_redundancy (ZeroRedundancyOptimizer): each taking turns with ddp",
+    )
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch: sequences per rank per forward")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (K)")
@@ -54,7 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean step time")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this; 0: off")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's block size)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's block size)"
+    )
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
     if args.steps <= args.warmup:
@@ -64,7 +77,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    rank, world, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{local_rank}")  # LOCAL_RANK: the GPU on this node
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL uses the right GPU
@@ -90,8 +103,9 @@ def wrap(impl: str, args, rank: int, local_rank: int, device: torch.device, conf
         return BucketedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     if impl == "zero1":
         return ZeroOneDataParallel(model, bucket_cap_mb=args.bucket_mb)
-    return DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                                   bucket_cap_mb=args.bucket_mb)
+    return DistributedDataParallel(
+        model, device_ids=[local_rank] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
+    )
 
 
 def make_optimizer(impl: str, model, args):
@@ -99,7 +113,8 @@ def make_optimizer(impl: str, model, args):
     if impl == "zero1":
         return ShardedOptimizer(model, groups, torch.optim.AdamW, lr=args.lr)  # AdamW on this rank's slice
     if impl == "zero_redundancy":
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=args.lr)  # whole tensors per rank
+        # torch's ZeRO-1: whole tensors per rank
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=args.lr)
     return torch.optim.AdamW(groups, lr=args.lr)
 
 
@@ -117,11 +132,13 @@ def train_step(impl: str, model, optimizer, x, y, B: int, K: int, clip: float) -
         # all micro-steps but the last only accumulate into .grad; the last one communicates
         ctx = model.no_sync() if micro < K - 1 else contextlib.nullcontext()
         with ctx:
-            _, loss = model(x[micro * B:(micro + 1) * B], y[micro * B:(micro + 1) * B])
+            _, loss = model(x[micro * B : (micro + 1) * B], y[micro * B : (micro + 1) * B])
             (loss / K).backward()
         loss_sum += loss.detach() / K
     # every rank holds a full .grad of every parameter here (ZeRO-2 would not)
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.module.parameters() if p.grad is not None)
+    grad_bytes = sum(
+        p.grad.numel() * p.grad.element_size() for p in model.module.parameters() if p.grad is not None
+    )
     if impl not in ("ddp", "zero_redundancy"):
         model.finish_gradient_sync()  # wait for the all-reduces; DDP does this inside backward
     if clip > 0 and impl == "zero1":
@@ -145,12 +162,16 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
     G = B * K * world  # the global batch: sequences per optimizer step, over all ranks
     if rank == 0:
         n_params = sum(p.numel() for p in models[impls[0]].module.parameters())
-        print(f"impl {args.impl}, bucket {args.bucket_mb} MB | {world} ranks on {device.type} | preset "
-              f"{args.preset}, {n_params / 1e6:.2f}M parameters | global batch {G} sequences = {G * T} tokens "
-              f"(batch {B} x grad_accum {K} x {world} ranks)")
+        print(
+            f"impl {args.impl}, bucket {args.bucket_mb} MB | {world} ranks on {device.type} | preset "
+            f"{args.preset}, {n_params / 1e6:.2f}M parameters | global batch {G} sequences = {G * T} tokens "
+            f"(batch {B} x grad_accum {K} x {world} ranks)"
+        )
         param_bytes = sum(p.numel() * p.element_size() for p in models[impls[0]].module.parameters())
-        print(f"per rank: parameters {param_bytes:,} bytes" + (f" | gradient clipping at {args.grad_clip}"
-                                                                 if args.grad_clip > 0 else ""))
+        print(
+            f"per rank: parameters {param_bytes:,} bytes"
+            + (f" | gradient clipping at {args.grad_clip}" if args.grad_clip > 0 else "")
+        )
 
     gen = torch.Generator().manual_seed(args.seed)  # the same global batches on every rank
     step_times = {impl: [] for impl in impls}
@@ -158,10 +179,11 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
     for step in range(args.steps):
         data = torch.randint(0, config.vocab_size, (G, T + 1), generator=gen)
         x, y = data[rank::world, :-1].to(device), data[rank::world, 1:].to(device)  # this rank's rows
-        for impl in impls[step % len(impls):] + impls[:step % len(impls)]:  # rotate who goes first
+        for impl in impls[step % len(impls) :] + impls[: step % len(impls)]:  # rotate who goes first
             t0 = time.perf_counter()
-            losses[impl], grad_bytes[impl] = train_step(impl, models[impl], optimizers[impl], x, y, B, K,
-                                                        args.grad_clip)
+            losses[impl], grad_bytes[impl] = train_step(
+                impl, models[impl], optimizers[impl], x, y, B, K, args.grad_clip
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_times[impl].append(time.perf_counter() - t0)
@@ -169,19 +191,29 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
     for impl in impls:
         dist.all_reduce(losses[impl], op=dist.ReduceOp.SUM)  # the last step's loss, global batch
         per_rank = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(per_rank, torch.tensor(state_bytes(impl, optimizers[impl]), dtype=torch.int64, device=device))
+        dist.all_gather(
+            per_rank, torch.tensor(state_bytes(impl, optimizers[impl]), dtype=torch.int64, device=device)
+        )
         if rank == 0:
-            timed = step_times[impl][args.warmup:]
+            timed = step_times[impl][args.warmup :]
             mean_ms = 1000 * sum(timed) / len(timed)
             median_ms = 1000 * sorted(timed)[len(timed) // 2]  # robust to a busy machine's outliers
             kind = "reduce-scatters" if impl == "zero1" else "all-reduces"
-            calls = (f" | {models[impl].comm_calls / args.steps:.0f} {kind}/step"
-                     if impl in ("naive", "bucketed", "zero1") else "")
-            print(f"{impl:>15}: mean step time {mean_ms:.1f} ms (median {median_ms:.1f}) over steps "
-                  f"{args.warmup + 1}..{args.steps} | {G * T / (mean_ms / 1000):,.0f} tokens/s | "
-                  f"final loss {losses[impl].item() / world:.6f}{calls}")
-            print(f"{'':>15}  per rank: gradients {grad_bytes[impl]:,} bytes | optimizer state "
-                  + " / ".join(f"{b.item():,}" for b in per_rank) + f" bytes (ranks 0..{world - 1})")
+            calls = (
+                f" | {models[impl].comm_calls / args.steps:.0f} {kind}/step"
+                if impl in ("naive", "bucketed", "zero1")
+                else ""
+            )
+            print(
+                f"{impl:>15}: mean step time {mean_ms:.1f} ms (median {median_ms:.1f}) over steps "
+                f"{args.warmup + 1}..{args.steps} | {G * T / (mean_ms / 1000):,.0f} tokens/s | "
+                f"final loss {losses[impl].item() / world:.6f}{calls}"
+            )
+            print(
+                f"{'':>15}  per rank: gradients {grad_bytes[impl]:,} bytes | optimizer state "
+                + " / ".join(f"{b.item():,}" for b in per_rank)
+                + f" bytes (ranks 0..{world - 1})"
+            )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ class _ShardedBucket(_Bucket):
 class ZeroOneDataParallel(BucketedDataParallel):
     """BucketedDataParallel whose buckets are REDUCE-SCATTERED: each rank gets only its slice."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0,
-                 process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None
+    ):
         self.rank = dist.get_rank(process_group)
         super().__init__(module, bucket_cap_mb, process_group)
         self.grads_ready = False  # set by finish_gradient_sync, consumed by ShardedOptimizer.step
@@ -84,13 +85,14 @@ class ZeroOneDataParallel(BucketedDataParallel):
     @torch.no_grad()
     def _launch(self, bucket: _ShardedBucket) -> None:
         self._pack(bucket)  # the gradients, flattened into the buffer as for an all-reduce
-        bucket.buffer[bucket.numel:].zero_()  # the padding: zeros, so it sums to zero
+        bucket.buffer[bucket.numel :].zero_()  # the padding: zeros, so it sums to zero
         bucket.buffer.div_(self.world_size)  # the sum of the 1/W's is the average
         # reduce-scatter: rank r receives the sum over ranks of slice r of everyone's buffer, and
         # nothing else. Half the traffic of an all-reduce (which is a reduce-scatter followed by an
         # all-gather of the sums).
-        bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.buffer, op=dist.ReduceOp.SUM,
-                                                 group=self.process_group, async_op=True)
+        bucket.work = dist.reduce_scatter_single(
+            bucket.grad_shard, bucket.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+        )
         self.comm_calls += 1
 
     def _unpack(self, bucket: _ShardedBucket) -> None:
@@ -118,8 +120,13 @@ class ShardedOptimizer:
     even where a slice holds the end of a matrix and the start of a bias.
     """
 
-    def __init__(self, model: ZeroOneDataParallel, param_groups: list[dict],
-                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **defaults):
+    def __init__(
+        self,
+        model: ZeroOneDataParallel,
+        param_groups: list[dict],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        **defaults,
+    ):
         self.model = model
         self.world_size, self.process_group = model.world_size, model.process_group
         # The order of the parameters in the groups is the order a plain optimizer's state_dict
@@ -137,7 +144,7 @@ class ShardedOptimizer:
         for bucket in model.buckets:
             for p, start, end, at in bucket.pieces:
                 view = p.detach().view(-1)[start:end]
-                view.grad = bucket.grad_shard[at:at + end - start]
+                view.grad = bucket.grad_shard[at : at + end - start]
                 local_groups[group_of[id(p)]]["params"].append(view)
                 self.pieces.append((p, start, end, bucket, at, view))
         # A group may be empty on some rank (it owns no bias at all): torch accepts that, and keeping
@@ -177,8 +184,10 @@ class ShardedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         if not self.model.grads_ready:
-            raise RuntimeError("call model.finish_gradient_sync() before optimizer.step(): the averaged "
-                               "gradient slices are not there yet")
+            raise RuntimeError(
+                "call model.finish_gradient_sync() before optimizer.step(): the averaged "
+                "gradient slices are not there yet"
+            )
         self.model.grads_ready = False
         self.optimizer.step()  # AdamW on this rank's pieces only, in place in the parameters
         self._all_gather_parameters()
@@ -192,19 +201,23 @@ class ShardedOptimizer:
         for bucket in self.model.buckets:
             mine = bucket.buffer.new_zeros(bucket.shard_numel)
             for p, start, end, at in bucket.pieces:
-                mine[at:at + end - start].copy_(p.detach().view(-1)[start:end])
+                mine[at : at + end - start].copy_(p.detach().view(-1)[start:end])
             works.append(dist.all_gather_single(bucket.buffer, mine, group=self.process_group, async_op=True))
         for bucket, work in zip(self.model.buckets, works):
             work.wait()
             offset = 0
             for p in bucket.params:
-                p.detach().view(-1).copy_(bucket.buffer[offset:offset + p.numel()])
+                p.detach().view(-1).copy_(bucket.buffer[offset : offset + p.numel()])
                 offset += p.numel()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (AdamW: two moments of its slice, and the steps)."""
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                   for t in s.values() if torch.is_tensor(t))
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
+        )
 
     # ---- checkpoints: the full state, in the format of one process's optimizer.state_dict() ----
 
@@ -218,10 +231,12 @@ class ShardedOptimizer:
         for key in keys:  # exp_avg, exp_avg_sq: one gather per bucket and per kind of state
             for bucket in self.model.buckets:
                 mine = bucket.buffer.new_zeros(bucket.shard_numel)
-                for p, start, end, b, at, view in self.pieces:
+                for _, start, end, b, at, view in self.pieces:
                     if b is bucket:
-                        mine[at:at + end - start].copy_(state[view][key])
-                parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.model.rank == to else None
+                        mine[at : at + end - start].copy_(state[view][key])
+                parts = None  # where the slices arrive: on rank `to` only
+                if self.model.rank == to:
+                    parts = [torch.empty_like(mine) for _ in range(self.world_size)]
                 dist.gather(mine, parts, group=self.process_group, group_dst=to)
                 gathered.setdefault(key, []).append(torch.cat(parts) if parts else None)
         if self.model.rank != to:
@@ -233,10 +248,14 @@ class ShardedOptimizer:
             for bucket_index, bucket in enumerate(self.model.buckets):
                 offset = 0
                 for p in bucket.params:
-                    entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()
-                             if not (torch.is_tensor(v) and v.dim() > 0)}
+                    entry = {
+                        k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in scalars.items()
+                        if not (torch.is_tensor(v) and v.dim() > 0)
+                    }
                     for key in keys:
-                        entry[key] = gathered[key][bucket_index][offset:offset + p.numel()].view_as(p).clone()
+                        bucket_state = gathered[key][bucket_index]  # every rank's slice, in order
+                        entry[key] = bucket_state[offset : offset + p.numel()].view_as(p).clone()
                     full[index[id(p)]] = entry
                     offset += p.numel()
         # The hyperparameters of each group (the LR the schedule set last, betas, weight decay), with
@@ -253,7 +272,9 @@ class ShardedOptimizer:
         rank reads all of it and keeps the slices it owns."""
         sizes = [len(g["params"]) for g in state_dict["param_groups"]]
         if sizes != self.group_sizes:
-            raise ValueError(f"the saved optimizer has groups of {sizes} parameters, this one {self.group_sizes}")
+            raise ValueError(
+                f"the saved optimizer has groups of {sizes} parameters, this one {self.group_sizes}"
+            )
         index = {id(p): i for i, p in enumerate(self.global_params)}
         piece_of = {id(view): (p, start, end) for p, start, end, _, _, view in self.pieces}
         local_state, groups, first = {}, [], 0
@@ -264,9 +285,16 @@ class ShardedOptimizer:
                 if saved is not None:  # a state saved before any step has no entries
                     # clone() everything, the step counts too: AdamW increments "step" in place,
                     # and a tensor shared with the caller's dict would change the caller's copy
-                    local_state[i] = {k: (v.reshape(-1)[start:end] if v.dim() > 0 else v).clone()
-                                      if torch.is_tensor(v) else v for k, v in saved.items()}
-            groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
-                           "params": list(range(first, first + len(group["params"])))})
+                    local_state[i] = {k: _own_part(v, start, end) for k, v in saved.items()}
+            hyperparameters = {k: v for k, v in saved_group.items() if k != "params"}
+            groups.append({**hyperparameters, "params": list(range(first, first + len(group["params"])))})
             first += len(group["params"])
         self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def _own_part(value, start: int, end: int):
+    """This rank's copy of one saved state entry: elements start:end of a per-element tensor
+    (exp_avg, exp_avg_sq), a whole 0-dim tensor (the step count), any other value as it is."""
+    if not torch.is_tensor(value):
+        return value
+    return (value.reshape(-1)[start:end] if value.dim() > 0 else value).clone()

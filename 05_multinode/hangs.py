@@ -50,17 +50,28 @@ VAL_WINDOWS = 5  # validation examples: 3 for rank 0 and 2 for rank 1, as rank r
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="05_multinode/hangs.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=CASES + ["all"], required=True, help="all: every case in turn (with --fixed)")
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring's line breaks kept
+    p = argparse.ArgumentParser(prog="05_multinode/hangs.py", description=__doc__, formatter_class=raw)
+    p.add_argument(
+        "--case", choices=CASES + ["all"], required=True, help="all: every case in turn (with --fixed)"
+    )
     p.add_argument("--fixed", action="store_true", help="run the case with its mistake corrected")
-    p.add_argument("--steps", type=int, default=4, help="training steps (default: 4; the mistake is at step 2)")
-    p.add_argument("--timeout", type=float, default=20,
-                   help="seconds a collective waits for the other ranks before it fails (default: 20; "
-                        "torch's own default is 30 minutes)")
-    p.add_argument("--out-dir", default="out/05_multinode/hangs",
-                   help="for the file of the 'stuck' case, and flight_recorder/rank_N: what a failing rank's "
-                        "Flight Recorder held, when TORCH_FR_BUFFER_SIZE is set (default: out/05_multinode/hangs)")
+    p.add_argument(
+        "--steps", type=int, default=4, help="training steps (default: 4; the mistake is at step 2)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=20,
+        help="seconds a collective waits for the other ranks before it fails (default: 20; "
+        "torch's own default is 30 minutes)",
+    )
+    p.add_argument(
+        "--out-dir",
+        default="out/05_multinode/hangs",
+        help="for the file of the 'stuck' case, and flight_recorder/rank_N: what a failing rank's "
+        "Flight Recorder held, when TORCH_FR_BUFFER_SIZE is set (default: out/05_multinode/hangs)",
+    )
     args = p.parse_args()
     if args.steps <= BUG_STEP:
         p.error(f"--steps must be larger than {BUG_STEP}: the mistake comes at step {BUG_STEP}")
@@ -68,6 +79,7 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- the pieces of a training loop where the classic mistakes live ---------------------------------
+
 
 def validation_losses(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
     """This rank's share of the validation examples (r, r+W, ...) and their losses: (n_r,)."""
@@ -123,8 +135,8 @@ def case_shape(args, model, rank, world, step):
     gathered = [torch.empty_like(losses) for _ in range(world)]
     dist.all_gather(gathered, losses)  # the mistake, without the fix: shapes (3,) and (2,)
     if rank == 0:
-        print(f"[rank {rank}] step {step}: worst validation loss {torch.cat(gathered).nan_to_num(-1).max():.4f}",
-              flush=True)
+        worst = torch.cat(gathered).nan_to_num(-1).max()
+        print(f"[rank {rank}] step {step}: worst validation loss {worst:.4f}", flush=True)
 
 
 def case_stuck(args, model, rank, world, step, flag: Path):
@@ -151,6 +163,7 @@ def case_dies(args, model, rank, world, step):
 
 
 # ---- the training loop -------------------------------------------------------------------------------
+
 
 def average_gradients(model: torch.nn.Module, world: int) -> None:
     """What DDP does during backward, in one all-reduce (see the README for why not DDP here)."""
@@ -210,22 +223,32 @@ def dump_flight_recorder(out_dir: str, rank: int) -> None:
     if entries:
         last = entries[-1]
         caller = next((f for f in last["frames"] if f["filename"] == __file__), {"name": "?", "line": "?"})
-        print(f"[rank {rank}] flight recorder: last collective #{last['collective_seq_id']} {last['profiling_name']} "
-              f"of shapes {last['input_sizes']}, called from {caller['name']}() line {caller['line']}; "
-              f"{len(entries)} entries in {path}", flush=True)
+        collective = f"#{last['collective_seq_id']} {last['profiling_name']}"
+        print(
+            f"[rank {rank}] flight recorder: last collective {collective} "
+            f"of shapes {last['input_sizes']}, called from {caller['name']}() line {caller['line']}; "
+            f"{len(entries)} entries in {path}",
+            flush=True,
+        )
 
 
 @record  # a failing rank writes its traceback where torchrun finds it, and torchrun prints it
 def main() -> None:
     args = parse_args()
     if "RANK" not in os.environ:
-        raise CourseError("hangs.py runs under torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
-                          "05_multinode/hangs.py --case eval-on-rank0")
+        raise CourseError(
+            "hangs.py runs under torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
+            "05_multinode/hangs.py --case eval-on-rank0"
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: print the Python stack
-    print(f"[rank {rank}] pid {os.getpid()}: case {args.case}{' (fixed)' if args.fixed else ''}, "
-          f"timeout {args.timeout:g} s, TORCH_DISTRIBUTED_DEBUG={os.environ.get('TORCH_DISTRIBUTED_DEBUG', 'OFF')}",
-          flush=True)
+    fixed = " (fixed)" if args.fixed else ""
+    debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
+    print(
+        f"[rank {rank}] pid {os.getpid()}: case {args.case}{fixed}, "
+        f"timeout {args.timeout:g} s, TORCH_DISTRIBUTED_DEBUG={debug}",
+        flush=True,
+    )
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
         train(args, rank, world)

@@ -40,28 +40,55 @@ from common.errors import CourseError, run_main
 
 # The environment variables that decide how processes find each other and how NCCL talks.
 WATCHED_VARIABLES = [
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
-    "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_NET_GDR_LEVEL", "GLOO_SOCKET_IFNAME",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_DEBUG",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_IB_HCA",
+    "NCCL_P2P_DISABLE",
+    "NCCL_NET_GDR_LEVEL",
+    "GLOO_SOCKET_IFNAME",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "OMP_NUM_THREADS",
 ]
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="05_multinode/preflight.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: NCCL where CUDA is present, gloo otherwise (default: auto)")
-    p.add_argument("--sizes-mb", default="1,16,128",
-                   help="comma-separated all-reduce message sizes in MB (10^6 bytes) (default: 1,16,128)")
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring's line breaks kept
+    p = argparse.ArgumentParser(prog="05_multinode/preflight.py", description=__doc__, formatter_class=raw)
+    p.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="auto: NCCL where CUDA is present, gloo otherwise (default: auto)",
+    )
+    p.add_argument(
+        "--sizes-mb",
+        default="1,16,128",
+        help="comma-separated all-reduce message sizes in MB (10^6 bytes) (default: 1,16,128)",
+    )
     p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (default: 10)")
-    p.add_argument("--timeout", type=int, default=120,
-                   help="seconds a collective may wait for a peer before preflight fails (default: 120)")
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=120,
+        help="seconds a collective may wait for a peer before preflight fails (default: 120)",
+    )
     args = p.parse_args()
     try:
         args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
     except ValueError:
-        raise CourseError(f"--sizes-mb {args.sizes_mb!r}: give numbers separated by commas, e.g. 1,16,128") from None
+        raise CourseError(
+            f"--sizes-mb {args.sizes_mb!r}: give numbers separated by commas, e.g. 1,16,128"
+        ) from None
     if not args.sizes or min(args.sizes) <= 0 or args.iters < 1:
         raise CourseError("--sizes-mb needs positive sizes and --iters at least 1")
     return args
@@ -70,8 +97,10 @@ def parse_args() -> argparse.Namespace:
 def torchrun_ranks() -> tuple[int, int, int, int]:
     """(global rank, local rank, node rank, world size) as torchrun hands them to each process."""
     if "RANK" not in os.environ or "LOCAL_RANK" not in os.environ:
-        raise CourseError("preflight.py runs under torchrun, e.g. "
-                          "torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py")
+        raise CourseError(
+            "preflight.py runs under torchrun, e.g. "
+            "torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py"
+        )
     # torchrun calls the node's rank GROUP_RANK; SLURM-style launchers often export NODE_RANK
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), node_rank, int(os.environ["WORLD_SIZE"])
@@ -111,9 +140,11 @@ def main():
         raise CourseError("--backend nccl needs CUDA GPUs, and this PyTorch sees none; use --backend gloo")
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():
-            raise CourseError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
-                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                              "lower --nproc_per_node")
+            raise CourseError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                "lower --nproc_per_node"
+            )
         device = torch.device("cuda", local_rank)  # the LOCAL rank picks the GPU on this machine
         torch.cuda.set_device(device)
     else:
@@ -121,8 +152,11 @@ def main():
 
     # ---- 1. who is here: printed before any communication, so a hang still leaves these lines ----
     env = " ".join(f"{name}={os.environ.get(name, '-')}" for name in WATCHED_VARIABLES)
-    print(f"{prefix} host {socket.gethostname()} pid {os.getpid()}, world size {world_size}, "
-          f"device {device}, backend {backend}, {versions(device)}; {env}", flush=True)
+    print(
+        f"{prefix} host {socket.gethostname()} pid {os.getpid()}, world size {world_size}, "
+        f"device {device}, backend {backend}, {versions(device)}; {env}",
+        flush=True,
+    )
 
     timeout = datetime.timedelta(seconds=args.timeout)
     store = None  # None: init_process_group connects to MASTER_ADDR:MASTER_PORT itself
@@ -130,10 +164,24 @@ def main():
         # As in train.py: torchrun's store outlives a restart (--max-restarts), so each attempt meets
         # under its own prefix instead of reading the addresses of the processes that failed.
         restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        store = dist.PrefixStore(f"attempt_{restart_count}", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+        store = dist.PrefixStore(
+            f"attempt_{restart_count}",
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world_size,
+                is_master=False,
+                timeout=timeout,
+            ),
+        )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         failures = []
         # ---- 2. correctness: known contributions, known sums ----
@@ -149,14 +197,16 @@ def main():
         wrong = (floats != pattern * world_size + expected).sum().item()
         if wrong:
             failures.append(f"float all-reduce: {wrong:,} of {floats.numel():,} elements wrong")
-        print(f"{prefix} all-reduce check: {'; '.join(failures) if failures else f'OK (sum of rank+1 = {expected})'}",
-              flush=True)
+        outcome = "; ".join(failures) if failures else f"OK (sum of rank+1 = {expected})"
+        print(f"{prefix} all-reduce check: {outcome}", flush=True)
 
         # every rank must run the same software: a torch or NCCL mismatch breaks or hangs collectives
         everyone = [None] * world_size
         dist.all_gather_object(everyone, versions(device))
         if len(set(everyone)) > 1:
-            failures.append("ranks run different software: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone)))
+            failures.append(
+                "ranks run different software: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+            )
 
         # one verdict for the whole job: the number of ranks that failed a check
         failed_ranks = torch.tensor([1 if failures else 0], dtype=torch.int64, device=device)
@@ -174,14 +224,16 @@ def main():
             del tensor
 
         if rank == 0:
-            print(f"\nall-reduce of float32, {world_size} ranks, backend {backend}, "
-                  f"slowest rank's mean over {args.iters} calls:")
+            print(
+                f"\nall-reduce of float32, {world_size} ranks, backend {backend}, "
+                f"slowest rank's mean over {args.iters} calls:"
+            )
             print(f"{'size (MB)':>12} {'time (ms)':>12} {'algbw (GB/s)':>14} {'busbw (GB/s)':>14}")
             for size, ms, algbw, busbw in rows:
                 print(f"{size:>12.2f} {ms:>12.3f} {algbw:>14.3f} {busbw:>14.3f}")
             verdict = "PASSED" if failed_ranks.item() == 0 else f"FAILED on {failed_ranks.item()} rank(s)"
-            print(f"\npreflight {verdict}: {world_size} ranks on {world_size // int(os.environ.get('LOCAL_WORLD_SIZE', world_size))} "
-                  f"node(s)", flush=True)
+            nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            print(f"\npreflight {verdict}: {world_size} ranks on {nodes} node(s)", flush=True)
         for failure in failures:
             print(f"{prefix} FAILED: {failure}", file=sys.stderr, flush=True)
         return 1 if failed_ranks.item() else 0

@@ -1,8 +1,14 @@
-"""Plain helpers the tests share: the flags of a tiny run, and a snapshot of a run folder."""
+"""Plain helpers the tests share: the flags of a tiny run, a snapshot of a run folder, launches whose
+output is read as it comes, and edits of a script's statements (for the broken copies that show a
+check can fail)."""
 
 from __future__ import annotations
 
+import ast
+import subprocess
 from pathlib import Path
+
+from common.launch import REPO, child_env, stop_launchers
 
 
 def snapshot(folder: Path) -> dict:
@@ -43,3 +49,61 @@ def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **flags) -
         flag = "--" + name.replace("_", "-")
         args += [flag] if value is True else [flag, value]
     return [str(a) for a in args]
+
+
+def start(cmd: list, stderr=subprocess.STDOUT, new_session: bool = True, **env: str) -> subprocess.Popen:
+    """Start a command from the repository root, one thread a process, its output in a text pipe
+    (stderr merged into it unless given). In a session of its own (new_session), as a launcher is
+    started, so that stop_launchers can end it and every process it started."""
+    return subprocess.Popen(
+        [str(word) for word in cmd],
+        cwd=REPO,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
+def outputs_of(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each started process's whole output, once it ends; any still running after `timeout` seconds
+    (or when reading fails) is stopped with what it started."""
+    try:
+        return [proc.communicate(timeout=timeout)[0] for proc in procs]
+    finally:
+        stop_launchers(procs)
+
+
+def indentation(line: str) -> str:
+    """The whitespace a line of code starts with."""
+    return line[: len(line) - len(line.lstrip())]
+
+
+def statement_lines(source: str, statement: str, script: str) -> range:
+    """The lines (numbered from 0) of the one statement of `source` that is `statement`.
+
+    Compared as code (ast.unparse), so a formatter may indent or wrap the statement and move its
+    comment. Anything else than one such statement, alone on its lines, fails the test with a
+    message naming the script that changed.
+    """
+    wanted = ast.unparse(ast.parse(statement))
+    found = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt) and ast.unparse(n) == wanted]
+    if len(found) != 1:
+        raise AssertionError(f"{script} changed: {len(found)} statements `{wanted}`, not one")
+    node, lines = found[0], source.splitlines()
+    before = lines[node.lineno - 1].encode()[: node.col_offset].decode()
+    after = lines[node.end_lineno - 1].encode()[node.end_col_offset :].decode().strip()
+    if before.strip() or after and not after.startswith("#"):
+        raise AssertionError(f"{script} changed: `{wanted}` shares a line with other code")
+    return range(node.lineno - 1, node.end_lineno)
+
+
+def replace_statement(source: str, old: str, new: str, script: str) -> str:
+    """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`, at
+    that statement's indentation (its comment goes with it); an empty `new` removes the statement."""
+    lines = source.splitlines(keepends=True)
+    where = statement_lines(source, old, script)
+    indent = indentation(lines[where.start])
+    lines[where.start : where.stop] = [f"{indent}{line}\n" for line in new.splitlines()]
+    return "".join(lines)

@@ -15,24 +15,21 @@ one schedule.
 from __future__ import annotations
 
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import tiny_run_args  # noqa: E402
+from helpers import indentation, replace_statement, statement_lines, tiny_run_args
 
 from common.chapters import CHAPTERS
-from common.launch import REPO, run_python  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.launch import REPO, run_python
+from common.metrics import read_metrics
 
 ITERS = 10
 RESUMED_ITERS = 14
 SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": RESUMED_ITERS}
-LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the stages
+LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
 # CPU runs everywhere: chapter 03 on a machine with GPUs would otherwise (rightly) refuse --device cpu
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
@@ -120,39 +117,36 @@ def test_dataparallel_on_the_cpu_says_it_has_nothing_to_split(runs):
 
 # ---- the comparison can fail: broken copies of chapter 02 -----------------------------------------
 
-SCALE_LINE = "                    micro_loss = micro_loss / args.grad_accum\n"
-BACKWARD_LINE = "                scaler.scale(micro_loss).backward()"
-ACCUMULATE_LINE = "                loss += micro_loss.detach()\n"
-STEP_START = "            # clipping, the optimizer step and the learning rate act once per global batch\n"
-STEP_END = "            optimizer.zero_grad(set_to_none=True)\n"
-
-
-def replace_once(text: str, old: str, new: str) -> str:
-    assert text.count(old) == 1, f"02_grad_accumulation/train.py changed: {old.strip()!r} is not there once"
-    return text.replace(old, new)
+# Statements of the micro-step loop and the optimizer step, found as code whatever their layout
+# (tests/helpers.py statement_lines)
+SCRIPT = "02_grad_accumulation/train.py"
+SCALE = "micro_loss = micro_loss / args.grad_accum"
+BACKWARD = "scaler.scale(micro_loss).backward()"
+ACCUMULATE = "loss += micro_loss.detach()"  # the last statement of the micro-step loop
+STEP_END = "optimizer.zero_grad(set_to_none=True)"  # the last statement of the optimizer step
 
 
 def loss_not_scaled(src: str) -> str:
     """Each micro-step's loss is not divided by K: gradient and logged loss are K times too big."""
-    return replace_once(src, SCALE_LINE, "")
+    return replace_statement(src, SCALE, "", SCRIPT)
 
 
 def gradient_not_scaled(src: str) -> str:
     """The logged loss is divided by K, the gradient is not (backward of K times the loss)."""
-    return replace_once(
-        src, BACKWARD_LINE, "                scaler.scale(micro_loss * args.grad_accum).backward()"
-    )
+    return replace_statement(src, BACKWARD, "scaler.scale(micro_loss * args.grad_accum).backward()", SCRIPT)
 
 
 def step_every_micro_batch(src: str) -> str:
-    """The clipping, optimizer step and zero_grad moved into the micro-step loop."""
-    start = src.index(STEP_START)
-    end = src.index(STEP_END, start) + len(STEP_END)
-    block = src[start:end]
-    assert "scaler.step(optimizer)" in block and src.count(STEP_START) == 1
-    indented = "".join("    " + line for line in block.splitlines(keepends=True))
-    src = src[:start] + src[end:]
-    return replace_once(src, ACCUMULATE_LINE, ACCUMULATE_LINE + indented)
+    """The clipping, optimizer step and zero_grad moved into the micro-step loop: every line after
+    the loop's last statement, to zero_grad's last line, indented to the loop's body."""
+    lines = src.splitlines(keepends=True)
+    loop_end, step_end = statement_lines(src, ACCUMULATE, SCRIPT), statement_lines(src, STEP_END, SCRIPT)
+    block = lines[loop_end.stop : step_end.stop]
+    assert "scaler.step(optimizer)" in "".join(block), f"{SCRIPT} changed: no optimizer step after the loop"
+    deeper = len(indentation(lines[loop_end.start])) - len(indentation(lines[step_end.start]))
+    assert deeper > 0, f"{SCRIPT} changed: zero_grad is not after the micro-step loop"
+    moved = [" " * deeper + line if line.strip() else line for line in block]
+    return "".join(lines[: loop_end.stop] + moved + lines[step_end.stop :])
 
 
 BREAKAGES = {

@@ -20,20 +20,17 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import start, tiny_run_args
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import tiny_run_args  # noqa: E402
-
-from common.data import epoch_permutation  # noqa: E402
-from common.launch import REPO, child_env, run_python, run_torchrun, torchrun_command  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.data import epoch_permutation
+from common.launch import REPO, run_python, run_torchrun, torchrun_command
+from common.metrics import read_metrics
 
 SCRIPT = REPO / "04_ddp" / "train.py"
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
@@ -192,15 +189,7 @@ def start_long_run(data_dir: Path, out_dir: Path, timeout_s: int):
     args = tiny_run_args(
         data_dir, out_dir, 100_000, batch_size=4, dist_timeout=timeout_s, eval_interval=100_000
     )
-    proc = subprocess.Popen(
-        torchrun_command(SCRIPT, 2, args),
-        cwd=REPO,
-        env=child_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start(torchrun_command(SCRIPT, 2, args))
     pids, output = {}, []
     for line in proc.stdout:  # ranks print "[rank R] process PID on HOST: ..." first
         output.append(line)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_run_args
+from helpers import outputs_of, start, tiny_run_args
 
 from common.data import shakespeare_texts
-from common.launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
+from common.launch import REPO, child_env, free_port, run_python, torchrun_command
 from common.metrics import read_metrics
 
 CHAPTER = REPO / "05_multinode"
@@ -133,14 +133,16 @@ def assert_two_nodes_of_two(logs: list[str]) -> None:
 
     Only each node's first two start lines count: processes restarted by torchrun print theirs again.
     """
-    per_node = [[(int(n), int(r), int(l)) for n, r, l, _ in START.findall(log)[:2]] for log in logs]
+    # (node, global rank, local rank) of each start line
+    per_node = [[tuple(map(int, m[:3])) for m in START.findall(log)[:2]] for log in logs]
     starts = per_node[0] + per_node[1]
-    assert sorted(r for _, r, _ in starts) == [0, 1, 2, 3], starts
-    assert sorted(n for n, _, _ in starts) == [0, 0, 1, 1], starts
+    assert sorted(rank for _, rank, _ in starts) == [0, 1, 2, 3], starts
+    assert sorted(node for node, _, _ in starts) == [0, 0, 1, 1], starts
     for lines in per_node:  # the processes of one torchrun are on one node, with local ranks 0 and 1
-        assert len({n for n, _, _ in lines}) == 1 and sorted(l for _, _, l in lines) == [0, 1], lines
+        assert len({node for node, _, _ in lines}) == 1, lines
+        assert sorted(local for _, _, local in lines) == [0, 1], lines
     # ranks are numbered node by node: global = node * processes per node + local
-    assert all(r == 2 * n + l for n, r, l in starts), starts
+    assert all(rank == 2 * node + local for node, rank, local in starts), starts
 
 
 @pytest.fixture(scope="module")
@@ -266,21 +268,8 @@ def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, 
         args = tiny_run_args(
             run_dir / f"node{node}" / "data", out, max_iters=ITERS, dataset=corpus, resume=True
         )
-        procs.append(
-            subprocess.Popen(
-                torchrun_command(TRAIN, 1, args, nnodes=2, node_rank=node, port=port),
-                cwd=REPO,
-                env=child_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    try:
-        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    finally:
-        stop_launchers(procs)
+        procs.append(start(torchrun_command(TRAIN, 1, args, nnodes=2, node_rank=node, port=port)))
+    outputs = outputs_of(procs, timeout=120)
     assert all(proc.returncode != 0 for proc in procs), outputs
     for rank, out in enumerate(outputs):
         assert (

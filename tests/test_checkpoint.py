@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import start
 
 from common.checkpoint import (
     check_same_shape,
@@ -19,7 +20,7 @@ from common.checkpoint import (
     save_checkpoint,
 )
 from common.errors import CourseError
-from common.launch import REPO, child_env
+from common.launch import run_python
 from common.model import GPT, PRESETS, model_config
 
 
@@ -116,14 +117,7 @@ print("not reached")
 
 
 def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python(["-c", KILLED_MID_WRITE, tmp_path], timeout=120, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "not reached" not in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
@@ -155,14 +149,7 @@ while True:
 
 
 def test_killed_from_outside_keeps_a_loadable_checkpoint(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITES_FOREVER, str(tmp_path)],
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start([sys.executable, "-c", WRITES_FOREVER, tmp_path], stderr=subprocess.PIPE, new_session=False)
     try:
         assert proc.stdout.readline().strip() == "1", proc.stderr.read() if proc.poll() is not None else ""
         time.sleep(0.7)  # somewhere in a later write
@@ -181,8 +168,7 @@ def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
     from common.metrics import MetricsLog, read_metrics
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text(
-        '{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo'
-    )  # killed mid-line
+    # the last line was cut short when the run was killed
+    path.write_text('{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo')
     MetricsLog(path, resume_from=2)
     assert read_metrics(path) == [{"iter": 1, "loss": 10.8}, {"iter": 2, "loss": 10.7}]

@@ -121,9 +121,8 @@ def test_tied_weight_gradient_arrives_once():
     for model in tiny_pair():
         fired = {name: 0 for name, _ in model.named_parameters()}
         for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda p, name=name: fired.__setitem__(name, fired[name] + 1)
-            )
+            # the defaults bind this model's counts and this parameter's name to the hook
+            p.register_post_accumulate_grad_hook(lambda _, n=name, f=fired: f.__setitem__(n, f[n] + 1))
         x, y = batch()
         model(x, y)[1].backward()
         assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired  # one tensor, one name
@@ -176,7 +175,7 @@ def test_in_replica_threads_as_dataparallel_runs_it():
         try:
             with torch.autocast("cpu", enabled=False):  # DataParallel sets each thread's autocast state
                 losses[i] = chunked(xs, ys)[1]
-        except Exception as err:  # noqa: BLE001 - reported below, in the test's thread
+        except Exception as err:  # any error: reported below, in the test's thread
             errors.append(err)
 
     threads = [

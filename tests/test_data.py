@@ -123,9 +123,8 @@ def test_local_jsonl_file_with_processes(tmp_path):
     path.write_text(
         "".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8"
     )
-    folder = prepare(
-        str(path), tmp_path / "data", num_proc=2, text_column="body", log=quiet
-    )  # Dataset.map(num_proc=2)
+    # Dataset.map(num_proc=2)
+    folder = prepare(str(path), tmp_path / "data", num_proc=2, text_column="body", log=quiet)
     assert all_tokens(folder).tolist() == expected_tokens(DOCS)  # document order kept across processes
     single = prepare(str(path), tmp_path / "data1", num_proc=1, text_column="body", log=quiet)
     for name in ("train.bin", "val.bin"):

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_run_args
+from helpers import outputs_of, replace_statement, start, tiny_run_args
 
 from common.chapters import CHAPTERS
 from common.data import TokenWindows, epoch_permutation, load_splits, prepare, shakespeare_texts
 from common.errors import CourseError
-from common.launch import REPO, child_env, free_port, run_python, stop_launchers, torchrun_command
+from common.launch import REPO, child_env, run_python, torchrun_command, two_node_commands
 from common.metrics import read_metrics
 from common.training import is_divergence, stop_if_diverged
 
@@ -48,7 +48,8 @@ SEED = 1337  # the default --seed
 LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
 PARAM_RTOL = 1e-4  # of the whole parameter vector
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
-SET_EPOCH = "        sampler.set_epoch(epoch)"
+# the broken copy of chapter 04: its statement SET_EPOCH (tests/helpers.py statement_lines) replaced
+SET_EPOCH, FORGOTTEN = "sampler.set_epoch(epoch)", "pass  # sampler.set_epoch(epoch) forgotten"
 
 CH = {f"{n:02d}": REPO / folder / "train.py" for n, folder in CHAPTERS.items()}
 
@@ -74,23 +75,8 @@ def torchrun(script: Path, args: list[str], **env: str) -> subprocess.CompletedP
 
 def two_nodes(args: list[str]) -> list[str]:
     """Chapter 05 as 2 nodes x 2 processes: two torchrun launches that meet on 127.0.0.1."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            torchrun_command(CH["05"], 2, args, nnodes=2, node_rank=node, port=port),
-            cwd=REPO,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    finally:
-        stop_launchers(procs)
+    procs = [start(cmd) for cmd in two_node_commands(CH["05"], 2, args)]
+    outputs = outputs_of(procs, timeout=300)
     assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)
     return outputs
 
@@ -210,11 +196,7 @@ def runs(corpus, tmp_path_factory) -> dict:
     def without_set_epoch():
         broken = root / "broken" / "train.py"
         broken.parent.mkdir()
-        source = CH["04"].read_text()
-        assert source.count(SET_EPOCH) == 1, (
-            "04_ddp/train.py changed: no single sampler.set_epoch(epoch) line"
-        )
-        broken.write_text(source.replace(SET_EPOCH, "        pass  # sampler.set_epoch(epoch) forgotten"))
+        broken.write_text(replace_statement(CH["04"].read_text(), SET_EPOCH, FORGOTTEN, "04_ddp/train.py"))
         # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
         succeeded(torchrun(broken, args("04_no_set_epoch", **ACCUMULATE), PYTHONPATH=str(REPO)))
 

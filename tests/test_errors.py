@@ -25,6 +25,14 @@ def earlier_run(data_dir, tmp_path_factory) -> Path:
     return out_dir
 
 
+@pytest.fixture
+def earlier_copy(earlier_run, tmp_path) -> Path:
+    """This test's copy of the earlier run's folder, contents and modification times (copy2) kept."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, out_dir)
+    return out_dir
+
+
 def fails_cleanly(args: list, message: str) -> str:
     proc = run_python([SCRIPT, *args], check=False)
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -51,9 +59,9 @@ def binary(path: Path) -> Path:
     return path
 
 
-# name -> (flags given the test's tmp_path, the words the error line must hold)
+# name -> (the flags, or a function making them in the test's tmp_path; the words the error line must hold)
 CASES = {
-    "unknown corpus name": (lambda tmp: ["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
+    "unknown corpus name": (["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
     "missing file": (lambda tmp: ["--dataset", tmp / "missing.txt"], "no corpus file at"),
     "directory given as the file": (
         lambda tmp: ["--dataset", (tmp / "folder.txt").mkdir() or tmp / "folder.txt"],
@@ -74,25 +82,13 @@ CASES = {
         "9 windows, fewer than one batch of 16",
     ),
     "block size beyond GPT-2": (
-        lambda tmp: ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
+        ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
         "--block-size 2048 is larger than GPT-2's 1024 positions",
     ),
-    "zero batch size": (
-        lambda tmp: ["--batch-size", 0],
-        "--batch-size: must be a positive whole number, got 0",
-    ),
-    "negative max iters": (
-        lambda tmp: ["--max-iters", -1],
-        "--max-iters: must be a positive whole number, got -1",
-    ),
-    "grad accum in chapter 01": (
-        lambda tmp: ["--grad-accum", 2],
-        "introduced in chapter 02 (02_grad_accumulation)",
-    ),
-    "negative learning rate": (
-        lambda tmp: ["--lr", -1],
-        "argument --lr: must be a finite number, zero or more, got -1",
-    ),
+    "zero batch size": (["--batch-size", 0], "--batch-size: must be a positive whole number, got 0"),
+    "negative max iters": (["--max-iters", -1], "--max-iters: must be a positive whole number, got -1"),
+    "grad accum in chapter 01": (["--grad-accum", 2], "introduced in chapter 02 (02_grad_accumulation)"),
+    "negative learning rate": (["--lr", -1], "argument --lr: must be a finite number, zero or more, got -1"),
     "latin-1 text": (
         lambda tmp: ["--dataset", latin1(tmp / "francais.txt")],
         "is not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8",
@@ -103,16 +99,15 @@ CASES = {
     ),
 }
 if not torch.cuda.is_available():
-    CASES["cuda asked for without a GPU"] = (lambda tmp: ["--device", "cuda"], "sees no CUDA GPU")
+    CASES["cuda asked for without a GPU"] = (["--device", "cuda"], "sees no CUDA GPU")
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input(case, data_dir, earlier_run, tmp_path):
+def test_bad_input(case, data_dir, earlier_copy, tmp_path):
     flags, message = CASES[case]
-    out_dir = tmp_path / "run"
-    shutil.copytree(earlier_run, out_dir)  # copy2: contents and times kept
+    out_dir = earlier_copy
     before = snapshot(out_dir)
-    extra = flags(tmp_path)
+    extra = flags(tmp_path) if callable(flags) else flags
     data_root = tmp_path / "data" if "--dataset" in extra else data_dir
     fails_cleanly([*tiny_run_args(data_root, out_dir, 5), *extra], message)
     assert snapshot(out_dir) == before, "a failed run must not touch what an earlier run wrote"
@@ -136,26 +131,20 @@ def test_resume_without_checkpoint(data_dir, tmp_path):
     assert not out_dir.exists() or not any(out_dir.iterdir())
 
 
-def test_resume_another_model_shape(data_dir, earlier_run, tmp_path):
-    out_dir = tmp_path / "run"
-    shutil.copytree(earlier_run, out_dir)
-    before = snapshot(out_dir)
-    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True, n_embd=64), "n_embd 32 (now 64)")
-    assert snapshot(out_dir) == before
-
-
-def test_resume_longer_block_than_checkpoint(data_dir, earlier_run, tmp_path):
-    out_dir = tmp_path / "run"
-    shutil.copytree(earlier_run, out_dir)
-    before = snapshot(out_dir)
-    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True, block_size=64), "block_size 32 (now 64)")
-    assert snapshot(out_dir) == before
+@pytest.mark.parametrize(
+    "change, message",
+    [({"n_embd": 64}, "n_embd 32 (now 64)"), ({"block_size": 64}, "block_size 32 (now 64)")],
+    ids=["wider", "longer-block"],
+)
+def test_resume_another_model_shape(change, message, data_dir, earlier_copy):
+    before = snapshot(earlier_copy)
+    fails_cleanly(tiny_run_args(data_dir, earlier_copy, 5, resume=True, **change), message)
+    assert snapshot(earlier_copy) == before
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_resume_damaged_checkpoint(damage, data_dir, earlier_run, tmp_path):
-    out_dir = tmp_path / "run"
-    shutil.copytree(earlier_run, out_dir)
+def test_resume_damaged_checkpoint(damage, data_dir, earlier_copy):
+    out_dir = earlier_copy
     ckpt = out_dir / "ckpt.pt"
     if damage == "truncated":
         with open(ckpt, "r+b") as f:
@@ -167,10 +156,9 @@ def test_resume_damaged_checkpoint(damage, data_dir, earlier_run, tmp_path):
     assert snapshot(out_dir) == before  # left for the reader to inspect or restore
 
 
-def test_out_dir_that_is_a_file(data_dir, earlier_run, tmp_path):
+def test_out_dir_that_is_a_file(data_dir, earlier_copy):
     """--out-dir naming an existing file (here an earlier run's metrics.jsonl), or a path under one."""
-    out_dir = tmp_path / "run"
-    shutil.copytree(earlier_run, out_dir)
+    out_dir = earlier_copy
     before = snapshot(out_dir)
     fails_cleanly(
         tiny_run_args(data_dir, out_dir / "metrics.jsonl", 5),
@@ -179,9 +167,8 @@ def test_out_dir_that_is_a_file(data_dir, earlier_run, tmp_path):
     assert snapshot(out_dir) == before
     from common.config import parse_args
 
-    with pytest.raises(
-        CourseError, match="metrics.jsonl is a file, not a folder"
-    ):  # every chapter checks it first
+    # every chapter checks it first
+    with pytest.raises(CourseError, match="metrics.jsonl is a file, not a folder"):
         parse_args(4, "", ["--out-dir", str(out_dir / "metrics.jsonl" / "run2")])
 
 

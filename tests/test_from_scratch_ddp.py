@@ -10,13 +10,10 @@ process; the broken ones, which reduce at the wrong moment or reduce the wrong t
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common.launch import REPO, run_torchrun  # noqa: E402
+from common.launch import REPO, run_torchrun
 
 ATOL = 1e-6  # float32, dropout 0: only floating-point reassociation separates the gradients
 WRONG = 1e-3  # a broken variant must be off by far more than rounding

@@ -80,9 +80,8 @@ def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(m
     replicas = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
     dp.parallel_apply(replicas, [(torch.randn(2, 8),), (torch.randn(2, 8),)], [{}, {}])
     assert seen == [chosen, chosen]
-    assert (
-        isinstance(dp, torch.nn.DataParallel) and dp.module is not None
-    )  # checkpoints still use model.module
+    # checkpoints still use model.module
+    assert isinstance(dp, torch.nn.DataParallel) and dp.module is not None
 
 
 # ---- 2. MFU counts every device's tokens against every device's peak -------------------------
@@ -182,16 +181,20 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
         scaler.update()
         optimizer.zero_grad()
     assert scaler.get_scale() == 16384.0
-    save_checkpoint(
-        tmp_path,
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        iter_num=7,
-        model_config=config,
-        train_config={},
-        scaler_state=scaler.state_dict(),
-    )
-    checkpoint = load_checkpoint(tmp_path)
+
+    def saved_and_loaded(iter_num: int, scaler: torch.amp.GradScaler) -> dict:
+        save_checkpoint(
+            tmp_path,
+            model_state=model.state_dict(),
+            optimizer_state=optimizer.state_dict(),
+            iter_num=iter_num,
+            model_config=config,
+            train_config={},
+            scaler_state=scaler.state_dict(),
+        )
+        return load_checkpoint(tmp_path)
+
+    checkpoint = saved_and_loaded(7, scaler)
     assert checkpoint["scaler"]["scale"] == 16384.0
     assert checkpoint["rng_cuda"] is None  # this process never used CUDA; on a GPU it holds its generator
 
@@ -200,17 +203,7 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
     assert resumed.get_scale() == 16384.0  # not back at 65,536
 
     # a bfloat16/float32 run has a disabled scaler: it saves nothing and loads nothing
-    off = torch.amp.GradScaler("cpu", enabled=False)
-    save_checkpoint(
-        tmp_path,
-        model_state=model.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        iter_num=8,
-        model_config=config,
-        train_config={},
-        scaler_state=off.state_dict(),
-    )
-    checkpoint = load_checkpoint(tmp_path)
+    checkpoint = saved_and_loaded(8, torch.amp.GradScaler("cpu", enabled=False))
     assert checkpoint["scaler"] == {}
     assert restore_training_state(checkpoint, torch.optim.AdamW(model.parameters(), lr=1e-3), resumed) == 8
     assert resumed.get_scale() == 16384.0  # an empty state leaves an enabled scaler as it was

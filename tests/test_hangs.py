@@ -18,8 +18,9 @@ import threading
 import time
 
 import pytest
+from helpers import start
 
-from common.launch import REPO, child_env, stop_launchers, torchrun_command
+from common.launch import REPO, stop_launchers, torchrun_command
 
 HANGS = REPO / "05_multinode" / "hangs.py"
 PG_TIMEOUT = 3  # seconds a collective waits before it fails
@@ -33,15 +34,7 @@ class Launch:
     def __init__(self, args: list, tmp_path, extra: list | None = None, **env: str):
         cmd = torchrun_command(HANGS, 2, [*args, "--out-dir", tmp_path], extra=extra)
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=child_env(**env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = start(cmd, **env)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -88,14 +81,7 @@ def launches(tmp_path_factory):
         ),
     }
     # and the script started without torchrun, at the same time
-    alone = subprocess.Popen(
-        [sys.executable, str(HANGS), "--case", "order"],
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    alone = start([sys.executable, HANGS, "--case", "order"], stderr=subprocess.PIPE, new_session=False)
     yield runs | {"alone": alone}
     stop_launchers([run.proc for run in runs.values()] + [alone])
 
@@ -107,34 +93,24 @@ def ended_with_failure(run: Launch) -> str:
     return out
 
 
+def assert_collectives(out: str, op: str, shapes: list[int]) -> None:
+    """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running: rank r
+    an `op` of a tensor of shape [shapes[r]]."""
+    for rank, shape in enumerate(shapes):
+        running = rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
+        assert re.search(rf"{running}OpType={op}, TensorShape=\[{shape}\]", out), out
+
+
 def test_eval_on_rank0_only_is_named_by_the_collective_check(launches):
     out = ended_with_failure(launches["eval-on-rank0"])
     # rank 0's all-reduce of (sum, count) meets rank 1's all-reduce of the 17 gradients
-    assert re.search(
-        r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
-        r"TensorShape=\[2\]",
-        out,
-    ), out
-    assert re.search(
-        r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLREDUCE, "
-        r"TensorShape=\[17\]",
-        out,
-    ), out
+    assert_collectives(out, "ALLREDUCE", shapes=[2, 17])
     assert re.search(r"\[rank0\]:.*in evaluate", out), out  # rank 0's traceback: inside evaluate()
 
 
 def test_different_shapes_are_named_by_the_collective_check(launches):
     out = ended_with_failure(launches["shape"])
-    assert re.search(
-        r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
-        r"TensorShape=\[3\]",
-        out,
-    ), out
-    assert re.search(
-        r"Rank 1 is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, OpType=ALLGATHER, "
-        r"TensorShape=\[2\]",
-        out,
-    ), out
+    assert_collectives(out, "ALLGATHER", shapes=[3, 2])
     assert "Tensor shapes: 3vs 2" in out
 
 
@@ -150,12 +126,12 @@ def test_different_order_is_named_by_the_flight_recorder(launches):
         )
     )
     assert last.keys() == {"0", "1"}, out
-    assert re.fullmatch(
-        r"#(\d+) gloo:broadcast of shapes \[\[1\]\], called from case_order\(\)", last["0"]
-    ), last
-    assert re.fullmatch(r"#(\d+) gloo:all_reduce of shapes \[\[\]\], called from mean_loss\(\)", last["1"]), (
-        last
-    )
+    expected = {
+        "0": r"gloo:broadcast of shapes \[\[1\]\], called from case_order\(\)",
+        "1": r"gloo:all_reduce of shapes \[\[\]\], called from mean_loss\(\)",
+    }
+    for rank, collective in expected.items():
+        assert re.fullmatch(rf"#(\d+) {collective}", last[rank]), last
     assert last["0"].split()[0] == last["1"].split()[0]  # the same collective number
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from helpers import snapshot, tiny_run_args
+from helpers import snapshot, start, tiny_run_args
 
 from common.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
 
@@ -92,18 +92,8 @@ def test_the_two_node_simulation_refuses_a_folder_that_holds_a_run(data_dir, tmp
 
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goes_with_it(data_dir, tmp_path):
     out = tmp_path / "busy"
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "01_single_gpu/train.py",
-            *tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2),
-        ],
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args = tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2)
+    first = start([sys.executable, "01_single_gpu/train.py", *args], new_session=False)
     try:
         assert "checkpoint saved" in wait_for(first, "checkpoint saved")
         second = run_python(
@@ -124,23 +114,15 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
 
 def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
     run_dir = tmp_path / "sim"
-    env = child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="1")
+    env = {"RUN_DIR": str(run_dir), "NPROC_PER_NODE": "1"}
     flags = ["--max-iters", "100000", "--data-dir", str(data_dir), "--shared-fs", "--eval-batches", "1"]
-    first = subprocess.Popen(
-        ["bash", "05_multinode/simulate_two_nodes.sh", *flags],
-        cwd=REPO,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    first = start(["bash", "05_multinode/simulate_two_nodes.sh", *flags], **env)
     try:
         assert "iter" in wait_for(first, "iter")
         second = subprocess.run(
             ["bash", "05_multinode/simulate_two_nodes.sh", *flags],
             cwd=REPO,
-            env=env,
+            env=child_env(**env),
             text=True,
             capture_output=True,
             timeout=60,
@@ -157,15 +139,7 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
         cmd = torchrun_command(
             "04_ddp/train.py", 2, tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
         )
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        proc = start(cmd)
         try:
             seen = wait_for(proc, "iter")
             assert "iter" in seen, seen

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import start, tiny_run_args
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import tiny_run_args  # noqa: E402
-
-from common.launch import REPO, child_env, run_python, run_torchrun  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.launch import REPO, run_python, run_torchrun
+from common.metrics import read_metrics
 
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
 WORKER = REPO / "tests" / "workers" / "zero_worker.py"
@@ -41,23 +38,14 @@ CORRECT = ("zero1", "zero_redundancy")
 BROKEN = ("broken_local_norm_clip", "broken_no_all_gather", "broken_sum_not_average")
 
 
+# a small GPT (the tiny preset, narrower and shorter) so that 20-odd runs fit in seconds
+SMALL_GPT = {"n_embd": 16, "block_size": 8}
+OPTIMIZER = {"lr_decay_iters": ITERS, "warmup_iters": 2, "weight_decay": 0.1, "grad_clip": CLIP}
+
+
 def flags(data_dir: Path, out_dir: Path, max_iters: int, **extra) -> list[str]:
-    # a small GPT (the tiny preset, narrower and shorter) so that 20-odd runs fit in seconds
-    return tiny_run_args(
-        data_dir,
-        out_dir,
-        max_iters,
-        batch_size=18,
-        n_embd=16,
-        block_size=8,
-        lr_decay_iters=ITERS,
-        warmup_iters=2,
-        weight_decay=0.1,
-        grad_clip=CLIP,
-        eval_interval=SAVE_AT,
-        eval_batches=1,
-        **extra,
-    )
+    batches = {"batch_size": 18, "eval_interval": SAVE_AT, "eval_batches": 1}
+    return tiny_run_args(data_dir, out_dir, max_iters, **SMALL_GPT, **OPTIMIZER, **batches, **extra)
 
 
 def train_losses(out_dir: Path) -> dict[int, float]:
@@ -88,16 +76,8 @@ def runs(data_dir, tmp_path_factory) -> dict:
     for impl, folder in resumed.items():
         folder.mkdir()
         shutil.copy(root / "w3" / f"{impl}_step{SAVE_AT}" / "ckpt.pt", folder / "ckpt.pt")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(CHAPTER01), *flags(data_dir, folder, ITERS, resume=True)],
-                cwd=REPO,
-                env=child_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        args = flags(data_dir, folder, ITERS, resume=True)
+        procs.append(start([sys.executable, CHAPTER01, *args], new_session=False))
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out

@@ -1,6 +1,6 @@
 """Run by torchrun: record which training windows this rank's batches hold, as 04_ddp/train.py builds them.
 
-    torchrun --standalone --nproc_per_node=2 tests/workers/ddp_sampler_worker.py TOKENS.bin BLOCK BATCH OUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/workers/ddp_sampler_worker.py TOKENS BLOCK BATCH OUT_DIR
 
 The token file holds 0, 1, 2, ... so window i starts with token i * BLOCK: the first token of each
 row of x tells which window the loader really yielded. For epochs 0 and 1, and for epoch 0 resumed
@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler
 
-from common.data import TokenWindows, batch_loader  # noqa: E402
+from common.data import TokenWindows, batch_loader
 
 
 def windows(loader, block: int) -> list[int]:

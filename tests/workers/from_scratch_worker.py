@@ -20,22 +20,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "04_ddp"))  # 04_ddp is not a valid package name; import the module directly
+# the repository, for `common`; 04_ddp is not a valid package name: import its module directly
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "04_ddp"))
 
-from from_scratch import BucketedDataParallel, NaiveDataParallel  # noqa: E402
+from from_scratch import BucketedDataParallel, NaiveDataParallel
+from worker_shared import flat, gloo_group, write_results
 
-from common.model import GPT, model_config  # noqa: E402
+from common.model import GPT, model_config
 
 STEPS = 3
 MICRO_BATCH = 2  # sequences per rank per micro-step
@@ -135,10 +134,6 @@ IMPLS = {
 }
 
 
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
 def run(
     impl: str, K: int, rank: int, world: int, ddp_params: torch.Tensor | None
 ) -> tuple[dict, torch.Tensor]:
@@ -146,9 +141,8 @@ def run(
     model = GPT(CONFIG)
     rank0 = flat(model.parameters())
     dist.broadcast(rank0, src=0)
-    init_before_wrap = (
-        (flat(model.parameters()) - rank0).abs().max().item()
-    )  # > 0: the check below means something
+    # > 0: the ranks start apart, so the check after the wrapper's broadcast means something
+    init_before_wrap = (flat(model.parameters()) - rank0).abs().max().item()
     wrapped = IMPLS[impl](model)
     params = list(wrapped.module.parameters())  # unique: the tied matrix once
     init_across_ranks = (flat(params) - rank0).abs().max().item()
@@ -228,9 +222,7 @@ def run(
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
+    with gloo_group() as (rank, world):
         torch.use_deterministic_algorithms(True)
         results = {}
         for K in (1, 3):
@@ -240,11 +232,7 @@ def main() -> None:
                 if impl == "ddp":
                     ddp_params = final
                 results[f"{impl}/K={K}"] = result
-        if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
+        write_results(out_dir, results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
 with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
 
-    torchrun --nproc_per_node=W tests/workers/zero_worker.py OUT_DIR CH01_STEP5_DIR CH01_FINAL_DIR [--extras] -- FLAGS
+    torchrun --nproc_per_node=W tests/workers/zero_worker.py OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
 
 FLAGS are chapter 01's flags for the reference run (01_single_gpu/train.py FLAGS): the same model,
 data, seed, global batch G (--batch-size), AdamW settings, weight decay, clipping and LR schedule.
@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
+import functools
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,17 +39,18 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import RandomSampler
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "04_ddp"))  # 04_ddp is not a valid package name; import the modules directly
+# the repository, for `common`; 04_ddp is not a valid package name: import its modules directly
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "04_ddp"))
 
-from zero1 import ShardedOptimizer, ZeroOneDataParallel  # noqa: E402
+from worker_shared import flat, gloo_group, write_results
+from zero1 import ShardedOptimizer, ZeroOneDataParallel
 
-from common.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from common.config import gpt_config_from_args, parse_args  # noqa: E402
-from common.data import batch_loader, load_splits, prepare  # noqa: E402
-from common.model import GPT  # noqa: E402
-from common.training import lr_at  # noqa: E402
+from common.checkpoint import load_checkpoint, save_checkpoint
+from common.config import gpt_config_from_args, parse_args
+from common.data import batch_loader, load_splits, prepare
+from common.model import GPT
+from common.training import lr_at
 
 BUCKET_MB = 0.01  # 10 KB: the small blocks' gradients fill several buckets, the tied matrix one of its own
 SAVE_AT = 5
@@ -94,10 +94,6 @@ class SumNotAverage(ZeroOneDataParallel):
         bucket.buffer[bucket.numel :].zero_()
         bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
         self.comm_calls += 1
-
-
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 def state_bytes(state) -> int:
@@ -212,9 +208,8 @@ def train(impl, K, args, config, batches, rank, world, start=0, checkpoint=None,
                     train_config=vars(args) | {"global_batch": args.batch_size, "chapter": 4},
                 )
     losses = torch.stack(losses)
-    dist.all_reduce(
-        losses
-    )  # each rank's loss is the mean over its rows: the mean of the means is the global loss
+    # each rank's loss is the mean over its rows: the mean of the means is the global loss
+    dist.all_reduce(losses)
     return run, (losses / world).tolist(), norms
 
 
@@ -271,9 +266,7 @@ def main() -> None:
     out_dir, ch01_step5, ch01_final = map(Path, sys.argv[1:4])
     extras = "--extras" in sys.argv[4 : sys.argv.index("--")]
     args = parse_args(chapter=1, description="", argv=sys.argv[sys.argv.index("--") + 1 :])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
+    with gloo_group() as (rank, world):
         torch.use_deterministic_algorithms(True)
         config = gpt_config_from_args(args)
         train_set, _ = load_splits(
@@ -282,11 +275,15 @@ def main() -> None:
         order = torch.Generator().manual_seed(args.seed)  # epoch 0, as chapter 01 seeds it
         loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size))
         batches = [next(loader) for _ in range(args.max_iters)]  # chapter 01's global batches, (G, T) each
+        # one implementation at K micro-steps on those batches, on this rank's rows
+        train_here = functools.partial(
+            train, args=args, config=config, batches=batches, rank=rank, world=world
+        )
         results = {}
         for K in (1, 3):
             if args.batch_size % (K * world):
                 raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of K * W = {K * world}")
-            ddp, losses, norms = train("ddp", K, args, config, batches, rank, world)
+            ddp, losses, norms = train_here("ddp", K)
             ddp_params = flat(ddp.params)
             ddp_state = ddp.full_optimizer_state()
             results[f"ddp/K={K}"] = measure(ddp, losses, norms, rank, world, ddp_params)
@@ -294,16 +291,8 @@ def main() -> None:
             for impl in ("zero1", "zero_redundancy", *(broken if extras and K == 3 else ())):
                 # with --extras, the two real ones save a gathered checkpoint at step 5 for chapter 01
                 save = extras and K == 3 and impl in ("zero1", "zero_redundancy")
-                run, losses, norms = train(
-                    impl,
-                    K,
-                    args,
-                    config,
-                    batches,
-                    rank,
-                    world,
-                    save_dir=out_dir / f"{impl}_step{SAVE_AT}" if save else None,
-                )
+                save_dir = out_dir / f"{impl}_step{SAVE_AT}" if save else None
+                run, losses, norms = train_here(impl, K, save_dir=save_dir)
                 results[f"{impl}/K={K}"] = measure(run, losses, norms, rank, world, ddp_params)
                 if impl in ("zero1", "zero_redundancy"):
                     full = run.full_optimizer_state()  # the whole state, gathered on rank 0
@@ -314,23 +303,9 @@ def main() -> None:
             final = load_checkpoint(ch01_final)["model"]
             reference = flat(final[name] for name, _ in GPT(config).named_parameters())
             for impl in ("zero1", "zero_redundancy"):
-                run, losses, norms = train(
-                    impl,
-                    3,
-                    args,
-                    config,
-                    batches,
-                    rank,
-                    world,
-                    start=checkpoint["iter_num"],
-                    checkpoint=checkpoint,
-                )
+                run, losses, norms = train_here(impl, 3, start=checkpoint["iter_num"], checkpoint=checkpoint)
                 results[f"{impl}/resumed_from_ch01"] = measure(run, losses, norms, rank, world, reference)
-        if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
+        write_results(out_dir, results)
 
 
 if __name__ == "__main__":
