@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import com
 import torch
 import torch.distributed as dist
 
+from common.distributed import restart_store
 from common.errors import CourseError, run_main
 
 # The environment variables that decide how processes find each other and how NCCL talks.
@@ -159,21 +160,10 @@ def main():
     )
 
     timeout = datetime.timedelta(seconds=args.timeout)
-    store = None  # None: init_process_group connects to MASTER_ADDR:MASTER_PORT itself
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # As in train.py: torchrun's store outlives a restart (--max-restarts), so each attempt meets
-        # under its own prefix instead of reading the addresses of the processes that failed.
-        restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        store = dist.PrefixStore(
-            f"attempt_{restart_count}",
-            dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                world_size,
-                is_master=False,
-                timeout=timeout,
-            ),
-        )
+    # as in train.py: torchrun's store outlives a restart (--max-restarts), so each attempt meets
+    # under its own prefix instead of reading the addresses of the processes that failed
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    store = restart_store(world_size, restart_count, timeout)
     dist.init_process_group(
         backend,
         store=store,

@@ -229,4 +229,5 @@ def test_chapter01_builds_its_loader_that_way():
     source = (REPO / "01_single_gpu" / "train.py").read_text()
     assert "RandomSampler(train_set, generator=order)" in source
     assert "order.manual_seed(args.seed + epoch)" in source
-    assert "skip = step_in_epoch" in source and "batch_loader(train_set, sampler, args.batch_size, skip," in source
+    assert "skip = step_in_epoch" in source
+    assert "batch_loader(train_set, sampler, args.batch_size, skip," in source
