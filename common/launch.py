@@ -109,7 +109,7 @@ def run_python(
 def run_torchrun(
     script: str | Path, nproc: int, args: list, timeout: float = 300, check: bool = True, **kw
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` (or the rendezvous `kw` asks for) from the repository root, one thread a rank."""
+    """`torchrun --standalone` (or the rendezvous `kw` asks for) from the repository root, 1 thread a rank."""
     cmd = torchrun_command(script, nproc, args, **kw)
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -173,10 +173,12 @@ def flags(**values) -> list[str]:
     return words
 
 
-def measured_run_flags(preset: str, iters: int, log_interval: int, eval_batches: int, **more) -> list[str]:
-    """The flags of a chapter run made for its numbers: one evaluation, at the end; no sample, no dropout."""
+def measured_run_flags(iters: int, log_interval: int, eval_batches: int, **more) -> list[str]:
+    """The flags of a chapter run made for its numbers: one evaluation, at the end; no sample, no dropout.
+
+    `more` are further flags, as flags() takes them (the model, the device, the folders).
+    """
     return flags(
-        preset=preset,
         max_iters=iters,
         log_interval=log_interval,
         eval_interval=iters,
