@@ -244,12 +244,13 @@ def find_runs(folders: list[Path]) -> dict[str, Path]:
 def run_key(run: Path) -> str | None:
     """The chapter's folder a run belongs to (04_ddp), with -float64 for a control run."""
     info = run / "run.json"
-    if info.exists():
-        record = json.loads(info.read_text())
+    record = json.loads(info.read_text()) if info.exists() else {}
+    if record.get("chapter"):
         return record["chapter"] + (FLOAT64 if record.get("dtype") == "float64" else "")
-    for folder in CHAPTERS.values():  # a run folder named after its chapter (out/01_single_gpu) ...
+    # a run folder named after its chapter (out/01_single_gpu, out/04_ddp-float64) ...
+    for folder in CHAPTERS.values():
         if folder in run.name:
-            return folder
+            return folder + (FLOAT64 if run.name.endswith(FLOAT64) else "")
     ckpt = run / "ckpt.pt"  # ... or its checkpoint says
     if ckpt.exists():
         import torch
