@@ -2,10 +2,10 @@
 
     python bench/bare_step.py --preset small --batch-size 8 --iters 30 --warmup 5 --out bare.json
 
-The reference a stage's step time is divided by. Same model, initialisation, optimizer and
+The reference a chapter's step time is divided by. Same model, initialisation, optimizer and
 micro-batch as chapter 01 (built with `common`), fed the batches chapter 01 would read, but all
 built and moved to the device before the clock starts: no DataLoader, no learning-rate schedule,
-no logging, no `.item()`, no evaluation. The step time is measured as the stages measure theirs
+no logging, no `.item()`, no evaluation. The step time is measured as the chapters measure theirs
 (wall time over groups of --group steps, after --warmup steps) and the median group is reported;
 so is the CPU time of the process (all its threads) per step, which other programs on a shared
 machine disturb less than wall time.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import resource
 import statistics
 import sys
@@ -24,19 +23,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_tools  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import RandomSampler  # noqa: E402
 
 from common.data import batch_loader, load_splits, prepare  # noqa: E402
 from common.device import autocast_context, pick_device, pick_dtype, setup_math  # noqa: E402
-from common.model import GPT, PRESETS, model_config  # noqa: E402
+from common.model import GPT, model_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--preset", choices=list(PRESETS), default="small")
+    p = bench_tools.parser(__doc__)
     p.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
     p.add_argument("--n-embd", type=int, default=None, help="override the preset's width")
     p.add_argument(
@@ -48,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--iters", type=int, default=30, help="steps timed, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing")
-    p.add_argument("--group", type=int, default=5, help="steps per timed group (the stages' --log-interval)")
+    p.add_argument(
+        "--group", type=int, default=5, help="steps per timed group (the chapters' --log-interval)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true")
@@ -94,9 +93,7 @@ def main(argv=None) -> dict:
         batches.append((x.to(device), y.to(device)))
 
     model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(
-        model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99), fused=device.type == "cuda"
-    )
+    optimizer = bench_tools.adamw(model, args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step_model = torch.compile(model) if args.compile else model
     model.train()
@@ -111,13 +108,7 @@ def main(argv=None) -> dict:
     for i, (x, y) in enumerate(batches):
         with autocast if dtype != torch.float32 else contextlib.nullcontext():
             _, loss = step_model(x, y)
-        scaler.scale(loss).backward()
-        if args.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        bench_tools.update(loss, model, optimizer, scaler, args.grad_clip)
         done = i + 1
         if done == args.warmup or (
             done > args.warmup and ((done - args.warmup) % args.group == 0 or done == args.iters)
@@ -149,9 +140,7 @@ def main(argv=None) -> dict:
         "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
         "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    bench_tools.write_result(args.out, result)
     print(
         f"bare step: {result['step_ms']:.1f} ms (median of {len(group_ms)} groups of {args.group} steps; "
         f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, {result['dtype']})"

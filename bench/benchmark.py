@@ -1,30 +1,32 @@
 """Benchmark every chapter under identical settings and write a table of where the time goes.
 
-    python bench/benchmark.py                                   # small model, CPU or GPU, all stages
+    python bench/benchmark.py                                   # small model, CPU or GPU, every setup
     python bench/benchmark.py --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
-    python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --stages 01,03,04x1
+    python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
 
-Every stage runs as a real process (`python SCRIPT` or `torchrun ... SCRIPT`, through
-bench/probe.py, which records data wait, peak RSS and threads without changing the script) for the
-same number of optimizer steps on the same global batch of --batch-size sequences. The figures come
-from the metrics.jsonl each stage writes, with the first log interval (the warm-up) left out:
+A setup is a chapter launched one way (04x2: chapter 04 on 2 ranks), one row of the table. Every
+setup runs as a real process (`python SCRIPT` or `torchrun ... SCRIPT`, through bench/probe.py,
+which records data wait, peak RSS and threads without changing the script) for the same number of
+optimizer steps on the same global batch of --batch-size sequences. The figures come from the
+metrics.jsonl each run writes, with the first log interval (the warm-up) left out:
 
-    tokens/s, step time, MFU, CUDA memory  medians of the stage's own metrics lines
+    tokens/s, step time, MFU, CUDA memory  medians of the chapter's own metrics lines
     peak memory on the CPU                 the peak RSS of each rank's process (bench/probe.py)
     data wait                              time in `next(batches)` / step time (bench/probe.py)
     communication                          1 - step without all-reduce / step with it, from
                                            bench/ddp_worker.py in the same launch layout
-    step / bare                            the stage's step time over that of the bare model math
+    step / bare                            the setup's step time over that of the bare model math
                                            on pre-built batches (bench/bare_step.py)
 
-With --repeats R, the stages run R times in turn (interleaved, so a burst of load from elsewhere
-hits one repeat, not one stage), and each stage keeps its fastest repeat. Results go to
+With --repeats R, the setups run R times in turn (interleaved, so a burst of load from elsewhere
+hits one repeat, not one setup), and each setup keeps its fastest repeat. Results go to
 <results-dir>/benchmark.md and benchmark.json; every run's logs stay under <work-dir>.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -32,9 +34,7 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,54 +45,63 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 import scaling_model  # noqa: E402
+from tables import cell, percent, row  # noqa: E402
 
+from common.chapters import CHAPTERS  # noqa: E402
+from common.launch import (  # noqa: E402
+    child_env,
+    flags,
+    launch_commands,
+    measured_run_flags,
+    run_together,
+    shown_command,
+)
 from common.metrics import read_metrics  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
 PROBE = BENCH / "probe.py"
+SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")  # as --setups names them, in the table's order
 
 
 @dataclass
-class Stage:
-    key: str  # as --stages names it
+class Setup:
+    """A chapter's script, launched one way: one row of the table."""
+
+    key: str  # one of SETUP_KEYS
     label: str
     script: str  # relative to the repository root
-    launch: str  # "python", "torchrun" or "two_nodes"
+    launch: str  # "python", "torchrun" or "two_nodes" (common.launch.launch_commands)
     ranks: int = 1  # processes in all
     micro_batches: int = 1  # grad-accum micro-steps per optimizer step
-    flags: list[str] = field(default_factory=list)
+    flags: list = field(default_factory=list)
 
 
-def stage_list(args) -> list[Stage]:
+def setups(args) -> list[Setup]:
+    """Every setup, in the order of SETUP_KEYS, each with its share of the global batch."""
     g, k = args.batch_size, args.grad_accum
+    script = {number: f"{folder}/train.py" for number, folder in CHAPTERS.items()}
+    # On the CPU (or one GPU) DataParallel has one replica: the whole batch goes through it.
+    dp_flags = ["--batch-size", g // args.dp_replicas]
+    if args.cuda_devices:
+        dp_flags += ["--gpus", args.dp_replicas]
     return [
-        Stage("01", "01 one device", "01_single_gpu/train.py", "python", flags=["--batch-size", g]),
-        Stage(
+        Setup("01", "01 one device", script[1], "python", flags=["--batch-size", g]),
+        Setup(
             "02",
             f"02 grad accum x{k}",
-            "02_grad_accumulation/train.py",
+            script[2],
             "python",
             micro_batches=k,
             flags=["--batch-size", g // k, "--grad-accum", k],
         ),
-        # On the CPU (or one GPU) DataParallel has one replica: the whole batch goes through it.
-        Stage(
-            "03",
-            "03 DataParallel",
-            "03_dataparallel/train.py",
-            "python",
-            flags=["--batch-size", g // args.dp_replicas]
-            + (["--gpus", args.dp_replicas] if args.cuda_devices else []),
-        ),
-        Stage("04x1", "04 DDP, 1 rank", "04_ddp/train.py", "torchrun", ranks=1, flags=["--batch-size", g]),
-        Stage(
-            "04x2", "04 DDP, 2 ranks", "04_ddp/train.py", "torchrun", ranks=2, flags=["--batch-size", g // 2]
-        ),
+        Setup("03", "03 DataParallel", script[3], "python", flags=dp_flags),
+        Setup("04x1", "04 DDP, 1 rank", script[4], "torchrun", ranks=1, flags=["--batch-size", g]),
+        Setup("04x2", "04 DDP, 2 ranks", script[4], "torchrun", ranks=2, flags=["--batch-size", g // 2]),
         # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone prepares
-        Stage(
+        Setup(
             "05",
             "05 2 nodes x 1 rank",
-            "05_multinode/train.py",
+            script[5],
             "two_nodes",
             ranks=2,
             flags=["--batch-size", g // 2, "--shared-fs"],
@@ -104,95 +113,51 @@ def stage_list(args) -> list[Stage]:
 # Running processes
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_commands(launch: str, ranks: int, script_and_args: list[str]) -> list[list[str]]:
-    """One command per simulated node: `python X`, `torchrun --standalone X`, or two torchruns."""
-    py = sys.executable
-    if launch == "python":
-        return [[py, *script_and_args]]
-    run = [py, "-m", "torch.distributed.run"]
-    if launch == "torchrun":
-        return [[*run, "--standalone", f"--nproc-per-node={ranks}", *script_and_args]]
-    port = free_port()  # two torchruns meeting on 127.0.0.1, as two machines would over the network
-    return [
-        [
-            *run,
-            "--nnodes=2",
-            f"--node-rank={node}",
-            f"--nproc-per-node={ranks // 2}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            *script_and_args,
-        ]
-        for node in (0, 1)
-    ]
-
-
 def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple[int, str]:
-    """Start the commands together (the nodes of one run), wait for all; (exit status, output tail)."""
+    """Start the commands together (the nodes of one run), wait for all; (exit status, output tail).
+
+    Each command writes to its own log, which starts with the command: log_path for one command,
+    log_path.node<i>.log for several.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for i, cmd in enumerate(commands):
-        log = open(log_path.with_suffix(f".node{i}.log") if len(commands) > 1 else log_path, "w")
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        logs.append(log)
-        # a session of its own, so a timeout can end the process with all its children
-        procs.append(
-            subprocess.Popen(
-                commands[i], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
-    deadline = time.monotonic() + timeout
-    status = 0
-    try:
-        for proc in procs:
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = 124
-            if code != 0 and status == 0:
-                status = code
-                for other in procs:  # one node failed: its peer would wait for it until its timeout
-                    if other.poll() is None:
-                        os.killpg(other.pid, signal.SIGTERM)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for log in logs:
-            log.close()
+    paths = [log_path]
+    if len(commands) > 1:
+        paths = [log_path.with_suffix(f".node{i}.log") for i in range(len(commands))]
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(path, "w")) for path in paths]
+        for log, cmd in zip(logs, commands):
+            log.write(f"$ {shown_command(cmd)}\n")
+            log.flush()
+        status = run_together(commands, env, logs, timeout)
     tail = []
-    for i in range(len(commands)):
-        path = log_path.with_suffix(f".node{i}.log") if len(commands) > 1 else log_path
+    for path in paths:
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
         tail += lines[-3:]
     return status, "\n".join(tail)
 
 
-def child_env(args, threads: int | None) -> dict:
-    env = dict(os.environ)
-    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    else:
-        env.pop("OMP_NUM_THREADS", None)
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # DataParallel would otherwise take the GPUs
-    return env
+def run_for_result(
+    commands: list[list[str]], env: dict, out: Path, timeout: float
+) -> tuple[dict | None, str]:
+    """Run a worker that writes its result as JSON to `out`: (the result, or None; the output's tail)."""
+    out.unlink(missing_ok=True)
+    status, tail = run_commands(commands, env, out.with_suffix(".log"), timeout)
+    if status != 0 or not out.exists():
+        return None, tail
+    return json.loads(out.read_text()), tail
+
+
+def run_env(args, threads: int | None) -> dict:
+    """The environment of every run: `threads` torch threads a process (None: torch's own choice)."""
+    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # DataParallel would take them
+    return child_env(threads, PYTHONPATH=str(REPO), **hide_gpus)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading what a run left behind
 
 
-def stage_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interval: int) -> dict:
+def run_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interval: int) -> dict:
     """Medians over the metrics lines after the first (warm-up) interval, plus the probe's figures."""
     lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
     timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
@@ -243,23 +208,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
     p.add_argument(
-        "--batch-size", type=int, default=8, help="global batch: sequences per optimizer step, in every stage"
+        "--batch-size", type=int, default=8, help="global batch: sequences per optimizer step, in every setup"
     )
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step in chapter 02")
     p.add_argument("--iters", type=int, default=30, help="optimizer steps per run")
     p.add_argument(
         "--log-interval", type=int, default=5, help="steps per metrics line; the first interval is warm-up"
     )
-    p.add_argument("--repeats", type=int, default=2, help="runs of each stage; the fastest counts")
-    p.add_argument("--stages", default="01,02,03,04x1,04x2,05", help="comma-separated: 01 02 03 04x1 04x2 05")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each setup; the fastest counts")
+    p.add_argument(
+        "--setups",
+        default=",".join(SETUP_KEYS),
+        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--compile", action="store_true", help="torch.compile in every stage and in the bare step")
+    p.add_argument("--compile", action="store_true", help="torch.compile in every setup and in the bare step")
     p.add_argument(
         "--threads-per-rank",
         type=int,
         default=None,
-        help="OMP_NUM_THREADS of every training process, single-process stages and ranks alike "
+        help="OMP_NUM_THREADS of every training process, single-process setups and ranks alike "
         "(default: CPU cores / 2, at least 1): the same compute per device in every row, "
         "so 2 ranks fill the machine and scaling compares like with like",
     )
@@ -281,13 +250,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
         p.error("--iters must be at least twice --log-interval: the first interval is dropped as warm-up")
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
-        p.error(
-            f"--batch-size {args.batch_size} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}"
-        )
-    known = {"01", "02", "03", "04x1", "04x2", "05"}
-    args.stage_keys = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if not args.stage_keys or set(args.stage_keys) - known:
-        p.error(f"--stages takes a comma-separated subset of {', '.join(sorted(known))}")
+        batch = f"--batch-size {args.batch_size}"
+        p.error(f"{batch} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}")
+    args.setup_keys = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if not args.setup_keys or set(args.setup_keys) - set(SETUP_KEYS):
+        p.error(f"--setups takes a comma-separated subset of {', '.join(SETUP_KEYS)}")
     return args
 
 
@@ -310,163 +277,88 @@ def resolve_device(args) -> None:
     )
 
 
-def stage_args(args, stage: Stage, out_dir: Path) -> list[str]:
-    flags = [
-        "--preset",
-        args.preset,
-        "--max-iters",
-        args.iters,
-        "--log-interval",
-        args.log_interval,
-        "--eval-interval",
-        args.iters,
-        "--eval-batches",
-        1,
-        "--sample-tokens",
-        0,
-        "--dropout",
-        0,
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--data-dir",
-        args.data_dir,
-        "--out-dir",
-        out_dir,
-        *stage.flags,
-    ]
-    if args.compile:
-        flags.append("--compile")
-    return [str(f) for f in flags]
+def setup_args(args, setup: Setup, out_dir: Path) -> list[str]:
+    """The chapter script's flags: the same short measured run everywhere, then the setup's own."""
+    run = measured_run_flags(args.iters, args.log_interval, eval_batches=1, preset=args.preset)
+    where = flags(device=args.device, dtype=args.dtype, data_dir=args.data_dir, out_dir=out_dir)
+    return [*run, *where, *map(str, setup.flags), *flags(compile=args.compile)]
 
 
-def run_stage(args, stage: Stage, repeat: int) -> dict:
-    run_dir = Path(args.work_dir) / f"stage_{stage.key}" / f"repeat{repeat}"
+def run_setup(args, setup: Setup, repeat: int) -> dict:
+    run_dir = Path(args.work_dir) / f"setup_{setup.key}" / f"repeat{repeat}"
     out_dir, probe_dir = run_dir / "out", run_dir / "probe"
-    # this run folder is the benchmark's own, from an earlier benchmark: start it afresh (a stage
+    # this run folder is the benchmark's own, from an earlier benchmark: start it afresh (a chapter
     # refuses a folder that holds a run)
     shutil.rmtree(out_dir, ignore_errors=True)
     shutil.rmtree(probe_dir, ignore_errors=True)
-    script_args = [str(PROBE), stage.script, *stage_args(args, stage, out_dir)]
-    commands = launch_commands(stage.launch, stage.ranks, script_args)
-    env = child_env(args, args.threads_per_rank) | {"BENCH_PROBE_DIR": str(probe_dir)}
+    script_args = [setup.script, *setup_args(args, setup, out_dir)]
+    commands = launch_commands(setup.launch, PROBE, setup.ranks, script_args)
+    env = run_env(args, args.threads_per_rank) | {"BENCH_PROBE_DIR": str(probe_dir)}
     started = time.monotonic()
     status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
-    result = {
-        "command": " ".join(commands[0]).replace(sys.executable, "python"),
-        "seconds": round(time.monotonic() - started, 1),
-    }
+    result = {"command": shown_command(commands[0]), "seconds": round(time.monotonic() - started, 1)}
     if status != 0:
-        return result | {
-            "status": "failed",
-            "note": f"exit status {status}: {tail.splitlines()[-1] if tail else ''}"[:300],
-        }
+        last_line = tail.splitlines()[-1] if tail else ""
+        return result | {"status": "failed", "note": f"exit status {status}: {last_line}"[:300]}
     try:
-        return (
-            result
-            | {"status": "ok"}
-            | stage_figures(out_dir, probe_dir, stage.micro_batches, args.log_interval)
-        )
+        figures = run_figures(out_dir, probe_dir, setup.micro_batches, args.log_interval)
     except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as err:
         return result | {"status": "failed", "note": f"no figures: {err}"[:300]}
+    return result | {"status": "ok"} | figures
+
+
+def worker_flags(args, batch_size: int, iters: int, group: int, device: str, out: Path) -> list[str]:
+    """What bench/bare_step.py and bench/ddp_worker.py time (after the warm-up interval), and where to."""
+    return flags(
+        preset=args.preset,
+        batch_size=batch_size,
+        iters=iters,
+        warmup=args.log_interval,
+        group=group,
+        device=device,
+        dtype=args.dtype,
+        data_dir=args.data_dir,
+        out=out,
+    )
 
 
 def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
     out = Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
-    out.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        str(BENCH / "bare_step.py"),
-        "--preset",
-        args.preset,
-        "--batch-size",
-        str(batch_size),
-        "--iters",
-        str(args.iters),
-        "--warmup",
-        str(args.log_interval),
-        "--group",
-        str(args.log_interval),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--data-dir",
-        args.data_dir,
-        "--out",
-        str(out),
-    ]
-    if args.compile:
-        cmd.append("--compile")
-    status, tail = run_commands([cmd], child_env(args, threads), out.with_suffix(".log"), args.timeout)
-    if status != 0 or not out.exists():
+    worker = worker_flags(args, batch_size, args.iters, args.log_interval, args.device, out)
+    commands = launch_commands("python", BENCH / "bare_step.py", 1, worker + flags(compile=args.compile))
+    result, tail = run_for_result(commands, run_env(args, threads), out, args.timeout)
+    if result is None:
         print(f"  bare step (batch {batch_size}) failed: {tail[-200:]}", flush=True)
-        return None
-    return json.loads(out.read_text())
+    return result
 
 
-def run_comm(args, stage: Stage, repeat: int) -> dict | None:
-    out = Path(args.work_dir) / f"comm_{stage.key}" / f"repeat{repeat}.json"
-    out.unlink(missing_ok=True)
+def run_comm(args, setup: Setup, repeat: int) -> dict | None:
+    out = Path(args.work_dir) / f"comm_{setup.key}" / f"repeat{repeat}.json"
     # short groups of 2 steps, alternating sync / no_sync: many pairs, each pair under the same load
     group = min(2, args.log_interval)
     iters = max(args.iters, args.log_interval + 4 * group)  # warm-up, then at least 2 groups of each kind
-    worker = [
-        str(BENCH / "ddp_worker.py"),
-        "--preset",
-        args.preset,
-        "--batch-size",
-        str(args.batch_size // stage.ranks),
-        "--iters",
-        str(iters),
-        "--warmup",
-        str(args.log_interval),
-        "--group",
-        str(group),
-        "--device",
-        "cuda" if args.device.startswith("cuda") else "cpu",
-        "--dtype",
-        args.dtype,
-        "--data-dir",
-        args.data_dir,
-        "--out",
-        str(out),
-    ]
-    commands = launch_commands(stage.launch, stage.ranks, worker)
-    status, tail = run_commands(
-        commands, child_env(args, args.threads_per_rank), out.with_suffix(".log"), args.timeout
-    )
-    if status != 0 or not out.exists():
-        print(f"  communication run for {stage.key} failed: {tail[-200:]}", flush=True)
-        return None
-    return json.loads(out.read_text())
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    worker = worker_flags(args, args.batch_size // setup.ranks, iters, group, device, out)
+    commands = launch_commands(setup.launch, BENCH / "ddp_worker.py", setup.ranks, worker)
+    result, tail = run_for_result(commands, run_env(args, args.threads_per_rank), out, args.timeout)
+    if result is None:
+        print(f"  communication run for {setup.key} failed: {tail[-200:]}", flush=True)
+    return result
 
 
 def predict_two_ranks(args, report: dict) -> dict | None:
     """bench/scaling_model.py's 04 DDP step with 2 ranks, from this run's measured inputs: the bare
     step and the bus bandwidth that 05_multinode/preflight.py measures in the same launch layout,
     for one all-reduce of all the gradients."""
-    if (
-        args.no_comm
-        or args.no_bare
-        or not any(r["stage"] == "04x2" and r["status"] == "ok" for r in report["stages"])
-    ):
+    two_ranks_ok = any(r["setup"] == "04x2" and r["status"] == "ok" for r in report["setups"])
+    if args.no_comm or args.no_bare or not two_ranks_ok:
         return None
     mb = scaling_model.gradient_layout(args.preset)["grad_bytes"] / 1e6
-    preflight = [
-        str(REPO / "05_multinode" / "preflight.py"),
-        "--backend",
-        "nccl" if args.device.startswith("cuda") else "gloo",
-        "--sizes-mb",
-        f"{mb:.3f}",
-        "--iters",
-        "5",
-    ]
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    preflight = flags(backend=backend, sizes_mb=f"{mb:.3f}", iters=5)
+    commands = launch_commands("torchrun", REPO / CHAPTERS[5] / "preflight.py", 2, preflight)
     log = Path(args.work_dir) / "preflight.log"
-    status, tail = run_commands(
-        launch_commands("torchrun", 2, preflight), child_env(args, args.threads_per_rank), log, args.timeout
-    )
+    status, tail = run_commands(commands, run_env(args, args.threads_per_rank), log, args.timeout)
     rows = re.findall(
         r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", log.read_text(errors="replace"), re.MULTILINE
     )
@@ -475,7 +367,7 @@ def predict_two_ranks(args, report: dict) -> dict | None:
         return None
     size, busbw = map(float, rows[-1])
     return scaling_model.against_benchmark(
-        report, busbw, f"05_multinode/preflight.py, 2 ranks, all-reduce of {size:g} MB"
+        report, busbw, f"{CHAPTERS[5]}/preflight.py, 2 ranks, all-reduce of {size:g} MB"
     )
 
 
@@ -485,18 +377,18 @@ def best(results: list[dict | None], key: str) -> dict | None:
     return min(ok, key=lambda r: r[key]) if ok else None
 
 
-def bare_key(args, s: Stage) -> tuple:
-    """The bare step a stage is compared with: one device's share of the batch, the same threads."""
+def bare_key(args, s: Setup) -> tuple:
+    """The bare step a setup is compared with: one device's share of the batch, the same threads."""
     return (args.batch_size // s.ranks, args.threads_per_rank)
 
 
-def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, skipped: dict, argv) -> dict:
+def build_report(args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, skipped: dict, argv) -> dict:
     """Rows of the table from every repeat of every run: the fastest repeat of each."""
     block = PRESETS[args.preset].block_size
     rows = []
-    for s in stages:
+    for s in chosen:
         row = {
-            "stage": s.key,
+            "setup": s.key,
             "label": s.label,
             "script": s.script,
             "launch": s.launch,
@@ -568,7 +460,7 @@ def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, 
         )
         rows.append(row)
 
-    by_key = {r["stage"]: r for r in rows}
+    by_key = {r["setup"]: r for r in rows}
     scaling = {}
     one = by_key.get("04x1")
     for key in ("04x2", "05"):
@@ -602,7 +494,7 @@ def build_report(args, stages: list[Stage], runs: dict, comm: dict, bare: dict, 
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": "python bench/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         },
-        "stages": rows,
+        "setups": rows,
         "bare": [{"batch_size": k[0], "threads_env": k[1], "runs": v} for k, v in bare.items()],
         "scaling": scaling,
     }
@@ -618,30 +510,31 @@ def main(argv=None) -> int:
 
     prepare("shakespeare", args.data_dir)  # once, before any clock starts
     block = PRESETS[args.preset].block_size
-    stages = [s for s in stage_list(args) if s.key in args.stage_keys]
+    chosen = [s for s in setups(args) if s.key in args.setup_keys]
     gpu_short = args.device.startswith("cuda") and args.cuda_devices < 2
+    batch = f"global batch {args.batch_size} x {block} tokens"
+    steps = f"{args.iters} steps (first {args.log_interval} dropped)"
     print(
-        f"benchmark: {args.preset} preset, global batch {args.batch_size} x {block} tokens, {args.iters} steps "
-        f"(first {args.log_interval} dropped), {args.repeats} repeat(s), {args.device_name}",
+        f"benchmark: {args.preset} preset, {batch}, {steps}, {args.repeats} repeat(s), {args.device_name}",
         flush=True,
     )
 
-    runs: dict[str, list[dict]] = {s.key: [] for s in stages}
-    comm: dict[str, list] = {s.key: [] for s in stages if s.ranks > 1}  # one rank has no one to talk to
+    runs: dict[str, list[dict]] = {s.key: [] for s in chosen}
+    comm: dict[str, list] = {s.key: [] for s in chosen if s.ranks > 1}  # one rank has no one to talk to
     bare: dict[tuple, list] = {}
     skipped: dict[str, str] = {}
-    for s in stages:
+    for s in chosen:
         if not (REPO / s.script).exists():
             skipped[s.key] = f"not run: {s.script} does not exist yet"
         elif gpu_short and s.ranks > args.cuda_devices:
             skipped[s.key] = f"not run: {s.ranks} ranks need {s.ranks} GPUs, {args.cuda_devices} visible"
 
     for repeat in range(args.repeats):
-        for s in stages:
+        for s in chosen:
             if s.key in skipped:
                 continue
             print(f"[repeat {repeat + 1}/{args.repeats}] {s.label} ...", end=" ", flush=True)
-            r = run_stage(args, s, repeat)
+            r = run_setup(args, s, repeat)
             runs[s.key].append(r)
             print(
                 f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"] + ": " + r["note"],
@@ -657,7 +550,7 @@ def main(argv=None) -> int:
                         flush=True,
                     )
         if not args.no_bare:
-            for key in sorted({bare_key(args, s) for s in stages if s.key not in skipped}, key=str):
+            for key in sorted({bare_key(args, s) for s in chosen if s.key not in skipped}, key=str):
                 b = run_bare(args, key[0], key[1], repeat)
                 bare.setdefault(key, []).append(b)
                 if b:
@@ -666,7 +559,7 @@ def main(argv=None) -> int:
                         flush=True,
                     )
 
-    report = build_report(args, stages, runs, comm, bare, skipped, argv)
+    report = build_report(args, chosen, runs, comm, bare, skipped, argv)
     report["prediction"] = predict_two_ranks(args, report)
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
@@ -675,14 +568,14 @@ def main(argv=None) -> int:
     (results / "benchmark.md").write_text(table)
     print("\n" + table)
     print(f"written: {results / 'benchmark.md'}, {results / 'benchmark.json'}")
-    return 1 if any(r["status"] == "failed" for r in report["stages"]) else 0
+    return 1 if any(r["status"] == "failed" for r in report["setups"]) else 0
 
 
 # ---------------------------------------------------------------------------------------------
 # The table
 
 COLUMNS = [
-    "Stage",
+    "Setup",
     "Processes x threads",
     "tokens/s",
     "tokens/s per device",
@@ -696,61 +589,50 @@ COLUMNS = [
 ]
 
 
-def _num(value, fmt: str = "{:,.0f}") -> str:
-    return "n/a" if value is None else fmt.format(value)
-
-
-def _pct(value) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
 def markdown(report: dict) -> str:
     s = report["settings"]
+    batch = f"{s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens"
+    steps = f"{s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as warm-up"
+    compiled = ", torch.compile" if s["compile"] else ""
     lines = [
         f"# Benchmark: {s['preset']} preset on {s['device_name']}",
         "",
-        f"Global batch {s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens "
-        f"per step in every stage; {s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as "
-        f"warm-up; dtype {s['dtype']}{', torch.compile' if s['compile'] else ''}; fastest of {s['repeats']} "
-        f"repeat(s). torch {s['torch']}, {s['date']}.",
+        f"Global batch {batch} per step in every setup; {steps}; dtype {s['dtype']}{compiled}; "
+        f"fastest of {s['repeats']} repeat(s). torch {s['torch']}, {s['date']}.",
         "",
         f"Command: `{s['command']}`",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
+        row(COLUMNS),
         "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|",
     ]
-    for r in report["stages"]:
+    for r in report["setups"]:
         if r["status"] != "ok":
             lines.append(f"| {r['label']} | {r['note']} |" + " |" * (len(COLUMNS) - 2))
             continue
-        mem = _num(r["peak_mem_mb"]) + (
-            " (RSS)" if "RSS" in r["peak_mem_source"] and r["peak_mem_mb"] is not None else ""
-        )
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["label"],
-                    f"{r['processes']} x {_num(r['threads_per_rank'], '{}')}",
-                    _num(r["tokens_per_sec"]),
-                    _num(r["tokens_per_sec_per_device"]),
-                    _num(r["step_ms"], "{:,.1f}"),
-                    _pct(r["mfu"]),
-                    mem,
-                    _pct(r["data_wait_share"]),
-                    _pct(r["comm_share"]) if r["processes"] > 1 else "-",
-                    _num(r["bare_ratio"], "{:.3f}"),
-                    _num(r["bare_cpu_ratio"], "{:.3f}"),
-                ]
-            )
-            + " |"
-        )
+        mem = cell(r["peak_mem_mb"])
+        if "RSS" in r["peak_mem_source"] and r["peak_mem_mb"] is not None:
+            mem += " (RSS)"
+        cells = [
+            r["label"],
+            f"{r['processes']} x {cell(r['threads_per_rank'], '{}')}",
+            cell(r["tokens_per_sec"]),
+            cell(r["tokens_per_sec_per_device"]),
+            cell(r["step_ms"], "{:,.1f}"),
+            percent(r["mfu"]),
+            mem,
+            percent(r["data_wait_share"]),
+            percent(r["comm_share"]) if r["processes"] > 1 else "-",
+            cell(r["bare_ratio"], "{:.3f}"),
+            cell(r["bare_cpu_ratio"], "{:.3f}"),
+        ]
+        lines.append(row(cells))
     for key, sc in report["scaling"].items():
         lines.append("")
-        lines.append(
-            f"Scaling, {key} against 04x1 (same threads per rank): {sc['speedup']:.2f}x the tokens/s of one rank, "
-            f"efficiency {100 * sc['efficiency']:.0f}% (tokens/s of 2 ranks / (2 x tokens/s of 1 rank))."
+        speedup = f"{sc['speedup']:.2f}x the tokens/s of one rank"
+        efficiency = (
+            f"efficiency {100 * sc['efficiency']:.0f}% (tokens/s of 2 ranks / (2 x tokens/s of 1 rank))"
         )
+        lines.append(f"Scaling, {key} against 04x1 (same threads per rank): {speedup}, {efficiency}.")
     bare = [
         (b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms")) for b in report["bare"]
     ]

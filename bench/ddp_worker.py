@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_tools  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
@@ -37,14 +37,11 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from common.data import batch_loader, load_splits, prepare  # noqa: E402
 from common.device import autocast_context, pick_dtype, setup_math  # noqa: E402
-from common.model import GPT, PRESETS, model_config  # noqa: E402
+from common.model import GPT, model_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--preset", choices=list(PRESETS), default="small")
+    p = bench_tools.parser(__doc__)
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--iters", type=int, default=25, help="steps, warm-up included")
@@ -84,13 +81,10 @@ def main() -> None:
         result = run(args, rank, world, device)
         if rank == 0:
             result.update(backend=backend, world_size=world)
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(result, indent=1))
-            print(
-                f"DDP step over {world} rank(s): sync {result['sync_ms']:.1f} ms, no_sync "
-                f"{result['no_sync_ms']:.1f} ms -> communication {100 * result['comm_share']:.1f}% of the step"
-            )
+            bench_tools.write_result(args.out, result)
+            steps = f"sync {result['sync_ms']:.1f} ms, no_sync {result['no_sync_ms']:.1f} ms"
+            share = f"communication {100 * result['comm_share']:.1f}% of the step"
+            print(f"DDP step over {world} rank(s): {steps} -> {share}")
     finally:
         dist.destroy_process_group()
 
@@ -106,9 +100,7 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
         train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
     model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(
-        model.optimizer_groups(0.1), lr=1e-3, betas=(0.9, 0.99), fused=device.type == "cuda"
-    )
+    optimizer = bench_tools.adamw(model, 1e-3, device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def batches():

@@ -80,7 +80,7 @@ step replica_dtype 45 "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtyp
 common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BATCH" --iters "$ITERS"
         --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")
 # the benchmark's own per-run limit: the step's, less a margin for writing its table
-step eager 150 "$PYTHON" bench/benchmark.py "${common[@]}" --stages 01,03,04x1 --timeout 130 \
+step eager 150 "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01,03,04x1 --timeout 130 \
     --work-dir "$WORK/eager" --results-dir "$OUT/eager"
 step gpu_vs_cpu 60 "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" --steps 10 --batch-size 8 --ref-device cpu \
     --ref-dtype float32 --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" \
@@ -88,7 +88,7 @@ step gpu_vs_cpu 60 "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" --step
 step preflight 45 "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb 1,16,128 --iters 10
 step from_scratch 60 "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all --preset "$CHECK_PRESET" --steps 12
 # compiling GPT-2's forward and backward takes most of this step
-step compile 180 "$PYTHON" bench/benchmark.py "${common[@]}" --stages 01 --compile --no-bare --timeout 170 \
+step compile 180 "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01 --compile --no-bare --timeout 170 \
     --work-dir "$WORK/compile" --results-dir "$OUT/compile"
 # chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): bare steps, eager and
 # compiled (tokens/s, peak memory), then the loss alone by chunk size; it gets what is left of TOTAL

@@ -9,16 +9,14 @@ import json
 import sys
 from pathlib import Path
 
+from tables import cell, percent, row
+
 
 def _load(path: Path):
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def _f(value, fmt="{:,.0f}"):
-    return "n/a" if value is None else fmt.format(value)
 
 
 def summary(out: Path) -> str:
@@ -33,29 +31,24 @@ def summary(out: Path) -> str:
             lines.append(f"| {variant} | | | | | | no results (see {variant}.log) |")
             continue
         s = report["settings"]
-        device = (
-            device
-            or f"{s['device_name']}, {s['preset']} preset, batch {s['global_batch']} x {s['block_size']}, {s['dtype']}"
-        )
-        for r in report["stages"]:
+        batch = f"batch {s['global_batch']} x {s['block_size']}"
+        device = device or f"{s['device_name']}, {s['preset']} preset, {batch}, {s['dtype']}"
+        for r in report["setups"]:
             name = f"{r['label']} ({variant})"
             if r["status"] != "ok":
                 lines.append(f"| {name} | | | | | | {r['status']}: {r.get('note', '')} |")
                 continue
-            lines.append(
-                f"| {name} | {_f(r['tokens_per_sec'])} | {_f(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | "
-                f"{_f(r['peak_mem_mb'])} | {_f(r['step_ms'], '{:.1f}')} | {_f(r['bare_ratio'], '{:.3f}')} | ok |"
-            )
+            step = [cell(r["peak_mem_mb"]), cell(r["step_ms"], "{:.1f}"), cell(r["bare_ratio"], "{:.3f}")]
+            lines.append(row([name, cell(r["tokens_per_sec"]), percent(r["mfu"]), *step, "ok"]))
     check = _load(out / "gpu_vs_cpu.json")
     text = [f"# GPU check: {device or 'no benchmark results'}", "", *lines, ""]
     if check is None:
         text.append("- bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
     else:
-        text.append(
-            f"- bf16 vs float32 check ({check['test']} against {check['reference']}, {check['steps']} steps): "
-            f"{'PASS' if check['passed'] else 'FAIL'}, largest relative loss difference "
-            f"{check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
-        )
+        sides = f"{check['test']} against {check['reference']}, {check['steps']} steps"
+        verdict = "PASS" if check["passed"] else "FAIL"
+        difference = f"largest relative loss difference {check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
+        text.append(f"- bf16 vs float32 check ({sides}): {verdict}, {difference}")
     replica = _load(out / "replica_dtype.json")
     if replica is None:
         text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")

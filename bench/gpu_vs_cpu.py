@@ -16,26 +16,23 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench_tools  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import RandomSampler  # noqa: E402
 
 from common.data import batch_loader, load_splits, prepare  # noqa: E402
 from common.device import autocast_context, pick_device, pick_dtype, setup_math  # noqa: E402
 from common.errors import CourseError, run_main  # noqa: E402
-from common.model import GPT, PRESETS, model_config  # noqa: E402
+from common.model import GPT, model_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--preset", choices=list(PRESETS), default="small")
+    p = bench_tools.parser(__doc__)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps compared")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3, help="a constant learning rate")
@@ -62,9 +59,7 @@ def train_losses(model: GPT, batches, device: torch.device, dtype: torch.dtype, 
     """The loss of every step of a short run of `model` (a copy is trained; the original is kept)."""
     setup_math(device)
     model = copy.deepcopy(model).to(device)
-    optimizer = torch.optim.AdamW(
-        model.optimizer_groups(0.1), lr=args.lr, betas=(0.9, 0.99), fused=device.type == "cuda"
-    )
+    optimizer = bench_tools.adamw(model, args.lr, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = autocast_context(device, dtype)
     model.train()
@@ -73,13 +68,7 @@ def train_losses(model: GPT, batches, device: torch.device, dtype: torch.dtype, 
         x, y = x.to(device), y.to(device)
         with autocast:
             _, loss = model(x, y)
-        scaler.scale(loss).backward()
-        if args.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        bench_tools.update(loss, model, optimizer, scaler, args.grad_clip)
         losses.append(loss.item())  # a check, not a benchmark: one sync per step is fine
     return losses
 
@@ -110,9 +99,8 @@ def main(argv=None) -> int:
     passed = max(rel) <= args.rtol
     ref_name = f"{ref_device} {str(ref_dtype).removeprefix('torch.')}"
     test_name = f"{test_device} {str(test_dtype).removeprefix('torch.')}"
-    print(
-        f"{args.preset} preset, batch {args.batch_size}, {args.steps} steps: {ref_name} (reference) vs {test_name}"
-    )
+    run = f"{args.preset} preset, batch {args.batch_size}, {args.steps} steps"
+    print(f"{run}: {ref_name} (reference) vs {test_name}")
     print(f"{'step':>4}  {'reference':>10}  {'test':>10}  {'rel. diff':>9}")
     for i, (r, t, d) in enumerate(zip(ref, test, rel), start=1):
         print(f"{i:>4}  {r:>10.5f}  {t:>10.5f}  {d:>9.2e}")
@@ -120,27 +108,20 @@ def main(argv=None) -> int:
         f"{'PASS' if passed else 'FAIL'}: largest relative difference {max(rel):.2e} "
         f"{'<=' if passed else '>'} rtol {args.rtol:g}"
     )
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "preset": args.preset,
-                    "batch_size": args.batch_size,
-                    "steps": args.steps,
-                    "rtol": args.rtol,
-                    "reference": ref_name,
-                    "test": test_name,
-                    "reference_losses": ref,
-                    "test_losses": test,
-                    "rel_diff": rel,
-                    "max_rel_diff": max(rel),
-                    "passed": passed,
-                },
-                indent=1,
-            )
-            + "\n"
-        )
+    result = {
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "rtol": args.rtol,
+        "reference": ref_name,
+        "test": test_name,
+        "reference_losses": ref,
+        "test_losses": test,
+        "rel_diff": rel,
+        "max_rel_diff": max(rel),
+        "passed": passed,
+    }
+    bench_tools.write_result(args.out, result)
     return 0 if passed else 1
 
 

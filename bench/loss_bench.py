@@ -38,15 +38,18 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "02_grad_accumulation"))
 
 import torch  # noqa: E402
-from benchmark import PROBE, child_env, run_commands, stage_figures  # noqa: E402
+from benchmark import PROBE, run_commands, run_env, run_figures, run_for_result  # noqa: E402
 from measure_memory import cpu_peak_added  # noqa: E402
+from tables import cell, row  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+from common.chapters import CHAPTERS  # noqa: E402
 from common.chunked_loss import chunked_cross_entropy  # noqa: E402
+from common.launch import flags, launch_commands, measured_run_flags  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
 MiB = 2**20
-# configuration name -> model flags, shared by bare_step.py and the stage scripts
+# configuration name -> model flags, shared by bare_step.py and the chapters' scripts
 CONFIGS = {
     "tiny": ["--preset", "tiny"],
     "small": ["--preset", "small"],
@@ -106,43 +109,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict:
-    name = f"{config}_{program}_{'chunked' if chunked else 'plain'}_r{repeat}"
+    name = f"{config}_{program}_{side_name(chunked)}_r{repeat}"
     run_dir = Path(args.work_dir) / name
-    loss_flag = [] if chunked else ["--no-chunked-loss"]
-    common = [
+    model = [
         *CONFIGS[config],
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--data-dir",
-        args.data_dir,
-        "--batch-size",
-        str(args.batch_size),
-        *loss_flag,
+        *flags(device=args.device, dtype=args.dtype, data_dir=args.data_dir, batch_size=args.batch_size),
+        *flags(no_chunked_loss=not chunked),
     ]
-    env = child_env(args, args.threads)
+    env = run_env(args, args.threads)
     if program.startswith("bare"):
         out = run_dir / "bare.json"
-        out.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            str(BENCH / "bare_step.py"),
-            *common,
-            "--iters",
-            str(args.iters),
-            "--warmup",
-            str(args.log_interval),
-            "--group",
-            str(args.log_interval),
-            "--out",
-            str(out),
-        ]
-        cmd += ["--compile"] if program == "bare_compiled" else []
-        status, tail = run_commands([cmd], env, run_dir / "run.log", args.timeout)
-        if status != 0 or not out.exists():
+        timing = flags(iters=args.iters, warmup=args.log_interval, group=args.log_interval, out=out)
+        compiled = flags(compile=program == "bare_compiled")
+        commands = launch_commands("python", BENCH / "bare_step.py", 1, [*model, *timing, *compiled])
+        r, tail = run_for_result(commands, env, out, args.timeout)
+        if r is None:
             return {"status": "failed", "note": tail[-300:]}
-        r = json.loads(out.read_text())
         tokens = r["batch_size"] * r["block_size"]
         return {
             "status": "ok",
@@ -154,32 +136,13 @@ def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict
     out_dir, probe_dir = run_dir / "out", run_dir / "probe"
     for old in [*probe_dir.glob("*.json"), out_dir / "metrics.jsonl"]:
         old.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        str(PROBE),
-        "01_single_gpu/train.py",
-        *common,
-        "--max-iters",
-        str(args.iters),
-        "--log-interval",
-        str(args.log_interval),
-        "--eval-interval",
-        str(args.iters),
-        "--eval-batches",
-        "1",
-        "--sample-tokens",
-        "0",
-        "--dropout",
-        "0",
-        "--out-dir",
-        str(out_dir),
-    ]
-    status, tail = run_commands(
-        [cmd], env | {"BENCH_PROBE_DIR": str(probe_dir)}, run_dir / "run.log", args.timeout
-    )
+    run = measured_run_flags(args.iters, args.log_interval, eval_batches=1, out_dir=out_dir)
+    commands = launch_commands("python", PROBE, 1, [f"{CHAPTERS[1]}/train.py", *model, *run])
+    env |= {"BENCH_PROBE_DIR": str(probe_dir)}
+    status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
     if status != 0:
         return {"status": "failed", "note": tail[-300:]}
-    fig = stage_figures(out_dir, probe_dir, 1, args.log_interval)
+    fig = run_figures(out_dir, probe_dir, 1, args.log_interval)
     return {
         "status": "ok",
         "step_ms": fig["step_ms"],
@@ -193,21 +156,12 @@ def steps(args) -> dict:
     programs = list(args.programs) + (["bare_compiled"] if args.compile else [])
     runs = {(c, p, chunked): [] for c in args.configs for p in programs for chunked in (False, True)}
     for repeat in range(args.repeats):
-        order = (
-            list(runs) if repeat % 2 == 0 else [(c, p, not chunked) for c, p, chunked in runs]
-        )  # swap pairs
+        # every other repeat runs the chunked side of each pair first
+        order = list(runs) if repeat % 2 == 0 else [(c, p, not chunked) for c, p, chunked in runs]
         for key in order:
             result = run_one(args, *key, repeat)
             runs[key].append(result)
-            print(
-                f"  repeat {repeat}: {key[0]} {key[1]} {'chunked' if key[2] else 'plain'}: "
-                + (
-                    f"{result['step_ms']:.1f} ms ({result['step_cpu_ms'] or 0:.1f} ms CPU), {result['peak_mb']:,.0f} MB"
-                    if result["status"] == "ok"
-                    else result["note"]
-                ),
-                flush=True,
-            )
+            print(f"  repeat {repeat}: {key[0]} {key[1]} {side_name(key[2])}: {outcome(result)}", flush=True)
     rows = []
     for c in args.configs:
         for p in programs:
@@ -216,11 +170,6 @@ def steps(args) -> dict:
             if not pairs:
                 rows.append({"config": c, "program": p, "status": "failed"})
                 continue
-
-            def med(side, key):
-                values = [pair[side][key] for pair in pairs if pair[side][key] is not None]
-                return statistics.median(values) if values else None
-
             ratio = [a["step_ms"] / b["step_ms"] for a, b in pairs]
             cpu_ratio = [
                 a["step_cpu_ms"] / b["step_cpu_ms"] for a, b in pairs if a["step_cpu_ms"] and b["step_cpu_ms"]
@@ -231,47 +180,62 @@ def steps(args) -> dict:
                     "program": p,
                     "status": "ok",
                     "repeats": len(pairs),
-                    "plain_ms": med(0, "step_ms"),
-                    "chunked_ms": med(1, "step_ms"),
-                    "plain_cpu_ms": med(0, "step_cpu_ms"),
-                    "chunked_cpu_ms": med(1, "step_cpu_ms"),
+                    "plain_ms": median_of(pairs, 0, "step_ms"),
+                    "chunked_ms": median_of(pairs, 1, "step_ms"),
+                    "plain_cpu_ms": median_of(pairs, 0, "step_cpu_ms"),
+                    "chunked_cpu_ms": median_of(pairs, 1, "step_cpu_ms"),
                     "speedup": statistics.median(ratio),
                     "speedup_cpu": statistics.median(cpu_ratio) if cpu_ratio else None,
                     "plain_peak_mb": max(a["peak_mb"] for a, _ in pairs),
                     "chunked_peak_mb": max(b["peak_mb"] for _, b in pairs),
-                    "plain_tokens_per_sec": med(0, "tokens_per_sec"),
-                    "chunked_tokens_per_sec": med(1, "tokens_per_sec"),
+                    "plain_tokens_per_sec": median_of(pairs, 0, "tokens_per_sec"),
+                    "chunked_tokens_per_sec": median_of(pairs, 1, "tokens_per_sec"),
                 }
             )
     return {
         "settings": {k: v for k, v in vars(args).items() if k != "what"},
         "rows": rows,
-        "runs": {f"{c} {p} {'chunked' if ch else 'plain'}": r for (c, p, ch), r in runs.items()},
+        "runs": {f"{c} {p} {side_name(ch)}": r for (c, p, ch), r in runs.items()},
     }
+
+
+def side_name(chunked: bool) -> str:
+    return "chunked" if chunked else "plain"
+
+
+def outcome(result: dict) -> str:
+    """One run in words: its step time and peak memory, or why it failed."""
+    if result["status"] != "ok":
+        return result["note"]
+    return (
+        f"{result['step_ms']:.1f} ms ({result['step_cpu_ms'] or 0:.1f} ms CPU), {result['peak_mb']:,.0f} MB"
+    )
+
+
+def median_of(pairs: list[tuple[dict, dict]], side: int, key: str) -> float | None:
+    """The median of `key` on one side (0: plain, 1: chunked) of the (plain, chunked) pairs of runs."""
+    values = [pair[side][key] for pair in pairs if pair[side][key] is not None]
+    return statistics.median(values) if values else None
 
 
 def steps_table(report: dict) -> str:
     mem = "peak memory (MB)" if report["settings"]["device"].startswith("cuda") else "peak RSS (MB)"
+    step_columns = "step plain (ms) | step chunked (ms) | speed-up | CPU ms plain | CPU ms chunked"
+    rate_columns = f"speed-up (CPU time) | tokens/s plain | tokens/s chunked | {mem} plain | {mem} chunked"
     lines = [
-        f"| config | program | step plain (ms) | step chunked (ms) | speed-up | CPU ms plain | CPU ms chunked "
-        f"| speed-up (CPU time) | tokens/s plain | tokens/s chunked | {mem} plain | {mem} chunked |",
+        f"| config | program | {step_columns} | {rate_columns} |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-
-    def f(v, fmt="{:,.1f}"):
-        return "n/a" if v is None else fmt.format(v)
-
     for r in report["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {r['program']} | failed | | | | | | | | | |")
             continue
-        lines.append(
-            f"| {r['config']} | {r['program']} | {f(r['plain_ms'])} | {f(r['chunked_ms'])} | "
-            f"{f(r['speedup'], '{:.2f}x')} | {f(r['plain_cpu_ms'])} | {f(r['chunked_cpu_ms'])} | "
-            f"{f(r['speedup_cpu'], '{:.2f}x')} | {f(r['plain_tokens_per_sec'], '{:,.0f}')} | "
-            f"{f(r['chunked_tokens_per_sec'], '{:,.0f}')} | {f(r['plain_peak_mb'], '{:,.0f}')} | "
-            f"{f(r['chunked_peak_mb'], '{:,.0f}')} |"
-        )
+        ms, ratio = "{:,.1f}", "{:.2f}x"
+        steps = [cell(r["plain_ms"], ms), cell(r["chunked_ms"], ms), cell(r["speedup"], ratio)]
+        cpu = [cell(r["plain_cpu_ms"], ms), cell(r["chunked_cpu_ms"], ms), cell(r["speedup_cpu"], ratio)]
+        rates = [cell(r["plain_tokens_per_sec"]), cell(r["chunked_tokens_per_sec"])]
+        peaks = [cell(r["plain_peak_mb"]), cell(r["chunked_peak_mb"])]
+        lines.append(row([r["config"], r["program"], *steps, *cpu, *rates, *peaks]))
     return "\n".join(lines)
 
 
@@ -360,9 +324,13 @@ def loss_alone(args) -> dict:
 def loss_table(report: dict) -> str:
     s = report["settings"]
     n1, n2 = s["positions"]
+    time_columns = f"time, {n1:,} positions (ms) | CPU time (ms)"
+    memory_columns = (
+        f"peak above inputs, {n1:,} positions (MiB) | at {n2:,} (MiB) | per position (KiB) | "
+        f"computed for {s['extrapolate_to']:,} positions (MiB)"
+    )
     lines = [
-        f"| path | time, {n1:,} positions (ms) | CPU time (ms) | peak above inputs, {n1:,} positions (MiB) | "
-        f"at {n2:,} (MiB) | per position (KiB) | computed for {s['extrapolate_to']:,} positions (MiB) | vs plain |",
+        f"| path | {time_columns} | {memory_columns} | vs plain |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     plain = next((r for r in report["rows"] if r["chunk"] == 0), None)
@@ -384,34 +352,24 @@ def main(argv=None) -> None:
     if args.what == "steps":
         report = steps(args)
         text = steps_table(report)
-    elif (
-        args.what == "check"
-    ):  # one configuration: its bare steps, then its loss alone at half and full batch
+    elif args.what == "check":
+        # one configuration: its bare steps, then its loss alone at half and full batch
         args.programs = ["bare"]
         report = steps(args)
         text = steps_table(report)
         config = PRESETS[CONFIGS[args.configs[0]][1]]
         positions = args.batch_size * config.block_size
-        loss_args = parse_args(
-            [
-                "loss",
-                "--width",
-                str(config.n_embd),
-                "--positions",
-                str(positions // 2),
-                str(positions),
-                "--extrapolate-to",
-                str(positions),
-                "--device",
-                args.device,
-                "--repeats",
-                str(args.repeats),
-                "--dtype",
-                "float32" if args.dtype == "auto" else args.dtype,
-                "--chunks",
-                *[str(k) for k in args.chunks if k <= positions // 2],
-            ]
+        dtype = "float32" if args.dtype == "auto" else args.dtype
+        chunks = [str(k) for k in args.chunks if k <= positions // 2]
+        sizes = ["--positions", str(positions // 2), str(positions), "--chunks", *chunks]
+        more = flags(
+            width=config.n_embd,
+            extrapolate_to=positions,
+            device=args.device,
+            repeats=args.repeats,
+            dtype=dtype,
         )
+        loss_args = parse_args(["loss", *sizes, *more])
         report["loss"] = loss_alone(loss_args)
         text += "\n\nThe output layer + loss alone, forward and backward:\n\n" + loss_table(report["loss"])
     else:

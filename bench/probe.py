@@ -1,18 +1,19 @@
-"""Run a stage script unchanged, and record what its metrics.jsonl does not: data wait, memory, threads.
+"""Run a chapter's script unchanged, and record what its metrics.jsonl does not: data wait, memory, threads.
 
     python bench/probe.py 01_single_gpu/train.py --preset small ...        # instead of python SCRIPT
     torchrun --nproc-per-node=2 bench/probe.py 04_ddp/train.py ...         # instead of torchrun SCRIPT
 
-The benchmark starts every stage through this file. It replaces `common.data.batch_loader` (the
-function every stage builds its training batches with) by one that hands out the same batches
-but times each `next(batches)`, notes the clocks whenever a training metrics line is written, then runs the script with `runpy` as `python SCRIPT` would. At
-exit each process writes `probe_rank<RANK>.json` into $BENCH_PROBE_DIR (nothing when unset):
+The benchmark starts every chapter through this file. It replaces `common.data.batch_loader` (the
+function every chapter builds its training batches with) by one that hands out the same batches
+but times each `next(batches)`, notes the clocks whenever a training metrics line is written, then
+runs the script with `runpy` as `python SCRIPT` would. At exit each process writes
+`probe_rank<RANK>.json` into $BENCH_PROBE_DIR (nothing when unset):
 
     data_wait_s   seconds each training `next(batches)` took, in call order
     call_wall_s   perf_counter() when each call began: consecutive calls bracket training steps
     call_cpu_s    process_time() when each call began (CPU seconds of all the process's threads)
     log_marks     iter, perf_counter() and process_time() as each training metrics line is written
-                  (MetricsLog.write is wrapped too): the CPU time of the stage's own log intervals
+                  (MetricsLog.write is wrapped too): the CPU time of the chapter's own log intervals
     maxrss_mb     the process's peak resident memory (getrusage), its DataLoader workers included
     threads       torch.get_num_threads() in the process at exit (intra-op threads)
 
@@ -46,7 +47,7 @@ _original_write = common.metrics.MetricsLog.write
 
 
 class TimedLoader:
-    """The stage's DataLoader, with the time of every `next()` on its iterator recorded."""
+    """The chapter's DataLoader, with the time of every `next()` on its iterator recorded."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -106,9 +107,9 @@ def write_probe() -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        sys.exit("usage: python bench/probe.py STAGE_SCRIPT [ARGS...]")
+        sys.exit("usage: python bench/probe.py CHAPTER_SCRIPT [ARGS...]")
     script = str(Path(sys.argv[1]).resolve())
-    common.data.batch_loader = timed_batch_loader  # the stage imports it after this line
+    common.data.batch_loader = timed_batch_loader  # the chapter imports it after this line
     common.metrics.MetricsLog.write = marked_write
     sys.argv = [script, *sys.argv[2:]]
     try:

@@ -120,7 +120,7 @@ def predict(compute_s: float, grad_bytes: float, last_bucket_bytes: float, busbw
 
 def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | None:
     """Predict 04 DDP with 2 ranks from the run's measured inputs and set it beside what was measured."""
-    rows = {r["stage"]: r for r in report["stages"]}
+    rows = {r["setup"]: r for r in report["setups"]}
     two, one = rows.get("04x2", {}), rows.get("04x1", {})
     bare = {
         b["batch_size"]: min((r["step_ms"] for r in b["runs"] if r), default=None) for b in report["bare"]

@@ -160,3 +160,48 @@ def run_together(commands: list[list[str]], env: dict, logs: list, timeout: floa
     finally:
         stop_launchers(procs, grace=0)
     return status
+
+
+def flags(**values) -> list[str]:
+    """Command-line flags from keyword arguments: max_iters=30 -> --max-iters 30.
+
+    True gives the bare flag (compile=True -> --compile); False and None leave the flag out.
+    """
+    words = []
+    for name, value in values.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        words += [flag] if value is True else [flag, str(value)]
+    return words
+
+
+def measured_run_flags(iters: int, log_interval: int, eval_batches: int, **more) -> list[str]:
+    """The flags of a chapter run made for its numbers: one evaluation, at the end; no sample, no dropout.
+
+    `more` are further flags, as flags() takes them (the model, the device, the folders).
+    """
+    return flags(
+        max_iters=iters,
+        log_interval=log_interval,
+        eval_interval=iters,
+        eval_batches=eval_batches,
+        sample_tokens=0,
+        dropout=0,
+        **more,
+    )
+
+
+def launch_commands(launch: str, script: str | Path, nproc: int, args: list) -> list[list[str]]:
+    """One run's command lines, one per node, by how it is launched.
+
+    "python": one process; "torchrun": nproc processes (--standalone); "two_nodes": two torchruns of
+    nproc // 2 processes each, meeting on 127.0.0.1.
+    """
+    if launch == "python":
+        return [[sys.executable, str(script), *map(str, args)]]
+    if launch == "torchrun":
+        return [torchrun_command(script, nproc, args)]
+    if launch == "two_nodes":
+        return two_node_commands(script, nproc // 2, args)
+    raise ValueError(f"unknown launch {launch!r}: python, torchrun or two_nodes")

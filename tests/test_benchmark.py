@@ -1,7 +1,8 @@
 """The benchmark command (bench/benchmark.py) and the CPU-runnable parts of the GPU check.
 
-One short benchmark run of the tiny model over every stage that exists; the tests check the shape
-of what it writes (the table's columns, the JSON's keys and types, a row per stage), never timings.
+One short benchmark run of the tiny model over every setup (a chapter launched one way) that exists;
+the tests check the shape of what it writes (the table's columns, the JSON's keys and types, a row per
+setup), never timings.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ ROW_NUMBERS = [
 
 @pytest.fixture(scope="module")
 def bench_run(data_dir, tmp_path_factory):
-    """One benchmark run: tiny model, 4 steps (the first 2 are warm-up), every stage, one repeat."""
+    """One benchmark run: tiny model, 4 steps (the first 2 are warm-up), every setup, one repeat."""
     tmp = tmp_path_factory.mktemp("bench")
     proc = run_python(
         [
@@ -73,13 +74,13 @@ def bench_run(data_dir, tmp_path_factory):
     )
 
 
-def expected_stages() -> list:
+def expected_setups() -> list:
     args = benchmark.parse_args(["--batch-size", "4"])
     args.cuda_devices, args.dp_replicas = 0, 1  # what resolve_device finds on a CPU
-    return benchmark.stage_list(args)
+    return benchmark.setups(args)
 
 
-def test_json_has_a_complete_row_per_stage(bench_run):
+def test_json_has_a_complete_row_per_setup(bench_run):
     proc, report, _, _ = bench_run
     settings = report["settings"]
     assert (
@@ -88,12 +89,12 @@ def test_json_has_a_complete_row_per_stage(bench_run):
         and settings["tokens_per_step"] == 4 * 32
     )
     assert settings["warmup_steps_dropped"] == 2 and settings["device"] == "cpu"
-    rows = {r["stage"]: r for r in report["stages"]}
+    rows = {r["setup"]: r for r in report["setups"]}
     assert list(rows) == ["01", "02", "03", "04x1", "04x2", "05"]
-    for stage in expected_stages():
-        row = rows[stage.key]
-        if not (REPO / stage.script).exists():
-            assert row["status"] == "missing" and stage.script in row["note"]
+    for setup in expected_setups():
+        row = rows[setup.key]
+        if not (REPO / setup.script).exists():
+            assert row["status"] == "missing" and setup.script in row["note"]
             continue
         assert row["status"] == "ok", row
         for key in ROW_NUMBERS:
@@ -103,11 +104,11 @@ def test_json_has_a_complete_row_per_stage(bench_run):
         assert row["mfu"] is None  # no known peak FLOP/s for a CPU
         assert row["peak_mem_source"].startswith("peak RSS")
         assert isinstance(row["threads_per_rank"], int) and row["threads_per_rank"] >= 1
-        assert row["devices"] == row["processes"] == stage.ranks
+        assert row["devices"] == row["processes"] == setup.ranks
         assert (
             row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
         )  # the same global batch everywhere
-        if stage.ranks == 1:
+        if setup.ranks == 1:
             assert row["comm_share"] is None
         else:  # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
             assert isinstance(row["comm_share"], float) and row["comm"]["backend"] == "gloo"
@@ -121,13 +122,13 @@ def test_json_has_a_complete_row_per_stage(bench_run):
 def test_markdown_table_is_well_formed(bench_run):
     _, report, table, _ = bench_run
     lines = table.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("| Stage |"))
+    header = next(i for i, line in enumerate(lines) if line.startswith("| Setup |"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
     assert columns == benchmark.COLUMNS
     assert set(lines[header + 1].strip("|").split("|")) <= {"---", "---:"}
     rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[header + 2 :]))
-    assert len(rows) == len(report["stages"])
-    for line, row in zip(rows, report["stages"]):
+    assert len(rows) == len(report["setups"])
+    for line, row in zip(rows, report["setups"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == len(columns) and cells[0] == row["label"]
         if row["status"] == "ok":
@@ -164,7 +165,7 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
     assert predicted["comm_share"] == pytest.approx(comm_ms / (bare[2] + comm_ms), rel=1e-9)
     assert predicted["efficiency"] == pytest.approx(bare[4] / (2 * (bare[2] + comm_ms)), rel=1e-9)
     # beside the measured figures of the same run, in its table
-    row = next(r for r in report["stages"] if r["stage"] == "04x2")
+    row = next(r for r in report["setups"] if r["setup"] == "04x2")
     assert measured == {
         "step_ms": row["step_ms"],
         "comm_ms": row["comm"]["comm_ms"],
@@ -178,7 +179,7 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
     )
 
 
-def test_a_missing_stage_is_a_row_that_says_so():
+def test_a_missing_setup_is_a_row_that_says_so():
     report = {
         "settings": {
             "preset": "tiny",
@@ -195,9 +196,9 @@ def test_a_missing_stage_is_a_row_that_says_so():
             "date": "today",
             "command": "c",
         },
-        "stages": [
+        "setups": [
             {
-                "stage": "05",
+                "setup": "05",
                 "label": "05 2 nodes x 1 rank",
                 "status": "missing",
                 "note": "not run: 05_multinode/train.py does not exist yet",
@@ -212,84 +213,30 @@ def test_a_missing_stage_is_a_row_that_says_so():
 
 def test_bad_benchmark_flags_are_refused():
     with pytest.raises(SystemExit) as exit_info:
-        benchmark.parse_args(["--stages", "01,06"])
+        benchmark.parse_args(["--setups", "01,06"])
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--iters", "5", "--log-interval", "5"])  # nothing left after the warm-up
 
 
+def compare_on_the_cpu(data_dir, steps: int, dtype: str, *more: str) -> int:
+    """bench/gpu_vs_cpu.py with both sides on the CPU, the tiny model, batch 2: its exit status."""
+    args = ["--preset", "tiny", "--steps", str(steps), "--batch-size", "2", "--test-device", "cpu"]
+    return gpu_vs_cpu.main([*args, "--test-dtype", dtype, "--data-dir", str(data_dir), *more])
+
+
 def test_gpu_vs_cpu_runs_on_the_cpu(data_dir, tmp_path):
     """Both sides on the CPU: float32 against float32 must agree exactly; bf16 within the tolerance."""
     out = tmp_path / "same.json"
-    assert (
-        gpu_vs_cpu.main(
-            [
-                "--preset",
-                "tiny",
-                "--steps",
-                "2",
-                "--batch-size",
-                "2",
-                "--test-device",
-                "cpu",
-                "--test-dtype",
-                "float32",
-                "--data-dir",
-                str(data_dir),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert compare_on_the_cpu(data_dir, 2, "float32", "--out", str(out)) == 0
     same = json.loads(out.read_text())
     assert same["passed"] and same["max_rel_diff"] == 0 and len(same["test_losses"]) == 2
     out = tmp_path / "bf16.json"
-    assert (
-        gpu_vs_cpu.main(
-            [
-                "--preset",
-                "tiny",
-                "--steps",
-                "3",
-                "--batch-size",
-                "2",
-                "--test-device",
-                "cpu",
-                "--test-dtype",
-                "bfloat16",
-                "--data-dir",
-                str(data_dir),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert compare_on_the_cpu(data_dir, 3, "bfloat16", "--out", str(out)) == 0
     bf16 = json.loads(out.read_text())
     assert bf16["test"] == "cpu bfloat16" and 0 <= bf16["max_rel_diff"] <= 2e-2
     # a tolerance that bf16 cannot meet fails the check (exit status 1)
-    assert (
-        gpu_vs_cpu.main(
-            [
-                "--preset",
-                "tiny",
-                "--steps",
-                "3",
-                "--batch-size",
-                "2",
-                "--test-device",
-                "cpu",
-                "--test-dtype",
-                "bfloat16",
-                "--rtol",
-                "1e-12",
-                "--data-dir",
-                str(data_dir),
-            ]
-        )
-        == 1
-    )
+    assert compare_on_the_cpu(data_dir, 3, "bfloat16", "--rtol", "1e-12") == 1
 
 
 def test_gpu_vs_cpu_refuses_bad_arguments():
@@ -299,30 +246,21 @@ def test_gpu_vs_cpu_refuses_bad_arguments():
         assert exit_info.value.code == 2
 
 
+def gpu_check(data_dir, tmp_path, timeout: float, **settings: str) -> subprocess.CompletedProcess:
+    """`bash bench/gpu_check.sh` on the CPU: its results in tmp_path/out, its work files in tmp_path/work."""
+    folders = dict(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
+    env = dict(os.environ, DEVICE="cpu", **folders, **settings)
+    script = ["bash", str(REPO / "bench" / "gpu_check.sh")]
+    return subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
     """The GPU check's mechanics, every step of it, as a dry run on the CPU with the tiny model."""
     out, work = tmp_path / "out", tmp_path / "work"
-    env = dict(
-        os.environ,
-        DEVICE="cpu",
-        PRESET="tiny",
-        CHECK_PRESET="tiny",
-        ITERS="4",
-        LOG_INTERVAL="2",
-        BATCH="4",
-        OUT=str(out),
-        WORK=str(work),
-        DATA_DIR=str(data_dir),
-        OMP_NUM_THREADS="1",
+    tiny = dict(
+        PRESET="tiny", CHECK_PRESET="tiny", ITERS="4", LOG_INTERVAL="2", BATCH="4", OMP_NUM_THREADS="1"
     )
-    proc = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu_check.sh")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = gpu_check(data_dir, tmp_path, timeout=600, **tiny)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all steps passed" in proc.stdout
     summary = (out / "summary.md").read_text()
@@ -332,7 +270,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
         "04 DDP, 1 rank (eager)",
         "01 one device (compile)",
     ):
-        assert f"| {row} |" in summary and "| ok |" in summary.split(f"| {row} |")[1].splitlines()[0], summary
+        status = summary.split(f"| {row} |")[1].splitlines()[0] if f"| {row} |" in summary else ""
+        assert "| ok |" in status, summary
     assert "bf16 vs float32 check" in summary and "PASS" in summary
     assert json.loads((out / "replica_dtype.json").read_text())["passed"]
     assert "preflight PASSED" in summary and "bucketed: mean step time" in summary
@@ -345,27 +284,10 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
 
 def test_gpu_check_gives_every_step_no_more_than_the_time_left(data_dir, tmp_path):
     """With TOTAL too small for anything, every step is skipped and named, and the script fails."""
-    env = dict(
-        os.environ,
-        DEVICE="cpu",
-        TOTAL="1",
-        OUT=str(tmp_path / "out"),
-        WORK=str(tmp_path / "work"),
-        DATA_DIR=str(data_dir),
-    )
-    proc = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu_check.sh")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = gpu_check(data_dir, tmp_path, timeout=120, TOTAL="1")
     assert proc.returncode == 1
-    assert (
-        "failed steps: prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked"
-        in proc.stdout
-    )
+    steps = "prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked"
+    assert f"failed steps: {steps}" in proc.stdout
 
 
 def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):

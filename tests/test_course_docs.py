@@ -95,10 +95,10 @@ def assert_png(path: Path) -> None:
 
 def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     runs, figures = tmp_path / "runs", tmp_path / "figures"
-    # the plotting command itself: run two stages with the same global batch, then draw
+    # the plotting command itself: run two chapters with the same global batch, then draw
     proc = tool(
         "tools/make_plots.py",
-        "--stages",
+        "--chapters",
         "01,02",
         "--iters",
         3,
@@ -130,7 +130,7 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     assert "01_single_gpu:" not in proc.stdout  # nothing was trained
 
 
-def test_committed_figures_cover_every_stage():
+def test_committed_figures_cover_every_chapter():
     figures = REPO / "docs" / "figures"
     assert_png(figures / "parity_loss.png")
     captions = (figures / "CAPTIONS.md").read_text()

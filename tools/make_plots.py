@@ -1,11 +1,11 @@
 """The course's figures, from real runs: loss parity (with a float64 control) and, on GPUs, memory.
 
-    python tools/make_plots.py                      # run every stage the same way, then plot (minutes on a CPU)
+    python tools/make_plots.py                      # run every chapter alike, then plot (minutes on a CPU)
     python tools/make_plots.py --iters 300 --global-batch 16
     python tools/make_plots.py --from-runs out/plots   # plot runs already made, run nothing
 
-Every stage trains the same model on the same data with the same global batch G sequences per
-optimizer step, launched the way its chapter teaches:
+Every chapter trains the same model on the same data with the same global batch G sequences per
+optimizer step, launched the way it teaches:
 
     01  python 01_single_gpu/train.py --batch-size G
     02  python 02_grad_accumulation/train.py --batch-size G/K --grad-accum K
@@ -13,14 +13,14 @@ optimizer step, launched the way its chapter teaches:
     04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
     05  two torchrun "nodes" on 127.0.0.1, W/2 processes each: 05_multinode/train.py --batch-size G/W
 
-and writes <out-root>/<stage>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
-chapters 01 and 04 once more in float64 (--float64-stages; <out-root>/<stage>-float64): the same
-runs with rounding errors about 1e-16 instead of 1e-7, so their distance shows how much of the
+and writes <out-root>/<chapter>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
+chapters 01 and 04 once more in float64 (--float64-chapters; <out-root>/<chapter>-float64): the
+same runs with rounding errors about 1e-16 instead of 1e-7, so their distance shows how much of the
 float32 distance is rounding. Then it draws, into docs/figures/ (or --figures):
 
-    parity_loss.png        training loss against tokens seen for every stage, and each stage's
+    parity_loss.png        training loss against tokens seen for every chapter, and each chapter's
                            distance from chapter 01 step by step, float32 and float64
-    memory_per_device.png  peak memory of rank 0's device per stage, only where a run was on a GPU
+    memory_per_device.png  peak memory of rank 0's device per chapter, only where a run was on a GPU
     CAPTIONS.md            what each figure shows, the machine and the settings that made it
 
 Throughput is not drawn here: these runs share one machine with whatever else runs on it, and
@@ -28,7 +28,7 @@ their log lines are too short to time. bench/benchmark.py measures it, under the
 table states.
 
 Every figure says in its subtitle which machine (CPU model and cores or GPU name, torch version)
-and which settings made it. On a CPU every stage gets the same number of cores in all (--threads,
+and which settings made it. On a CPU every chapter gets the same number of cores in all (--threads,
 default W): one process with W threads, or W processes with one thread each.
 """
 
@@ -40,8 +40,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -50,19 +48,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STAGES = ["01_single_gpu", "02_grad_accumulation", "03_dataparallel", "04_ddp", "05_multinode"]
-LABELS = {
-    "01_single_gpu": "01 one device",
-    "02_grad_accumulation": "02 gradient accumulation",
-    "03_dataparallel": "03 DataParallel",
-    "04_ddp": "04 DDP",
-    "05_multinode": "05 two nodes",
-}
-FLOAT64 = "-float64"  # the key (and run folder) of a stage's float64 control run: 04_ddp-float64
+from common import launch  # noqa: E402
+from common.chapters import CHAPTERS  # noqa: E402
+
+NUMBER = {folder: number for number, folder in CHAPTERS.items()}  # 04_ddp -> 4
+NAMES = {1: "one device", 2: "gradient accumulation", 3: "DataParallel", 4: "DDP", 5: "two nodes"}
+FLOAT64 = "-float64"  # the key (and run folder) of a chapter's float64 control run: 04_ddp-float64
 
 
 def label(key: str) -> str:
-    return LABELS[key.removesuffix(FLOAT64)] + (" in float64" if key.endswith(FLOAT64) else "")
+    """A run's name in the figures: 04 DDP, or 04 DDP in float64 for its control run."""
+    number = NUMBER[key.removesuffix(FLOAT64)]
+    return f"{number:02d} {NAMES[number]}" + (" in float64" if key.endswith(FLOAT64) else "")
+
+
+def numbers(text: str) -> set[str]:
+    """The chapters a flag names, as two digits: "1, 04" -> {"01", "04"}."""
+    return {part.strip().zfill(2) for part in text.split(",") if part.strip()}
 
 
 # ---- what machine is this ----------------------------------------------------------------------
@@ -102,122 +104,58 @@ def machine_text(info: dict) -> str:
     return f"{hardware}; torch {info.get('torch', '?')}"
 
 
-# ---- running the stages ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- running the chapters ----------------------------------------------------------------------
 
 
 def largest_divisor(n: int, candidates=(4, 2, 1)) -> int:
     return next(k for k in candidates if n % k == 0)
 
 
-def stage_plans(args, device: str) -> dict[str, dict]:
-    """For each stage: its launch (one or more commands), its flags and how it is laid out."""
+def count(n: int, word: str) -> str:
+    """3 processes, 1 process, 4 micro-batches."""
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}" + ("es" if word.endswith(("s", "h")) else "s")
+
+
+def chapter_plans(args, device: str) -> dict[str, dict]:
+    """For each chapter's folder: its launch (one or more commands) and how it is laid out."""
     import torch
 
     G, W = args.global_batch, args.nproc
     gpus = torch.cuda.device_count() if device == "cuda" else 0
-    common = [
-        "--preset",
-        args.preset,
-        "--max-iters",
-        args.iters,
-        "--log-interval",
-        args.log_interval,
-        "--eval-interval",
-        args.iters,
-        "--eval-batches",
-        4,
-        "--sample-tokens",
-        0,
-        "--dropout",
-        0,
-        "--seed",
-        args.seed,
-        "--device",
-        device,
-        "--dtype",
-        "float32" if device == "cpu" else "auto",
-        "--data-dir",
-        args.data_dir,
-    ]
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
     K = largest_divisor(G)
-
-    def count(n: int, word: str) -> str:
-        return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith(("s", "h")) else "s")
-
     replicas = max(gpus, 1)
-    plans = {
-        "01_single_gpu": dict(
-            layout="1 process",
-            procs=1,
-            commands=[[sys.executable, "01_single_gpu/train.py", "--batch-size", G]],
-        ),
-        "02_grad_accumulation": dict(
-            layout=f"1 process, {count(K, 'micro-batch')} of {G // K}",
-            procs=1,
-            commands=[
-                [sys.executable, "02_grad_accumulation/train.py", "--batch-size", G // K, "--grad-accum", K]
-            ],
-        ),
-        "03_dataparallel": dict(
-            layout=f"1 process, {count(replicas, 'replica')}",
-            procs=1,
-            commands=[[sys.executable, "03_dataparallel/train.py", "--batch-size", G // replicas]],
-        ),
-        "04_ddp": dict(
-            layout=count(W, "process"),
-            procs=W,
-            commands=[
-                [
-                    *torchrun,
-                    "--standalone",
-                    f"--nproc-per-node={W}",
-                    "04_ddp/train.py",
-                    "--batch-size",
-                    G // W,
-                ]
-            ],
-        ),
+    micro_batches = f"{count(K, 'micro-batch')} of {G // K}"
+    # chapter -> (how it is launched, processes, its own flags, the layout in words, processes per node)
+    layouts = {
+        1: ("python", 1, ["--batch-size", G], "1 process", 1),
+        2: ("python", 1, ["--batch-size", G // K, "--grad-accum", K], f"1 process, {micro_batches}", 1),
+        3: ("python", 1, ["--batch-size", G // replicas], f"1 process, {count(replicas, 'replica')}", 1),
+        4: ("torchrun", W, ["--batch-size", G // W], count(W, "process"), W),
     }
     if W % 2 == 0:
-        port, per_node = free_port(), W // 2
-        plans["05_multinode"] = dict(
-            layout=f"2 nodes x {count(per_node, 'process')}",
-            procs=per_node,
-            commands=[
-                [
-                    *torchrun,
-                    "--nnodes=2",
-                    f"--node-rank={node}",
-                    f"--nproc-per-node={per_node}",
-                    "--master-addr=127.0.0.1",
-                    f"--master-port={port}",
-                    "05_multinode/train.py",
-                    "--batch-size",
-                    G // W,
-                    "--shared-fs",
-                ]
-                for node in (0, 1)
-            ],
-        )
+        nodes = f"2 nodes x {count(W // 2, 'process')}"
+        layouts[5] = ("two_nodes", W, ["--batch-size", G // W, "--shared-fs"], nodes, W // 2)
     if replicas > 1 and G % replicas:
-        plans.pop("03_dataparallel")
-    for stage, plan in plans.items():
-        for cmd in plan["commands"]:
-            cmd += common + ["--out-dir", Path(args.out_root) / stage]
-        plan["commands"] = [[str(c) for c in cmd] for cmd in plan["commands"]]
+        layouts.pop(3)
+    dtype = "float32" if device == "cpu" else "auto"
+    shared = launch.measured_run_flags(
+        args.iters, args.log_interval, eval_batches=4, preset=args.preset, seed=args.seed
+    )
+    shared += launch.flags(device=device, dtype=dtype, data_dir=args.data_dir)
+    plans = {}
+    for number, (how, nproc, own, layout, per_node) in layouts.items():
+        folder = CHAPTERS[number]
+        run_args = [*own, *shared, "--out-dir", Path(args.out_root) / folder]
+        commands = launch.launch_commands(how, f"{folder}/train.py", nproc, run_args)
+        plans[folder] = dict(layout=layout, procs=per_node, commands=commands)
     return plans
 
 
-def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: str = "float32") -> Path:
-    """Run one stage; with dtype float64 its control run, in <out-root>/<stage>-float64."""
-    key = stage + (FLOAT64 if dtype == "float64" else "")
+def run_chapter(folder: str, plan: dict, args, machine: dict, device: str, dtype: str = "float32") -> Path:
+    """Run one chapter; with dtype float64 its control run, in <out-root>/<chapter>-float64."""
+    key = folder + (FLOAT64 if dtype == "float64" else "")
     out = Path(args.out_root) / key
     if dtype == "float64":  # the same commands, with --dtype float64 and their own --out-dir
         swap = {"--dtype": "float64", "--out-dir": str(out)}
@@ -225,48 +163,30 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: s
             plan,
             commands=[[swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]],
         )
-    # the plots' own run folder, from an earlier drawing: start it afresh (a stage refuses a folder
+    # the plots' own run folder, from an earlier drawing: start it afresh (a chapter refuses a folder
     # that holds a run)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if device == "cpu":  # the same cores for every stage: W threads in one process, or one thread per process
-        env["OMP_NUM_THREADS"] = str(max(1, args.threads // plan["procs"]))
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    shown = [
-        " ".join(
-            shlex.quote(c.replace(sys.executable, "python").replace(str(ROOT) + "/", "")) for c in cmd
-        ).replace("python -m torch.distributed.run", "torchrun")
-        for cmd in plan["commands"]
-    ]
+    if device == "cpu":  # the same cores for every chapter: W threads in one process, or one per process
+        env = launch.child_env(max(1, args.threads // plan["procs"]), CUDA_VISIBLE_DEVICES="")
+    else:  # on GPUs, the threads the caller asked for, if any
+        env = launch.child_env(os.environ.get("OMP_NUM_THREADS"))
+    shown = [launch.shown_command(cmd) for cmd in plan["commands"]]
     print(f"{key}: " + "\n    & ".join(shown), flush=True)
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_before = load_average()
     start = time.perf_counter()
-    log = open(out / "stdout.log", "w")
-    procs = [
-        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        for cmd in plan["commands"]
-    ]
-    try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = [None]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        log.close()
+    with open(out / "stdout.log", "w") as log:  # every node writes to the one log
+        status = launch.run_together(plan["commands"], env, [log] * len(plan["commands"]), args.timeout)
     wall = time.perf_counter() - start
-    if any(code != 0 for code in codes):
+    if status != 0:
         tail = "\n".join((out / "stdout.log").read_text().splitlines()[-20:])
-        raise SystemExit(f"error: {stage} failed (exit {codes}); the end of {out / 'stdout.log'}:\n{tail}")
+        raise SystemExit(
+            f"error: {folder} failed (exit status {status}); the end of {out / 'stdout.log'}:\n{tail}"
+        )
     # Other programs on the machine slow a run down: the load average says whether there were any.
-    load = max(
-        filter(None, [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]), default=None
-    )
+    load = max(filter(None, [load_before, load_average()]), default=None)
     info = {
-        "stage": stage,
+        "chapter": folder,
         "dtype": dtype,
         "layout": plan["layout"],
         "commands": shown,
@@ -280,6 +200,11 @@ def run_stage(stage: str, plan: dict, args, machine: dict, device: str, dtype: s
     (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"    done in {wall:.0f} s", flush=True)
     return out
+
+
+def load_average() -> float | None:
+    """The machine's load over the last minute, where the system tells it."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def settings_dict(args, device: str) -> dict:
@@ -298,44 +223,41 @@ def settings_dict(args, device: str) -> dict:
 
 
 def find_runs(folders: list[Path]) -> dict[str, Path]:
-    """stage -> run folder, from folders that are runs themselves or hold one folder per stage."""
+    """run key -> run folder, from folders that are runs themselves or hold one folder per run."""
     runs: dict[str, Path] = {}
     for folder in folders:
-        candidates = (
-            [folder]
-            if (folder / "metrics.jsonl").exists()
-            else sorted(folder.iterdir())
-            if folder.is_dir()
-            else []
-        )
+        if (folder / "metrics.jsonl").exists():
+            candidates = [folder]
+        else:
+            candidates = sorted(folder.iterdir()) if folder.is_dir() else []
         for run in candidates:
             if not (run / "metrics.jsonl").exists():
                 continue
-            stage = stage_of(run)
-            if stage and stage not in runs:
-                runs[stage] = run
+            key = run_key(run)
+            if key and key not in runs:
+                runs[key] = run
     if not runs:
         raise SystemExit(f"error: no runs (folders with metrics.jsonl) in {', '.join(map(str, folders))}")
     return dict(sorted(runs.items()))
 
 
-def stage_of(run: Path) -> str | None:
+def run_key(run: Path) -> str | None:
+    """The chapter's folder a run belongs to (04_ddp), with -float64 for a control run."""
     info = run / "run.json"
-    if info.exists():
-        record = json.loads(info.read_text())
-        return record["stage"] + (FLOAT64 if record.get("dtype") == "float64" else "")
-    for stage in STAGES:  # a folder named after its stage (out/01_single_gpu), or its checkpoint says
-        if stage in run.name:
-            return stage
-    ckpt = run / "ckpt.pt"
+    record = json.loads(info.read_text()) if info.exists() else {}
+    if record.get("chapter"):
+        return record["chapter"] + (FLOAT64 if record.get("dtype") == "float64" else "")
+    # a run folder named after its chapter (out/01_single_gpu, out/04_ddp-float64) ...
+    for folder in CHAPTERS.values():
+        if folder in run.name:
+            return folder + (FLOAT64 if run.name.endswith(FLOAT64) else "")
+    ckpt = run / "ckpt.pt"  # ... or its checkpoint says
     if ckpt.exists():
         import torch
 
-        chapter = (
-            torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {}).get("chapter")
-        )
-        if chapter:
-            return STAGES[int(chapter) - 1]
+        config = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {})
+        if config.get("chapter"):
+            return CHAPTERS[int(config["chapter"])]
     return None
 
 
@@ -350,7 +272,7 @@ def run_info(run: Path) -> dict:
 
         config = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {})
         settings = {k: config.get(k) for k in ("preset", "max_iters", "global_batch", "device", "seed")}
-    return {"stage": stage_of(run), "layout": "", "machine": {}, "settings": settings}
+    return {"chapter": run_key(run), "layout": "", "machine": {}, "settings": settings}
 
 
 # ---- figures -----------------------------------------------------------------------------------
@@ -365,12 +287,11 @@ def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
     first = settings[0] if settings else {}
     same = all(s == first for s in settings)
     if first.get("iters") is not None:
-        words = (
-            f"preset {first['preset']}, global batch {first['global_batch']} sequences, {first['iters']} steps, "
-            f"seed {first['seed']}, dropout 0, {first['device']}"
-        )
+        batch = f"global batch {first['global_batch']} sequences"
+        words = f"preset {first['preset']}, {batch}, {first['iters']} steps, seed {first['seed']}, dropout 0"
+        words += f", {first['device']}"
         if first.get("threads"):
-            words += f", {first['threads']} CPU threads per stage in all"
+            words += f", {first['threads']} CPU threads per chapter in all"
     else:
         words = ", ".join(f"{k} {v}" for k, v in first.items() if v is not None) or "settings not recorded"
     loads = [i["load_average"] for i in infos.values() if i.get("load_average") is not None]
@@ -389,28 +310,28 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     from common.metrics import read_metrics
 
     figures.mkdir(parents=True, exist_ok=True)
-    metrics = {stage: read_metrics(run / "metrics.jsonl") for stage, run in runs.items()}
-    train = {stage: [m for m in rows if "loss" in m] for stage, rows in metrics.items()}
-    infos = {stage: run_info(run) for stage, run in runs.items()}
+    metrics = {key: read_metrics(run / "metrics.jsonl") for key, run in runs.items()}
+    train = {key: [m for m in rows if "loss" in m] for key, rows in metrics.items()}
+    infos = {key: run_info(run) for key, run in runs.items()}
     machine, settings = caption_lines(infos)
     subtitle = "\n".join(textwrap.wrap(machine, 100) + textwrap.wrap(settings, 100))
     written, captions = [], []
 
     # 1. parity: loss against tokens seen, and the distance from chapter 01 at every logged step
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=[3, 1.6])
-    styles = {
-        "01_single_gpu": dict(lw=6, alpha=0.3, color="black"),
-        "02_grad_accumulation": dict(ls="--", lw=1.6, color="tab:blue"),
-        "03_dataparallel": dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
-        "04_ddp": dict(ls="-.", lw=1.4, color="tab:green"),
-        "05_multinode": dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
+    styles = {  # chapter -> how its line is drawn
+        1: dict(lw=6, alpha=0.3, color="black"),
+        2: dict(ls="--", lw=1.6, color="tab:blue"),
+        3: dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
+        4: dict(ls="-.", lw=1.4, color="tab:green"),
+        5: dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
     }
     floor = 1e-7  # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
     worst: dict[str, float] = {}  # run key -> its largest distance from chapter 01 (of the same dtype)
     for key, rows in train.items():
-        stage = key.removesuffix(FLOAT64)
+        number = NUMBER[key.removesuffix(FLOAT64)]
         float64 = key.endswith(FLOAT64)
-        style = styles[stage]
+        style = styles[number]
         if not float64:
             layout = infos[key].get("layout")
             top.plot(
@@ -419,8 +340,8 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
                 label=label(key) + (f" ({layout})" if layout else ""),
                 **style,
             )
-        reference = train.get("01_single_gpu" + (FLOAT64 if float64 else ""))
-        if reference is None or stage == "01_single_gpu":
+        reference = train.get(CHAPTERS[1] + (FLOAT64 if float64 else ""))
+        if reference is None or number == 1:
             continue
         ref_by_iter = {m["iter"]: m["loss"] for m in reference}
         pairs = [
@@ -439,7 +360,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     top.set_ylabel("training loss")
     top.legend()
     top.grid(alpha=0.3)
-    top.set_title(f"The same run on every stage: training loss against tokens seen\n{subtitle}", fontsize=10)
+    top.set_title(
+        f"The same run in every chapter: training loss against tokens seen\n{subtitle}", fontsize=10
+    )
     bottom.set_yscale("log")
     bottom.set_ylim(floor / 2, max([1e-4, *worst.values()]) * 3)
     bottom.set_ylabel("|loss - loss of 01|\n(0 drawn at 1e-7)")
@@ -453,31 +376,27 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     written.append(path)
     float32_worst = {k: d for k, d in worst.items() if not k.endswith(FLOAT64)}
     float64_worst = {k: d for k, d in worst.items() if k.endswith(FLOAT64)}
-    captions.append(
-        (
-            "parity_loss.png",
-            "Training loss against tokens seen for every stage (top) and each stage's "
-            "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
-            "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
-            + (", ".join(f"{label(k)} {d:.1e}" for k, d in float32_worst.items()) or "no stage to compare")
-            + ". The stages add the same numbers in different orders, so their float32 losses differ by "
-            "rounding at first, and over a long run at a high learning rate training amplifies those "
-            "differences from step to step. The control is the same runs in float64, whose rounding is "
-            "about a billion times smaller: "
-            + (
-                ", ".join(f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items())
-                or "no float64 runs were made"
-            )
-            + ". What a bug would change (the data, the gradient's scale) does not depend on the number "
-            "format, so a distance that shrinks with the rounding is rounding. The tests compare short "
-            "float32 runs, where the distance stays at rounding level.",
-        )
+    float32_distances = ", ".join(f"{label(k)} {d:.1e}" for k, d in float32_worst.items())
+    float64_distances = ", ".join(f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items())
+    parity_caption = (
+        "Training loss against tokens seen for every chapter (top) and each chapter's "
+        "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
+        "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
+        f"{float32_distances or 'no chapter to compare'}. "
+        "The chapters add the same numbers in different orders, so their float32 losses differ by "
+        "rounding at first, and over a long run at a high learning rate training amplifies those "
+        "differences from step to step. The control is the same runs in float64, whose rounding is "
+        f"about a billion times smaller: {float64_distances or 'no float64 runs were made'}. "
+        "What a bug would change (the data, the gradient's scale) does not depend on the number "
+        "format, so a distance that shrinks with the rounding is rounding. The tests compare short "
+        "float32 runs, where the distance stays at rounding level."
     )
+    captions.append(("parity_loss.png", parity_caption))
 
     # 3. memory: peak memory of rank 0's device (only GPU runs report max_mem_mb)
     memory = {
-        stage: max(m["max_mem_mb"] for m in rows if "max_mem_mb" in m)
-        for stage, rows in train.items()
+        key: max(m["max_mem_mb"] for m in rows if "max_mem_mb" in m)
+        for key, rows in train.items()
         if any("max_mem_mb" in m for m in rows)
     }
     stale = figures / "memory_per_device.png"
@@ -499,7 +418,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
             (
                 "memory_per_device.png",
                 "Peak memory allocated by PyTorch on rank 0's device during "
-                "training (max_mem_mb in metrics.jsonl), per stage. Gradient accumulation lowers it by "
+                "training (max_mem_mb in metrics.jsonl), per chapter. Gradient accumulation lowers it by "
                 "holding one micro-batch's activations at a time.",
             )
         )
@@ -520,10 +439,10 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         f"- Settings: {settings}",
         "",
     ]
-    for stage, info in infos.items():
+    for key, info in infos.items():
         if info.get("commands"):
             commands = [c.replace("python -m torch.distributed.run", "torchrun") for c in info["commands"]]
-            lines.append(f"- {label(stage)}: `" + "` and `".join(commands) + "`")
+            lines.append(f"- {label(key)}: `" + "` and `".join(commands) + "`")
     lines.append("")
     for name, text in captions:
         lines += [f"## {name}", "", f"![{name}]({name})", "", text, "", f"*{machine}; {settings}.*", ""]
@@ -545,19 +464,18 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         metavar="DIR",
-        help="plot these runs (a run folder, or a folder of them) instead of running the stages",
+        help="plot these runs (a run folder, or a folder of them) instead of running the chapters",
     )
+    every = ",".join(f"{number:02d}" for number in CHAPTERS)
+    p.add_argument("--chapters", default=every, help="which chapters to run, e.g. 01,02,04")
+    p.add_argument("--preset", default="tiny", help="model preset for every chapter")
+    p.add_argument("--iters", type=int, default=150, help="optimizer steps per chapter")
     p.add_argument(
-        "--stages", default=",".join(s[:2] for s in STAGES), help="which stages to run, e.g. 01,02,04"
-    )
-    p.add_argument("--preset", default="tiny", help="model preset for every stage")
-    p.add_argument("--iters", type=int, default=150, help="optimizer steps per stage")
-    p.add_argument(
-        "--global-batch", type=int, default=8, help="sequences per optimizer step, the same in every stage"
+        "--global-batch", type=int, default=8, help="sequences per optimizer step, the same in every chapter"
     )
     p.add_argument("--nproc", type=int, default=2, help="processes (W) for chapters 04 and 05")
     p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads per stage in all (default: --nproc)"
+        "--threads", type=int, default=None, help="CPU threads per chapter in all (default: --nproc)"
     )
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--seed", type=int, default=1337)
@@ -570,11 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=str(ROOT / "data"))
     p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
     p.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds one stage may take")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one chapter's run may take")
     p.add_argument(
-        "--float64-stages",
+        "--float64-chapters",
         default="01,04",
-        help="stages run once more in float64 as the control for rounding (empty: none)",
+        help="chapters run once more in float64 as the control for rounding (empty: none)",
     )
     args = p.parse_args(argv)
     args.command = command = "python tools/make_plots.py" + "".join(
@@ -601,27 +519,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"error: --global-batch {args.global_batch} must be a multiple of --nproc {args.nproc}"
             )
         machine = machine_description(device)
-        plans = stage_plans(args, device)
-        wanted = {s.strip().zfill(2) for s in args.stages.split(",") if s.strip()}
+        plans = chapter_plans(args, device)
         runs = {}
-        for stage in STAGES:
-            if stage[:2] not in wanted:
+        for number, folder in CHAPTERS.items():
+            if f"{number:02d}" not in numbers(args.chapters):
                 continue
-            if not (ROOT / stage / "train.py").exists():
-                print(f"{stage}: no train.py yet, skipped")
+            if not (ROOT / folder / "train.py").exists():
+                print(f"{folder}: no train.py yet, skipped")
                 continue
-            if stage not in plans:
-                print(f"{stage}: needs an even --nproc (two nodes), skipped")
+            if folder not in plans:
+                print(f"{folder}: needs an even --nproc (two nodes), skipped")
                 continue
-            runs[stage] = run_stage(stage, plans[stage], args, machine, device)
+            runs[folder] = run_chapter(folder, plans[folder], args, machine, device)
         # the control: the same runs in float64, where rounding is a billion times smaller
-        for stage in STAGES:
-            if stage in runs and stage[:2] in {
-                s.strip().zfill(2) for s in args.float64_stages.split(",") if s.strip()
-            }:
-                runs[stage + FLOAT64] = run_stage(stage, plans[stage], args, machine, device, dtype="float64")
+        for number, folder in CHAPTERS.items():
+            if folder in runs and f"{number:02d}" in numbers(args.float64_chapters):
+                runs[folder + FLOAT64] = run_chapter(
+                    folder, plans[folder], args, machine, device, dtype="float64"
+                )
         if not runs:
-            raise SystemExit("error: no stage to run")
+            raise SystemExit("error: no chapter to run")
     for path in plot_all(runs, args.figures, command):
         print(f"wrote {path}")
     return 0
