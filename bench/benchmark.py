@@ -40,25 +40,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import common` from anywhere
+
+import scaling_model
+from tables import cell, percent, row
+
+from common.chapters import CHAPTERS
+from common.launch import child_env, flags, launch_commands, measured_run_flags, run_together, shown_command
+from common.metrics import read_metrics
+from common.model import PRESETS
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(REPO))
-
-import scaling_model  # noqa: E402
-from tables import cell, percent, row  # noqa: E402
-
-from common.chapters import CHAPTERS  # noqa: E402
-from common.launch import (  # noqa: E402
-    child_env,
-    flags,
-    launch_commands,
-    measured_run_flags,
-    run_together,
-    shown_command,
-)
-from common.metrics import read_metrics  # noqa: E402
-from common.model import PRESETS  # noqa: E402
-
 PROBE = BENCH / "probe.py"
 SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")  # as --setups names them, in the table's order
 

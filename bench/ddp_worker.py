@@ -29,15 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_tools  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+import bench_tools
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
 
-from common.data import batch_loader, load_splits, prepare  # noqa: E402
-from common.device import autocast_context, pick_dtype, setup_math  # noqa: E402
-from common.model import GPT, model_config  # noqa: E402
+from common.data import batch_loader, load_splits, prepare
+from common.device import autocast_context, pick_dtype, setup_math
+from common.model import GPT, model_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_tools  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import RandomSampler  # noqa: E402
+import bench_tools
+import torch
+from torch.utils.data import RandomSampler
 
-from common.data import batch_loader, load_splits, prepare  # noqa: E402
-from common.device import autocast_context, pick_device, pick_dtype, setup_math  # noqa: E402
-from common.errors import CourseError, run_main  # noqa: E402
-from common.model import GPT, model_config  # noqa: E402
+from common.data import batch_loader, load_splits, prepare
+from common.device import autocast_context, pick_device, pick_dtype, setup_math
+from common.errors import CourseError, run_main
+from common.model import GPT, model_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:

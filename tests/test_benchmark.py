@@ -20,9 +20,9 @@ from common.launch import REPO, run_python
 
 sys.path.insert(0, str(REPO / "bench"))
 
-import benchmark  # noqa: E402
-import gpu_summary  # noqa: E402
-import gpu_vs_cpu  # noqa: E402
+import benchmark
+import gpu_summary
+import gpu_vs_cpu
 
 ROW_NUMBERS = [
     "tokens_per_sec",

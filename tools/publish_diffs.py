@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.chapters import CHAPTERS  # noqa: E402
+from common.chapters import CHAPTERS
 
 BEGIN = "<!-- diff:begin -->"
 END = "<!-- diff:end -->"
