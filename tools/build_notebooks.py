@@ -94,7 +94,7 @@ def build(folder: Path) -> None:
         print("\n".join(shown), file=sys.stderr)
         raise SystemExit(f"error: {folder.name}/notebook.py: {', '.join(failed + leaks)}; nothing written")
     jupytext.write(nb, folder / "notebook.ipynb", fmt="ipynb")
-    print(f"wrote {folder.relative_to(ROOT)}/notebook.ipynb")
+    print(f"wrote {folder.name}/notebook.ipynb")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="run nothing; exit 1 if a notebook is stale")
     parser.add_argument("--root", type=Path, default=ROOT, help="the course's root folder")
     args = parser.parse_args(argv)
+    if missing := [name for name in args.chapters if not (args.root / name / "notebook.py").exists()]:
+        parser.error(f"no notebook.py in {', '.join(missing)} (the chapters: {', '.join(CHAPTERS.values())})")
     folders = [args.root / name for name in args.chapters or CHAPTERS.values()]
     folders = [folder for folder in folders if (folder / "notebook.py").exists()]
     if not args.check:
