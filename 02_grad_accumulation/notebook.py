@@ -28,8 +28,6 @@ import torch
 
 from common.notebook import clean_up, compare, first_batch, plot_losses, show_setup, tiny_model, train
 
-# each cell imports what it first needs, as in any notebook, so not every import is at the top:
-# ruff: noqa: E402
 show_setup()
 
 # %%

@@ -32,8 +32,6 @@ import torch
 
 from common.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, train, two_nodes
 
-# each cell imports what it first needs, as in any notebook, so not every import is at the top:
-# ruff: noqa: E402
 show_setup()
 
 # %% [markdown]
