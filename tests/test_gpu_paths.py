@@ -183,10 +183,10 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
     assert scaler.get_scale() == 16384.0
 
     def saved_and_loaded(iter_num: int, scaler: torch.amp.GradScaler) -> dict:
+        states = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()}
         save_checkpoint(
             tmp_path,
-            model_state=model.state_dict(),
-            optimizer_state=optimizer.state_dict(),
+            **states,
             iter_num=iter_num,
             model_config=config,
             train_config={},
