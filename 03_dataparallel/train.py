@@ -225,12 +225,8 @@ def main():
                 speed.restart_clock()  # evaluation time is not training time
     progress.close()
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
-        print(
-            "peak memory per GPU: "
-            + ", ".join(
-                f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB" for i in range(replicas)
-            )
-        )
+        peaks = [f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB" for i in range(replicas)]
+        print("peak memory per GPU: " + ", ".join(peaks))
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
