@@ -222,15 +222,18 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
 
 def parse_args(chapter: int, description: str, argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser(chapter, description).parse_args(argv)
+
+    def used(flag: str) -> bool:
+        return getattr(args, flag.lstrip("-").replace("-", "_")) not in (None, False)
+
     for flag, introduced in INTRODUCED_IN.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if introduced > chapter and value not in (None, False):
+        if introduced > chapter and used(flag):
             raise CourseError(
                 f"{flag} is introduced in chapter {introduced:02d} ({CHAPTERS[introduced]}); "
                 f"this is chapter {chapter:02d}: run {CHAPTERS[introduced]}/train.py to use it"
             )
     for flag, (last, instead) in RETIRED_AFTER.items():
-        if chapter > last and getattr(args, flag.lstrip("-").replace("-", "_")) not in (None, False):
+        if chapter > last and used(flag):
             raise CourseError(f"{flag} is " + instead.format(script=f"{CHAPTERS[chapter]}/train.py"))
     if getattr(args, "grad_accum", None) is None:
         args.grad_accum = 1

@@ -25,7 +25,16 @@ import torch
 from IPython.display import Markdown
 
 from common.data import epoch_permutation, load_splits, prepare
-from common.launch import REPO, child_env, run_together, shown_command, torchrun_command, two_node_commands
+from common.launch import (
+    REPO,
+    child_env,
+    flags,
+    measured_run_flags,
+    run_together,
+    shown_command,
+    torchrun_command,
+    two_node_commands,
+)
 from common.metrics import read_metrics
 from common.model import GPT, model_config
 
@@ -50,9 +59,8 @@ DATA_DIR = Path(os.environ.get("COURSE_DATA_DIR", REPO / "data"))  # prepared on
 ITERS = 15  # optimizer steps per run: enough to see the loss fall, a few seconds each
 # tiny model, float32 on the CPU, no dropout, a short warm-up and a high learning rate (so 15 steps
 # show learning), a metrics line every step: a deterministic run
-TINY = ["--preset", "tiny", "--max-iters", str(ITERS), "--warmup-iters", "2", "--lr", "1e-2"]
-TINY += ["--log-interval", "1", "--eval-interval", str(ITERS), "--eval-batches", "2", "--sample-tokens", "0"]
-TINY += ["--dropout", "0", "--device", "cpu", "--dtype", "float32", "--data-dir", shown_path(DATA_DIR)]
+TINY = measured_run_flags(ITERS, log_interval=1, eval_batches=2, preset="tiny", warmup_iters=2, lr=1e-2)
+TINY += flags(device="cpu", dtype="float32", data_dir=shown_path(DATA_DIR))
 # One thread per process (several processes share the laptop's cores); no GPU, so every
 # machine runs the very same CPU computation.
 RUN_ENV = child_env(CUDA_VISIBLE_DEVICES="")

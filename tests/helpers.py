@@ -8,7 +8,7 @@ import ast
 import subprocess
 from pathlib import Path
 
-from common.launch import REPO, child_env, stop_launchers
+from common.launch import REPO, child_env, flags, measured_run_flags, stop_launchers
 
 
 def snapshot(folder: Path) -> dict:
@@ -16,39 +16,14 @@ def snapshot(folder: Path) -> dict:
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
 
 
-def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **flags) -> list[str]:
+def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -> list[str]:
     """Flags for a short, deterministic CPU run of any chapter with the tiny model.
 
     Extra flags are given as keyword arguments: batch_size=4 -> --batch-size 4; True -> a bare flag.
+    They come last, so one of them also overrides a flag of the tiny run (eval_interval=5).
     """
-    args = [
-        "--preset",
-        "tiny",
-        "--max-iters",
-        max_iters,
-        "--log-interval",
-        1,
-        "--eval-interval",
-        max_iters,
-        "--eval-batches",
-        2,
-        "--sample-tokens",
-        0,
-        "--dropout",
-        0,
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--data-dir",
-        data_dir,
-        "--out-dir",
-        out_dir,
-    ]
-    for name, value in flags.items():
-        flag = "--" + name.replace("_", "-")
-        args += [flag] if value is True else [flag, value]
-    return [str(a) for a in args]
+    tiny = {"preset": "tiny", "device": "cpu", "dtype": "float32", "data_dir": data_dir, "out_dir": out_dir}
+    return measured_run_flags(max_iters, log_interval=1, eval_batches=2, **tiny) + flags(**extra)
 
 
 def start(cmd: list, stderr=subprocess.STDOUT, new_session: bool = True, **env: str) -> subprocess.Popen:
