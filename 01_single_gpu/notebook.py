@@ -21,7 +21,7 @@
 # tokens of context).
 
 # %%
-# Setup: import the notebooks' helpers (common/notebook.py) from the course's root folder, the first
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
 # folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from common.notebook import DATA_DIR, RUNS, TINY, clean_up, losses, plot_losses, show_setup, train
+from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, losses, plot_losses, show_setup, train
 
 show_setup()
 

@@ -48,8 +48,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from common.data import epoch_permutation, load_splits, prepare
 from common.device import DTYPES, autocast_context, describe, pick_device, pick_dtype, setup_math
-from common.errors import CourseError, run_main
 from common.model import GPT, PRESETS, model_config
+from common.support.errors import CourseError, run_main
 
 MiB = 2**20
 

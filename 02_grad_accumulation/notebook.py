@@ -18,7 +18,7 @@
 # script with 4 micro-batches of 2 against chapter 01 with one batch of 8.
 
 # %%
-# Setup: import the notebooks' helpers (common/notebook.py) from the course's root folder, the first
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
 # folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
 import torch
 
-from common.notebook import clean_up, compare, first_batch, plot_losses, show_setup, tiny_model, train
+from tools.notebook import clean_up, compare, first_batch, plot_losses, show_setup, tiny_model, train
 
 show_setup()
 

@@ -19,9 +19,9 @@ from common.checkpoint import load_checkpoint, restore_training_state, save_chec
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-from common.errors import CourseError, run_main
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
-from common.rundir import claim_out_dir
+from common.support.errors import CourseError, run_main
+from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 

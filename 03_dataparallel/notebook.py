@@ -18,7 +18,7 @@
 # batch give the same loss and gradient), and the chapter's script against chapter 01.
 
 # %%
-# Setup: import the notebooks' helpers (common/notebook.py) from the course's root folder, the first
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
 # folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
 import torch
 
-from common.notebook import RUNS, clean_up, compare, first_batch, plot_losses, show_setup, train
+from tools.notebook import RUNS, clean_up, compare, first_batch, plot_losses, show_setup, train
 
 show_setup()
 

@@ -23,7 +23,7 @@
 # 2. the chapter's script runs as 2 ranks of 4 sequences and matches chapter 01 with 8.
 
 # %%
-# Setup: import the notebooks' helpers (common/notebook.py) from the course's root folder, the first
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
 # folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
 import torch
 
-from common.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, torchrun, train
+from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, torchrun, train
 
 show_setup()
 
@@ -42,7 +42,7 @@ show_setup()
 # `torchrun --nproc-per-node=2 --standalone`. Each process prints one `RESULT` line.
 
 # %%
-from common.notebook import WORKER, full_batch_gradient, results, show_source
+from tools.notebook import WORKER, full_batch_gradient, results, show_source
 
 show_source(WORKER)
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from common.errors import CourseError, run_main
+from common.support.errors import CourseError, run_main
 
 CASES = ["eval-on-rank0", "order", "shape", "stuck", "dies"]
 BUG_STEP = 2  # the mistake strikes after two good steps, in the middle of training

@@ -22,7 +22,7 @@
 # that meet at a free port on 127.0.0.1, exactly as two machines meet at node 0's address.
 
 # %%
-# Setup: import the notebooks' helpers (common/notebook.py) from the course's root folder, the first
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
 # folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
 import torch
 
-from common.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, train, two_nodes
+from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, train, two_nodes
 
 show_setup()
 
@@ -42,7 +42,7 @@ show_setup()
 
 # %%
 from common.data import prepare
-from common.notebook import WORKER, full_batch_gradient, results
+from tools.notebook import WORKER, full_batch_gradient, results
 
 prepare("shakespeare", DATA_DIR)  # both "nodes" use this folder (--shared-fs below)
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import restart_store
-from common.errors import CourseError, run_main
+from common.support.errors import CourseError, run_main
 
 # The environment variables that decide how processes find each other and how NCCL talks.
 WATCHED_VARIABLES = [

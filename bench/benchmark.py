@@ -46,9 +46,9 @@ import scaling_model
 from tables import cell, percent, row
 
 from common.chapters import CHAPTERS
-from common.launch import child_env, flags, launch_commands, measured_run_flags, run_together, shown_command
 from common.metrics import read_metrics
 from common.model import PRESETS
+from tools.launch import child_env, flags, launch_commands, measured_run_flags, run_together, shown_command
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -63,7 +63,7 @@ class Setup:
     key: str  # one of SETUP_KEYS
     label: str
     script: str  # relative to the repository root
-    launch: str  # "python", "torchrun" or "two_nodes" (common.launch.launch_commands)
+    launch: str  # "python", "torchrun" or "two_nodes" (tools.launch.launch_commands)
     ranks: int = 1  # processes in all
     micro_batches: int = 1  # grad-accum micro-steps per optimizer step
     flags: list = field(default_factory=list)

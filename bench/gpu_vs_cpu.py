@@ -27,8 +27,8 @@ from torch.utils.data import RandomSampler
 
 from common.data import batch_loader, load_splits, prepare
 from common.device import autocast_context, pick_device, pick_dtype, setup_math
-from common.errors import CourseError, run_main
 from common.model import GPT, model_config
+from common.support.errors import CourseError, run_main
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -45,8 +45,8 @@ from torch.nn import functional as F  # noqa: E402
 
 from common.chapters import CHAPTERS  # noqa: E402
 from common.chunked_loss import chunked_cross_entropy  # noqa: E402
-from common.launch import flags, launch_commands, measured_run_flags  # noqa: E402
 from common.model import PRESETS  # noqa: E402
+from tools.launch import flags, launch_commands, measured_run_flags  # noqa: E402
 
 MiB = 2**20
 # configuration name -> model flags, shared by bare_step.py and the chapters' scripts

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import CourseError
 from .model import GPTConfig
+from .support.errors import CourseError
 
 CKPT_NAME = "ckpt.pt"
 

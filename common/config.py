@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from .chapters import CHAPTERS
-from .errors import CourseError
 from .model import PRESETS, GPTConfig, model_config
+from .support.errors import CourseError
 
 # flag -> the chapter that introduces it
 INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}

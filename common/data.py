@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .errors import CourseError
+from .support.errors import CourseError
 from .tokenizer import encode, eot_id
 
 DEFAULT_CORPUS = "shakespeare"

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .errors import CourseError
+from .support.errors import CourseError
 
 DTYPES = {
     "float32": torch.float32,

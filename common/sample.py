@@ -12,8 +12,8 @@ import torch
 from .checkpoint import checkpoint_model_config, load_checkpoint
 from .config import OneLineParser, positive_int
 from .device import pick_device
-from .errors import run_main
 from .model import GPT
+from .support.errors import run_main
 from .training import sample_text
 
 

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from .checkpoint import check_same_shape
-from .errors import CourseError
 from .model import GPT, GPTConfig, gpt2_pretrained
+from .support.errors import CourseError
 from .tokenizer import decode, encode
 
 

@@ -8,7 +8,7 @@ import ast
 import subprocess
 from pathlib import Path
 
-from common.launch import REPO, child_env, flags, measured_run_flags, stop_launchers
+from tools.launch import REPO, child_env, flags, measured_run_flags, stop_launchers
 
 
 def snapshot(folder: Path) -> dict:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from common.launch import REPO, run_python
+from tools.launch import REPO, run_python
 
 sys.path.insert(0, str(REPO / "bench"))
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import tiny_run_args
 
-from common.launch import run_python
 from common.metrics import read_metrics
 from common.model import GPT, GPTConfig
+from tools.launch import run_python
 
 SCRIPT = "01_single_gpu/train.py"
 # The same schedule whether a run stops at 10 or goes on to 20 steps, so the runs can be compared.

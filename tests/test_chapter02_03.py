@@ -23,8 +23,8 @@ import torch
 from helpers import indentation, replace_statement, statement_lines, tiny_run_args
 
 from common.chapters import CHAPTERS
-from common.launch import REPO, run_python
 from common.metrics import read_metrics
+from tools.launch import REPO, run_python
 
 ITERS = 10
 RESUMED_ITERS = 14

@@ -29,8 +29,8 @@ import torch
 from helpers import start, tiny_run_args
 
 from common.data import epoch_permutation
-from common.launch import REPO, run_python, run_torchrun, torchrun_command
 from common.metrics import read_metrics
+from tools.launch import REPO, run_python, run_torchrun, torchrun_command
 
 SCRIPT = REPO / "04_ddp" / "train.py"
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"

@@ -21,8 +21,8 @@ import torch
 from helpers import outputs_of, start, tiny_run_args
 
 from common.data import shakespeare_texts
-from common.launch import REPO, child_env, free_port, run_python, torchrun_command
 from common.metrics import read_metrics
+from tools.launch import REPO, child_env, free_port, run_python, torchrun_command
 
 CHAPTER = REPO / "05_multinode"
 TRAIN = CHAPTER / "train.py"

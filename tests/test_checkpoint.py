@@ -19,9 +19,9 @@ from common.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from common.errors import CourseError
-from common.launch import run_python
 from common.model import GPT, PRESETS, model_config
+from common.support.errors import CourseError
+from tools.launch import run_python
 
 
 def save_tiny(out_dir: Path, iter_num: int, model: GPT | None = None, **train_config) -> GPT:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.chapters import CHAPTERS
-from common.launch import REPO
+from tools.launch import REPO
 
 FOLDERS = list(CHAPTERS.values())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,7 @@ from common.data import (
     shakespeare_texts,
     validation_windows,
 )
-from common.errors import CourseError
+from common.support.errors import CourseError
 from common.tokenizer import encode, eot_id
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,10 +35,10 @@ from helpers import outputs_of, replace_statement, start, tiny_run_args
 
 from common.chapters import CHAPTERS
 from common.data import TokenWindows, epoch_permutation, load_splits, prepare, shakespeare_texts
-from common.errors import CourseError
-from common.launch import REPO, child_env, run_python, torchrun_command, two_node_commands
 from common.metrics import read_metrics
+from common.support.errors import CourseError
 from common.training import is_divergence, stop_if_diverged
+from tools.launch import REPO, child_env, run_python, torchrun_command, two_node_commands
 
 ITERS, RESUME_AT = 8, 5
 ACCUMULATE = {"batch_size": 2, "grad_accum": 2}  # with 2 ranks: the global batch of 8

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import snapshot, tiny_run_args
 
-from common.errors import CourseError
-from common.launch import run_python
+from common.support.errors import CourseError
+from tools.launch import run_python
 
 SCRIPT = "01_single_gpu/train.py"
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from common.launch import REPO, run_torchrun
+from tools.launch import REPO, run_torchrun
 
 ATOL = 1e-6  # float32, dropout 0: only floating-point reassociation separates the gradients
 WRONG = 1e-3  # a broken variant must be off by far more than rounding

@@ -18,9 +18,9 @@ from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.data import shakespeare_texts
 from common.device import auto_dtype, in_autocast
-from common.launch import REPO, run_torchrun
 from common.metrics import gpu_model, model_flops_utilization, peak_flops_of
 from common.model import GPT, model_config
+from tools.launch import REPO, run_torchrun
 
 # ---- 1. DataParallel's replica threads and autocast's per-thread number format ---------------
 

@@ -20,7 +20,7 @@ import time
 import pytest
 from helpers import start
 
-from common.launch import REPO, stop_launchers, torchrun_command
+from tools.launch import REPO, stop_launchers, torchrun_command
 
 HANGS = REPO / "05_multinode" / "hangs.py"
 PG_TIMEOUT = 3  # seconds a collective waits before it fails

@@ -17,8 +17,8 @@ import nbformat
 import pytest
 
 from common.chapters import CHAPTERS
-from common.launch import REPO
 from tools.build_notebooks import KERNEL, execute, main, source
+from tools.launch import REPO
 
 FOLDERS = list(CHAPTERS.values())
 

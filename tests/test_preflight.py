@@ -7,7 +7,7 @@ import subprocess
 
 from helpers import outputs_of, start
 
-from common.launch import REPO, run_python, two_node_commands
+from tools.launch import REPO, run_python, two_node_commands
 
 PREFLIGHT = REPO / "05_multinode" / "preflight.py"
 

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from common.config import parse_args
 from common.device import cpu_threads_per_rank, rank_device
 from common.distributed import ranks_unlike_rank0
-from common.errors import CourseError
-from common.launch import free_port
+from common.support.errors import CourseError
+from tools.launch import free_port
 
 
 @pytest.mark.parametrize("local_rank", range(8))

@@ -20,7 +20,7 @@ import time
 
 from helpers import snapshot, start, tiny_run_args
 
-from common.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
+from tools.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
 
 
 def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:

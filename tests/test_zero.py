@@ -24,8 +24,8 @@ import pytest
 import torch
 from helpers import start, tiny_run_args
 
-from common.launch import REPO, run_python, run_torchrun
 from common.metrics import read_metrics
+from tools.launch import REPO, run_python, run_torchrun
 
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
 WORKER = REPO / "tests" / "workers" / "zero_worker.py"

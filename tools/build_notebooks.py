@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.chapters import CHAPTERS  # noqa: E402
 from common.data import prepare  # noqa: E402
-from common.launch import child_env  # noqa: E402
+from tools.launch import child_env  # noqa: E402
 
 KERNEL = "python3"
 # Folders of the machine that runs the notebooks: outputs must not show them

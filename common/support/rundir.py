@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .checkpoint import CKPT_NAME
+from ..checkpoint import CKPT_NAME
+from ..metrics import METRICS_NAME
 from .errors import CourseError
-from .metrics import METRICS_NAME
 
 
 def holds_a_run(out_dir: Path) -> bool:

@@ -25,7 +25,9 @@ import torch
 from IPython.display import Markdown
 
 from common.data import epoch_permutation, load_splits, prepare
-from common.launch import (
+from common.metrics import read_metrics
+from common.model import GPT, model_config
+from tools.launch import (
     REPO,
     child_env,
     flags,
@@ -35,8 +37,6 @@ from common.launch import (
     torchrun_command,
     two_node_commands,
 )
-from common.metrics import read_metrics
-from common.model import GPT, model_config
 
 
 def shown_path(path: str | Path) -> str:
