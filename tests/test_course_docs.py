@@ -77,6 +77,36 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     assert proc.returncode != 0 and "lacks the lines" in proc.stderr
 
 
+def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp_path):
+    root = copy_course(tmp_path)
+    readme = root / FOLDERS[3] / "README.md"
+    text = re.sub(r"<!-- diff:begin[^>]*-->", '<!-- diff:begin keep="no_sync" -->', readme.read_text())
+    readme.write_text(text)
+    assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
+    full = (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").read_text()
+    shown = readme.read_text().split("```diff\n")[1].split("```")[0]
+    hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
+    assert hunks and all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
+    assert all("no_sync" in hunk for hunk in hunks) and len(shown) < len(full)  # ... only the chosen ones
+    assert f"docs/diffs/{FOLDERS[3]}.diff" in readme.read_text()  # and a link to the whole diff
+
+    # a key that no hunk changes (the code moved on) is reported, in --check and when publishing
+    readme.write_text(readme.read_text().replace('keep="no_sync"', 'keep="no_sync|no_such_line"'))
+    for args in (["--check"], []):
+        proc = tool("tools/publish_diffs.py", *args, "--root", root)
+        assert "no_such_line" in proc.stderr
+    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode != 0
+
+    # and a chosen hunk that goes stale is caught like a whole diff
+    readme.write_text(readme.read_text().replace('keep="no_sync|no_such_line"', 'keep="no_sync"'))
+    assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
+    script = root / FOLDERS[3] / "train.py"
+    script.write_text(script.read_text().replace("no_sync()", "no_sync( )", 1))
+    proc = tool("tools/publish_diffs.py", "--check", "--root", root)
+    assert proc.returncode != 0 and f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
+
+
 def test_diffs_are_unified_diffs_of_neighbouring_chapters():
     for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
         lines = (REPO / "docs" / "diffs" / f"{chapter}.diff").read_text().splitlines()
@@ -158,10 +188,14 @@ def test_troubleshooting_cites_tests_that_exist():
     assert not missing, f"TROUBLESHOOTING.md cites tests that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("page", ["TROUBLESHOOTING.md", "WORKSHOP.md"])
+DEEP_DIVES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "deep").glob("*.md"))
+MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in FOLDERS)]
+
+
+@pytest.mark.parametrize("page", ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *DEEP_DIVES])
 def test_docs_name_files_that_exist(page):
     """Every repository path a page names (`01_single_gpu/train.py`, `tools/make_plots.py`, ...) exists."""
-    text = (REPO / "docs" / page).read_text()
+    text = (REPO / page).read_text()
     paths = set(
         re.findall(
             r"(?<![\w/.-])((?:0\d_[a-z_]+|tools|common|docs|tests)/[\w./-]+\.(?:py|sh|ipynb|md|png|sbatch))",
@@ -171,3 +205,59 @@ def test_docs_name_files_that_exist(page):
     assert paths
     missing = sorted(p for p in paths if not (REPO / p).exists())
     assert not missing, f"{page} names files that do not exist: {missing}"
+
+
+# ---- the main path: short, in five parts, with its deep dives beside it ------------------------
+
+MAIN_PATH_WORDS = 14_000
+PARTS = ["## The idea", "## Run it", "## The diff", "## Check it yourself", "## Deep dives"]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_the_main_path_stays_short():
+    """README + the five chapter READMEs, embedded diffs included, fit an afternoon's reading."""
+    words = sum(len((REPO / page).read_text().split()) for page in MAIN_PATH)
+    assert words <= MAIN_PATH_WORDS, f"the main path has {words} words, more than {MAIN_PATH_WORDS}"
+
+
+@pytest.mark.parametrize("chapter", FOLDERS)
+def test_every_chapter_readme_has_the_five_parts_in_order(chapter):
+    text = (REPO / chapter / "README.md").read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings == PARTS, f"{chapter}/README.md has the parts {headings}, not {PARTS}"
+    check = text.split("## Check it yourself")[1].split("## Deep dives")[0]
+    if chapter == FOLDERS[0]:
+        assert "pytest -m quick" in check
+    else:
+        assert f"python tools/check.py {chapter}/exercise.py" in check
+
+
+@pytest.mark.parametrize("page", [*MAIN_PATH, *DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"])
+def test_links_between_pages_resolve(page):
+    path = REPO / page
+    missing = [
+        target
+        for target in LINK.findall(path.read_text())
+        if "://" not in target and not (path.parent / target).exists()
+    ]
+    assert not missing, f"{page} links to files that do not exist: {missing}"
+
+
+def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
+    linked = set()
+    for page in MAIN_PATH:
+        linked |= {
+            (REPO / page).parent.joinpath(t).resolve() for t in LINK.findall((REPO / page).read_text())
+        }
+    assert len(DEEP_DIVES) >= 5
+    for page in [*DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"]:
+        assert (REPO / page).resolve() in linked, f"no README links to {page}"
+        first = (REPO / page).read_text().split("\n\n")[1]
+        assert not first.startswith(("#", "```", "|", "-")), f"{page} does not open with a paragraph"
+
+
+def test_the_readme_keeps_its_commands():
+    text = (REPO / "README.md").read_text()
+    assert "python -m pytest -q " in text and "python -m pytest -m quick" in text  # CI runs the first
+    assert "## Reading map" in text
+    assert "jupyter execute" in text and "--output=" in text  # a command that saves the notebook
