@@ -6,7 +6,7 @@ date of the run that gave it. tests/test_results.py fails when a text quotes a f
 
     python bench/results.py                       # render bench/RESULTS.md from results.json
     python bench/results.py --check               # exit 1 if bench/RESULTS.md is out of step
-    python bench/results.py --scan                # list every measured figure the texts quote that no entry holds
+    python bench/results.py --scan                # list the texts' figures that no entry holds
     python bench/results.py record NAME --what "..." [--from REGEX] [--keep-output] -- COMMAND...
                                                   # run COMMAND, time it, store an entry
 
@@ -60,8 +60,8 @@ NOT_MEASURED = {
     "10 KB": "the bucket cap of the from-scratch test (4 buckets)",
     "100%": "perfect scaling, a definition",
     "450 GB/s": "NVLink 4 per direction, NVIDIA's H100 datasheet",
-    "470 GB/s": "the scaling model's NVLink busbw: the middle of nccl-tests' published 460-480 GB/s on 8 x H100",
-    "480 GB/s": "the top of nccl-tests' published 460-480 GB/s on 8 x H100 (a normalised figure, not a link's bytes)",
+    "470 GB/s": "the scaling model's NVLink busbw: mid nccl-tests' published 460-480 GB/s, 8 x H100",
+    "480 GB/s": "nccl-tests' published 460-480 GB/s on 8 x H100 (normalised, not a link's bytes)",
     "900 GB/s": "NVLink 4 both directions, NVIDIA's H100 datasheet",
     "989 TFLOP/s": "H100/H200 dense bf16 peak, NVIDIA's datasheet",
     "4.8 TB/s": "H200 memory bandwidth, NVIDIA's datasheet",
@@ -84,10 +84,11 @@ def figures_in(text: str, every_percentage: bool = False) -> list[tuple[int, str
     """Every measured figure in `text`, as (line number, figure).
 
     A percentage counts only on a line about efficiency, MFU or a share, unless `every_percentage`
-    (the results' own figures are all measured). Skips the diffs a chapter README embeds (between publish_diffs' markers) and ```diff blocks.
+    (the results' own figures are all measured). Skips ```diff blocks and the diffs a chapter
+    README embeds (between publish_diffs' markers).
     """
     found, skipping, fence = [], False, False
-    for number, line in enumerate(text.splitlines(), 1):
+    for line_no, line in enumerate(text.splitlines(), 1):
         if "<!-- diff:begin -->" in line:
             skipping = True
         if "<!-- diff:end -->" in line:
@@ -102,7 +103,7 @@ def figures_in(text: str, every_percentage: bool = False) -> list[tuple[int, str
         for m in _FIGURE.finditer(re.sub(r"`[^`]*`", lambda c: " " * len(c.group()), line)):
             if m.lastgroup == "percentage" and not every_percentage and not _PERCENT_CONTEXT.search(line):
                 continue
-            found.append((number, normal(m.group())))
+            found.append((line_no, normal(m.group())))
     return found
 
 

@@ -41,8 +41,8 @@ def test_every_figure_the_texts_quote_is_in_the_results():
     missing = results.unheld()
     assert not missing, (
         f"{len(missing)} measured figure(s) in the texts are not in bench/results/results.json "
-        "(quote a figure from bench/RESULTS.md, or record the run that gave it with `python bench/results.py record`):\n"
-        + "\n".join(missing)
+        "(quote a figure from bench/RESULTS.md, or record the run that gave it with "
+        "`python bench/results.py record`):\n" + "\n".join(missing)
     )
 
 
