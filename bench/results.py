@@ -69,6 +69,7 @@ NOT_MEASURED = {
     "50 GB/s": "one 400 Gb/s InfiniBand NDR link's line rate (400 / 8)",
     "400 GB/s": "8 x 400 Gb/s InfiniBand per node, line rate (8 x 50)",
     "300 s": "the course's --dist-timeout default",
+    "6 hours": "the timeout of the chapters' gloo group for checkpoint barriers (common/distributed.py)",
     "10 minutes": "the test suite's time budget (a goal)",
     "30 minutes": "gloo's default process-group timeout in torch",
 }
