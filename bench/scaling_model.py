@@ -265,14 +265,16 @@ def paper_markdown(tokens_per_gpu: int, hw: dict = HARDWARE) -> str:
         f"GPT-2 124M, bf16 autocast (float32 gradients), {tokens_per_gpu:,} tokens per GPU per step, "
         f"H100 SXM at {hw['mfu']:.0%} MFU:",
         "",
-        "| link | busbw (GB/s) | GPUs | compute (ms) | all-reduce (ms) | not hidden (ms) | efficiency "
+        "| link | busbw (GB/s) | GPUs | compute (ms) | all-reduce (ms) | not hidden (ms) "
+        "| communication share | efficiency "
         "| tokens/GPU to hide all but the last bucket | tokens/GPU for 90% |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['link']} | {r['busbw'] / 1e9:,.1f} | {r['world']} | {1000 * r['compute_s']:.1f} | "
-            f"{1000 * r['allreduce_s']:.1f} | {1000 * r['exposed_s']:.1f} | {r['efficiency']:.0%} | "
+            f"{1000 * r['allreduce_s']:.1f} | {1000 * r['exposed_s']:.1f} | {r['comm_share']:.0%} | "
+            f"{r['efficiency']:.0%} | "
             f"{r['tokens_to_hide']:,.0f} | {r['tokens_for_90']:,.0f} |"
         )
     return "\n".join(lines) + "\n"
