@@ -264,6 +264,7 @@ def main() -> None:
     r.add_argument("--section", default="Runs", help="the section of RESULTS.md")
     r.add_argument("--from", dest="pattern", help="regex whose first group is the value (default: wall time)")
     r.add_argument("--keep-output", action="store_true", help="store the printed lines")
+    r.add_argument("--note", action="append", default=[], help="a note under the entry (repeatable)")
     argv = sys.argv[1:]
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -272,6 +273,8 @@ def main() -> None:
         if not command:
             sys.exit("error: give the command to run after --")
         entry = record(results, args.name, args.what, args.section, command, args.pattern, args.keep_output)
+        if args.note:
+            entry["notes"] = args.note
         RESULTS_JSON.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         print(f"recorded {entry['name']}: {entry['value']}")
     if args.scan:
