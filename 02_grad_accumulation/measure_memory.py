@@ -24,10 +24,11 @@ step, and how far it rises above the resting state.
   the same thing as CUDA's counter: the bytes of live tensors. The process's resident memory
   (RSS) is not used, because the C library keeps freed blocks for reuse, so RSS tells the history
   of the process rather than what one step needs.
-Time is the mean wall-clock time of --steps further steps, measured without the profiler, after
-one warm-up step (which creates AdamW's state and pays one-off costs). On the CPU the table also
-gives the CPU time the process used per step (all its threads): on a machine shared with other
-work the wall-clock time says as much about the neighbours as about the step, the CPU time less.
+Time is the mean wall-clock time of --steps further steps (bench/step_timer.py), measured without
+the profiler, after one warm-up step (which creates AdamW's state and pays one-off costs). On the
+CPU the table also gives the CPU time the process used per step (all its threads): on a machine
+shared with other work the wall-clock time says as much about the neighbours as about the step,
+the CPU time less.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import functools
 import gc
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import com
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.step_timer import StepTimer
 from common.data import epoch_permutation, load_splits, prepare
 from common.device import DTYPES, autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.model import GPT, PRESETS, model_config
@@ -167,10 +168,6 @@ def main():
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
         return list(zip(x.split(micro), y.split(micro)))
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     rows = []
     for micro in args.micro_batch_sizes:
         torch.manual_seed(args.seed)  # the same initial weights for every configuration
@@ -179,21 +176,19 @@ def main():
         first_loss = optimizer_step(model, optimizer, batch(0, micro), autocast).item()  # warm-up
 
         timed = [batch(1 + s, micro) for s in range(args.steps)]
-        sync()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for micro_batches in timed:
-            optimizer_step(model, optimizer, micro_batches, autocast)
-        sync()
-        seconds = (time.perf_counter() - start) / args.steps
-        cpu_seconds = (time.process_time() - start_cpu) / args.steps  # all threads of this process
+        timer = StepTimer(device)
+        with timer.group(args.steps):
+            for micro_batches in timed:
+                optimizer_step(model, optimizer, micro_batches, autocast)
+        seconds, cpu_seconds = timer.mean() / 1000, timer.mean(cpu=True) / 1000  # CPU: all threads
 
         last = batch(args.steps + 1, micro)
         if device.type == "cuda":
-            sync()
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             resting = torch.cuda.memory_allocated(device)
             optimizer_step(model, optimizer, last, autocast)
-            sync()
+            torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
         else:
             resting = tensor_bytes(model, optimizer)

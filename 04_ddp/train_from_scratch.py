@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from zero1 import ShardedOptimizer, ZeroOneDataParallel
 
+from bench.step_timer import StepTimer
 from common.model import GPT, PRESETS, model_config
 
 IMPLS = {
@@ -174,19 +174,16 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
         )
 
     gen = torch.Generator().manual_seed(args.seed)  # the same global batches on every rank
-    step_times = {impl: [] for impl in impls}
+    timer = StepTimer(device)  # each step of each implementation, after the first --warmup steps
     losses, grad_bytes = {}, {}
     for step in range(args.steps):
         data = torch.randint(0, config.vocab_size, (G, T + 1), generator=gen)
         x, y = data[rank::world, :-1].to(device), data[rank::world, 1:].to(device)  # this rank's rows
         for impl in impls[step % len(impls) :] + impls[: step % len(impls)]:  # rotate who goes first
-            t0 = time.perf_counter()
-            losses[impl], grad_bytes[impl] = train_step(
-                impl, models[impl], optimizers[impl], x, y, B, K, args.grad_clip
-            )
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_times[impl].append(time.perf_counter() - t0)
+            with timer.group(kind=impl, keep=step >= args.warmup):
+                losses[impl], grad_bytes[impl] = train_step(
+                    impl, models[impl], optimizers[impl], x, y, B, K, args.grad_clip
+                )
 
     for impl in impls:
         dist.all_reduce(losses[impl], op=dist.ReduceOp.SUM)  # the last step's loss, global batch
@@ -195,9 +192,7 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
             per_rank, torch.tensor(state_bytes(impl, optimizers[impl]), dtype=torch.int64, device=device)
         )
         if rank == 0:
-            timed = step_times[impl][args.warmup :]
-            mean_ms = 1000 * sum(timed) / len(timed)
-            median_ms = 1000 * sorted(timed)[len(timed) // 2]  # robust to a busy machine's outliers
+            mean_ms, median_ms = timer.mean(impl), timer.median(impl)  # the median: robust to a busy machine
             kind = "reduce-scatters" if impl == "zero1" else "all-reduces"
             calls = (
                 f" | {models[impl].comm_calls / args.steps:.0f} {kind}/step"

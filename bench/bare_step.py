@@ -5,26 +5,25 @@
 The reference a chapter's step time is divided by. Same model, initialisation, optimizer and
 micro-batch as chapter 01 (built with `common`), fed the batches chapter 01 would read, but all
 built and moved to the device before the clock starts: no DataLoader, no learning-rate schedule,
-no logging, no `.item()`, no evaluation. The step time is measured as the chapters measure theirs
-(wall time over groups of --group steps, after --warmup steps) and the median group is reported;
-so is the CPU time of the process (all its threads) per step, which other programs on a shared
-machine disturb less than wall time.
+no logging, no `.item()`, no evaluation. bench/step_timer.py times it as the chapters time their
+steps (wall time over groups of --group steps, after --warmup steps) and reports the median group,
+and the CPU time of the process (all its threads) per step, which a shared machine disturbs less.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_tools
 import torch
+from step_timer import StepTimer, schedule
 from torch.utils.data import RandomSampler
 
 from common.data import batch_loader, load_splits, prepare
@@ -98,28 +97,14 @@ def main(argv=None) -> dict:
     step_model = torch.compile(model) if args.compile else model
     model.train()
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    group_ms, group_cpu_ms = [], []
-    sync()
-    start, start_cpu = time.perf_counter(), time.process_time()
-    for i, (x, y) in enumerate(batches):
-        with autocast if dtype != torch.float32 else contextlib.nullcontext():
-            _, loss = step_model(x, y)
-        bench_tools.update(loss, model, optimizer, scaler, args.grad_clip)
-        done = i + 1
-        if done == args.warmup or (
-            done > args.warmup and ((done - args.warmup) % args.group == 0 or done == args.iters)
-        ):
-            sync()
-            now, now_cpu = time.perf_counter(), time.process_time()
-            if done > args.warmup:
-                steps = (done - args.warmup) % args.group or args.group
-                group_ms.append(1000 * (now - start) / steps)
-                group_cpu_ms.append(1000 * (now_cpu - start_cpu) / steps)
-            start, start_cpu = now, now_cpu
+    timer = StepTimer(device)
+    steps = iter(batches)
+    for n_steps, keep in schedule(args.iters, args.warmup, args.group):
+        with timer.group(n_steps, keep=keep):
+            for x, y in itertools.islice(steps, n_steps):
+                with autocast if dtype != torch.float32 else contextlib.nullcontext():
+                    _, loss = step_model(x, y)
+                bench_tools.update(loss, model, optimizer, scaler, args.grad_clip)
     result = {
         "preset": args.preset,
         "batch_size": args.batch_size,
@@ -132,17 +117,18 @@ def main(argv=None) -> dict:
         "n_layer": config.n_layer,
         "n_embd": config.n_embd,
         "timed_steps": args.iters - args.warmup,
-        "step_ms": statistics.median(group_ms),
-        "group_ms": [round(g, 3) for g in group_ms],
-        "step_cpu_ms": statistics.median(group_cpu_ms),
-        "group_cpu_ms": [round(g, 3) for g in group_cpu_ms],
+        "step_ms": timer.median(),
+        "group_ms": timer.groups(),
+        "step_cpu_ms": timer.median(cpu=True),
+        "group_cpu_ms": timer.groups(cpu=True),
         "final_loss": loss.item(),
         "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
         "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
     }
     bench_tools.write_result(args.out, result)
+    groups = len(timer.groups())
     print(
-        f"bare step: {result['step_ms']:.1f} ms (median of {len(group_ms)} groups of {args.group} steps; "
+        f"bare step: {result['step_ms']:.1f} ms (median of {groups} groups of {args.group} steps; "
         f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, {result['dtype']})"
     )
     return result

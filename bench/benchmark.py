@@ -5,14 +5,11 @@
     python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
 
 A setup is a chapter launched one way (04x2: chapter 04 on 2 ranks), one row of the table. Every
-setup runs as a real process (`python SCRIPT` or `torchrun ... SCRIPT`, through bench/probe.py,
-which records data wait, peak RSS and threads without changing the script) for the same number of
-optimizer steps on the same global batch of --batch-size sequences. The figures come from the
-metrics.jsonl each run writes, with the first log interval (the warm-up) left out:
+setup runs as a reader runs it (`python SCRIPT` or `torchrun ... SCRIPT`, unchanged) for the same
+number of optimizer steps on the same global batch of --batch-size sequences. The figures come from
+the metrics.jsonl each run writes, with the first log interval (the warm-up) left out:
 
     tokens/s, step time, MFU, CUDA memory  medians of the chapter's own metrics lines
-    peak memory on the CPU                 the peak RSS of each rank's process (bench/probe.py)
-    data wait                              time in `next(batches)` / step time (bench/probe.py)
     communication                          1 - step without all-reduce / step with it, from
                                            bench/ddp_worker.py in the same launch layout
     step / bare                            the setup's step time over that of the bare model math
@@ -52,7 +49,6 @@ from tools.launch import child_env, flags, launch_commands, measured_run_flags, 
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-PROBE = BENCH / "probe.py"
 SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")  # as --setups names them, in the table's order
 
 
@@ -150,8 +146,8 @@ def run_env(args, threads: int | None) -> dict:
 # Reading what a run left behind
 
 
-def run_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interval: int) -> dict:
-    """Medians over the metrics lines after the first (warm-up) interval, plus the probe's figures."""
+def run_figures(out_dir: Path, log_path: Path) -> dict:
+    """Medians over the metrics lines after the first (warm-up) interval, and the threads the run printed."""
     lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
     timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
     if not timed:
@@ -161,34 +157,19 @@ def run_figures(out_dir: Path, probe_dir: Path, micro_batches: int, log_interval
         values = [m[key] for m in timed if m.get(key) is not None]
         return statistics.median(values) if values else None
 
-    fig = {
+    # every chapter prints its device and threads first: "device cpu (1 threads), float32; ..."
+    logs = [log_path, *sorted(log_path.parent.glob(log_path.stem + ".node*.log"))]
+    threads = re.search(r"\((\d+) threads?\)", "".join(p.read_text() for p in logs if p.exists()))
+    return {
         "step_ms": median("dt_ms"),
         "tokens_per_sec": median("tokens_per_sec"),
         "mfu": median("mfu"),
         "cuda_max_mem_mb": max(
             (m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None), default=None
         ),
+        "threads_per_rank": int(threads.group(1)) if threads else None,
         "timed_intervals": len(timed),
     }
-    probes = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("probe_rank*.json"))]
-    fig["threads_per_rank"] = max((p["threads"] for p in probes), default=None)
-    fig["cpu_peak_rss_mb"] = max((p["maxrss_mb"] for p in probes), default=None)
-    # Data wait: steps start at the calls 0, K, 2K, ... of next(batches) (K micro-batches per
-    # step); from the start of the first step after the warm-up interval to the start of the last.
-    shares = []
-    for p in probes:
-        starts = list(range(log_interval * micro_batches, len(p["call_wall_s"]), micro_batches))
-        if len(starts) < 2:
-            continue
-        first, last = starts[0], starts[-1]
-        wall = p["call_wall_s"][last] - p["call_wall_s"][first]
-        shares.append(sum(p["data_wait_s"][first:last]) / wall if wall > 0 else 0.0)
-    fig["data_wait_share"] = statistics.mean(shares) if shares else None
-    # CPU seconds (all threads of rank 0) per step over the same intervals as the timed metrics lines
-    marks = next((p["log_marks"] for p in probes if p["rank"] == 0), [])
-    steps = marks[-1]["iter"] - marks[0]["iter"] if len(marks) >= 2 else 0
-    fig["step_cpu_ms"] = 1000 * (marks[-1]["cpu_s"] - marks[0]["cpu_s"]) / steps if steps > 0 else None
-    return fig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--data-dir", default="data", help="where the prepared corpus is (prepared here if missing)"
     )
-    p.add_argument("--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl, probes")
+    p.add_argument("--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl")
     p.add_argument(
         "--results-dir", default=str(BENCH / "results"), help="benchmark.md and benchmark.json go here"
     )
@@ -279,14 +260,14 @@ def setup_args(args, setup: Setup, out_dir: Path) -> list[str]:
 
 def run_setup(args, setup: Setup, repeat: int) -> dict:
     run_dir = Path(args.work_dir) / f"setup_{setup.key}" / f"repeat{repeat}"
-    out_dir, probe_dir = run_dir / "out", run_dir / "probe"
+    out_dir = run_dir / "out"
     # this run folder is the benchmark's own, from an earlier benchmark: start it afresh (a chapter
     # refuses a folder that holds a run)
     shutil.rmtree(out_dir, ignore_errors=True)
-    shutil.rmtree(probe_dir, ignore_errors=True)
-    script_args = [setup.script, *setup_args(args, setup, out_dir)]
-    commands = launch_commands(setup.launch, PROBE, setup.ranks, script_args)
-    env = run_env(args, args.threads_per_rank) | {"BENCH_PROBE_DIR": str(probe_dir)}
+    commands = launch_commands(
+        setup.launch, REPO / setup.script, setup.ranks, setup_args(args, setup, out_dir)
+    )
+    env = run_env(args, args.threads_per_rank)
     started = time.monotonic()
     status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
     result = {"command": shown_command(commands[0]), "seconds": round(time.monotonic() - started, 1)}
@@ -294,7 +275,7 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
         last_line = tail.splitlines()[-1] if tail else ""
         return result | {"status": "failed", "note": f"exit status {status}: {last_line}"[:300]}
     try:
-        figures = run_figures(out_dir, probe_dir, setup.micro_batches, args.log_interval)
+        figures = run_figures(out_dir, run_dir / "run.log")
     except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as err:
         return result | {"status": "failed", "note": f"no figures: {err}"[:300]}
     return result | {"status": "ok"} | figures
@@ -413,44 +394,20 @@ def build_report(args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, 
             "step_ms_repeats": [round(r["step_ms"], 2) for r in runs[s.key] if r["status"] == "ok"],
         }
         row["step_ms"] = ok["step_ms"]
-        # CPU time: each repeat's own figure, the smallest (independently of the wall-clock pick)
-        cpu_runs = [
-            r["step_cpu_ms"] for r in runs[s.key] if r["status"] == "ok" and r.get("step_cpu_ms") is not None
-        ]
-        row["step_cpu_ms"] = min(cpu_runs) if cpu_runs else None
-        row["step_cpu_ms_repeats"] = [round(c, 2) for c in cpu_runs]
         row["tokens_per_sec"] = ok["tokens_per_sec"]
         row["tokens_per_sec_per_device"] = ok["tokens_per_sec"] / row["devices"]
         row["mfu"] = ok["mfu"]
-        row["threads_per_rank"] = ok["threads_per_rank"]
-        if args.device.startswith("cuda"):
-            row["peak_mem_mb"], row["peak_mem_source"] = (
-                ok["cuda_max_mem_mb"],
-                "torch.cuda.max_memory_allocated, rank 0",
-            )
-        else:
-            row["peak_mem_mb"], row["peak_mem_source"] = (
-                ok["cpu_peak_rss_mb"],
-                "peak RSS of the largest rank process",
-            )
-        row["data_wait_share"] = ok["data_wait_share"]
+        row["threads_per_rank"] = ok["threads_per_rank"] or args.threads_per_rank
+        # metrics.jsonl's max_mem_mb: torch.cuda.max_memory_allocated on rank 0; nothing on a CPU
+        row["peak_mem_mb"] = ok["cuda_max_mem_mb"]
         c = best(comm.get(s.key, []), "sync_ms")
         row["comm_share"] = c["comm_share"] if c else None
         row["comm"] = (
             {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")} if c else None
         )
-        b, b_cpu = (
-            best(bare.get(bare_key(args, s), []), "step_ms"),
-            best(bare.get(bare_key(args, s), []), "step_cpu_ms"),
-        )
+        b = best(bare.get(bare_key(args, s), []), "step_ms")
         row["bare_step_ms"] = b["step_ms"] if b else None
-        row["bare_step_cpu_ms"] = b_cpu["step_cpu_ms"] if b_cpu else None
         row["bare_ratio"] = row["step_ms"] / b["step_ms"] if b else None
-        row["bare_cpu_ratio"] = (
-            row["step_cpu_ms"] / row["bare_step_cpu_ms"]
-            if row["step_cpu_ms"] and row["bare_step_cpu_ms"]
-            else None
-        )
         rows.append(row)
 
     by_key = {r["setup"]: r for r in rows}
@@ -575,10 +532,8 @@ COLUMNS = [
     "Step (ms)",
     "MFU",
     "Peak memory per device (MB)",
-    "Data wait",
     "Communication",
     "Step / bare",
-    "Step / bare (CPU time)",
 ]
 
 
@@ -602,9 +557,6 @@ def markdown(report: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"| {r['label']} | {r['note']} |" + " |" * (len(COLUMNS) - 2))
             continue
-        mem = cell(r["peak_mem_mb"])
-        if "RSS" in r["peak_mem_source"] and r["peak_mem_mb"] is not None:
-            mem += " (RSS)"
         cells = [
             r["label"],
             f"{r['processes']} x {cell(r['threads_per_rank'], '{}')}",
@@ -612,11 +564,9 @@ def markdown(report: dict) -> str:
             cell(r["tokens_per_sec_per_device"]),
             cell(r["step_ms"], "{:,.1f}"),
             percent(r["mfu"]),
-            mem,
-            percent(r["data_wait_share"]),
+            cell(r["peak_mem_mb"]),
             percent(r["comm_share"]) if r["processes"] > 1 else "-",
             cell(r["bare_ratio"], "{:.3f}"),
-            cell(r["bare_cpu_ratio"], "{:.3f}"),
         ]
         lines.append(row(cells))
     for key, sc in report["scaling"].items():

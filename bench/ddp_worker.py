@@ -5,7 +5,7 @@
 A benchmark-only twin of chapter 04's training step (the lesson scripts get no benchmark flags):
 the course model from `common`, wrapped in DistributedDataParallel as chapter 04 wraps it, fed by
 `DistributedSampler` batches, with AdamW and gradient clipping. After --warmup steps it times
-groups of --group steps, alternating between two kinds of step:
+groups of --group steps (bench/step_timer.py), alternating between two kinds of step:
 
     sync     the real step: DDP all-reduces the gradients during backward
     no_sync  every micro-step runs under `model.no_sync()`: no all-reduce at all, so each rank
@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_tools
 import torch
 import torch.distributed as dist
+from step_timer import StepTimer, schedule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
@@ -111,40 +110,26 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
             epoch += 1
 
     data = batches()
-    times = {"sync": [], "no_sync": []}
-    cpu_times = {"sync": [], "no_sync": []}
-
-    def clocks():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter(), time.process_time()
-
-    step, group_index = 0, 0
-    while step < args.iters:
-        warm = step < args.warmup
-        n_steps = args.warmup if warm else min(args.group, args.iters - step)
-        mode = "sync" if warm or group_index % 2 == 0 else "no_sync"
-        wall0, cpu0 = clocks()
-        for _ in range(n_steps):
-            for micro_step in range(args.grad_accum):
-                x, y = next(data)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                skip = mode == "no_sync" or micro_step < args.grad_accum - 1
-                with ddp.no_sync() if skip else contextlib.nullcontext():
-                    with autocast:
-                        _, loss = ddp(x, y)
-                    (loss / args.grad_accum).backward()
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        wall1, cpu1 = clocks()
-        step += n_steps
-        if not warm:
-            times[mode].append(1000 * (wall1 - wall0) / n_steps)
-            cpu_times[mode].append(1000 * (cpu1 - cpu0) / n_steps)
-            group_index += 1
-    sync_ms, no_sync_ms = statistics.median(times["sync"]), statistics.median(times["no_sync"])
+    timer = StepTimer(device)
+    kept = 0  # timed groups so far: after the warm-up they alternate sync, no_sync, sync, ...
+    for n_steps, keep in schedule(args.iters, args.warmup, args.group):
+        mode = "no_sync" if keep and kept % 2 else "sync"
+        kept += keep
+        with timer.group(n_steps, kind=mode, keep=keep):
+            for _ in range(n_steps):
+                for micro_step in range(args.grad_accum):
+                    x, y = next(data)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    skip = mode == "no_sync" or micro_step < args.grad_accum - 1
+                    with ddp.no_sync() if skip else contextlib.nullcontext():
+                        with autocast:
+                            _, loss = ddp(x, y)
+                        (loss / args.grad_accum).backward()
+                if args.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    sync_ms, no_sync_ms = timer.median("sync"), timer.median("no_sync")
     return {
         "preset": args.preset,
         "batch_size": args.batch_size,
@@ -156,9 +141,9 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
         "no_sync_ms": no_sync_ms,
         "comm_ms": sync_ms - no_sync_ms,
         "comm_share": (sync_ms - no_sync_ms) / sync_ms,
-        "sync_cpu_ms": statistics.median(cpu_times["sync"]),
-        "no_sync_cpu_ms": statistics.median(cpu_times["no_sync"]),
-        "groups_ms": {k: [round(v, 3) for v in vals] for k, vals in times.items()},
+        "sync_cpu_ms": timer.median("sync", cpu=True),
+        "no_sync_cpu_ms": timer.median("no_sync", cpu=True),
+        "groups_ms": {k: timer.groups(k) for k in ("sync", "no_sync")},
     }
 
 

@@ -4,13 +4,13 @@
     python bench/loss_bench.py loss      # the loss alone at GPT-2's width: time and peak memory by chunk size
 
 `steps` runs, for each configuration (--configs: tiny, small, 4x128 = tiny with 4 layers of width
-128) and each repeat, four processes in turn: bench/bare_step.py and chapter 01 (through
-bench/probe.py, as bench/benchmark.py runs it), each with `--no-chunked-loss` and with the default
-chunked loss. The order alternates from one repeat to the next, so that load from elsewhere on the
-machine falls on both paths alike. Reported per program: the median over the repeats of the step
-time (wall and CPU seconds of the process), the median of the per-repeat ratios plain / chunked,
-and the peak RSS. On a GPU (--device cuda), --compile also adds compiled bare steps; peak memory is
-then torch.cuda.max_memory_allocated.
+128) and each repeat, four processes in turn: bench/bare_step.py and chapter 01 (as
+bench/benchmark.py runs it), each with `--no-chunked-loss` and with the default chunked loss. The
+order alternates from one repeat to the next, so that load from elsewhere on the machine falls on
+both paths alike. Reported per program: the median over the repeats of the step time (wall; CPU
+seconds of the process for the bare step), the median of the per-repeat ratios plain / chunked,
+and the peak memory (the bare step's RSS on the CPU; torch.cuda.max_memory_allocated on a GPU,
+where --compile also adds compiled bare steps).
 
 `loss` times the output layer + loss alone, forward and backward, on (positions, --width) hidden
 states and the (50,304, --width) output matrix, for the plain path (chunk 0) and each --chunks
@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -38,8 +37,9 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "02_grad_accumulation"))
 
 import torch  # noqa: E402
-from benchmark import PROBE, run_commands, run_env, run_figures, run_for_result  # noqa: E402
+from benchmark import run_commands, run_env, run_figures, run_for_result  # noqa: E402
 from measure_memory import cpu_peak_added  # noqa: E402
+from step_timer import StepTimer  # noqa: E402
 from tables import cell, row  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -133,21 +133,20 @@ def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict
             "peak_mb": r["cuda_max_mem_mb"] or r["maxrss_mb"],
             "tokens_per_sec": 1000 * tokens / r["step_ms"],
         }
-    out_dir, probe_dir = run_dir / "out", run_dir / "probe"
-    for old in [*probe_dir.glob("*.json"), out_dir / "metrics.jsonl"]:
-        old.unlink(missing_ok=True)
+    out_dir = run_dir / "out"
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     run = measured_run_flags(args.iters, args.log_interval, eval_batches=1, out_dir=out_dir)
-    commands = launch_commands("python", PROBE, 1, [f"{CHAPTERS[1]}/train.py", *model, *run])
-    env |= {"BENCH_PROBE_DIR": str(probe_dir)}
+    commands = launch_commands("python", REPO / CHAPTERS[1] / "train.py", 1, [*model, *run])
     status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
     if status != 0:
         return {"status": "failed", "note": tail[-300:]}
-    fig = run_figures(out_dir, probe_dir, 1, args.log_interval)
+    fig = run_figures(out_dir, run_dir / "run.log")
+    # the chapter's metrics give its wall time per step and, on CUDA, its peak memory; no CPU time
     return {
         "status": "ok",
         "step_ms": fig["step_ms"],
-        "step_cpu_ms": fig["step_cpu_ms"],
-        "peak_mb": fig["cuda_max_mem_mb"] or fig["cpu_peak_rss_mb"],
+        "step_cpu_ms": None,
+        "peak_mb": fig["cuda_max_mem_mb"],
         "tokens_per_sec": fig["tokens_per_sec"],
     }
 
@@ -186,8 +185,8 @@ def steps(args) -> dict:
                     "chunked_cpu_ms": median_of(pairs, 1, "step_cpu_ms"),
                     "speedup": statistics.median(ratio),
                     "speedup_cpu": statistics.median(cpu_ratio) if cpu_ratio else None,
-                    "plain_peak_mb": max(a["peak_mb"] for a, _ in pairs),
-                    "chunked_peak_mb": max(b["peak_mb"] for _, b in pairs),
+                    "plain_peak_mb": max((a["peak_mb"] or 0 for a, _ in pairs), default=0) or None,
+                    "chunked_peak_mb": max((b["peak_mb"] or 0 for _, b in pairs), default=0) or None,
                     "plain_tokens_per_sec": median_of(pairs, 0, "tokens_per_sec"),
                     "chunked_tokens_per_sec": median_of(pairs, 1, "tokens_per_sec"),
                 }
@@ -207,9 +206,8 @@ def outcome(result: dict) -> str:
     """One run in words: its step time and peak memory, or why it failed."""
     if result["status"] != "ok":
         return result["note"]
-    return (
-        f"{result['step_ms']:.1f} ms ({result['step_cpu_ms'] or 0:.1f} ms CPU), {result['peak_mb']:,.0f} MB"
-    )
+    cpu, peak = result["step_cpu_ms"] or 0, result["peak_mb"] or 0
+    return f"{result['step_ms']:.1f} ms ({cpu:.1f} ms CPU), {peak:,.0f} MB"
 
 
 def median_of(pairs: list[tuple[dict, dict]], side: int, key: str) -> float | None:
@@ -251,10 +249,6 @@ def loss_alone(args) -> dict:
     weight = (0.02 * torch.randn(vocab, args.width, generator=gen)).to(device).requires_grad_()  # a parameter
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def make(n):
         h = torch.randn(n, args.width, generator=gen).to(device).requires_grad_()  # ln_f's output
         return h, torch.randint(0, 50257, (n,), generator=gen).to(device)
@@ -272,11 +266,11 @@ def loss_alone(args) -> dict:
 
     def peak_added(chunk, h, y) -> int:
         if device.type == "cuda":
-            sync()
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
             step(chunk, h, y)
-            sync()
+            torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) - before
         return cpu_peak_added(lambda: step(chunk, h, y))
 
@@ -287,16 +281,11 @@ def loss_alone(args) -> dict:
             step(chunk, h, y)  # warm-up: one-off allocations, kernel choices
             memory[(chunk, n)] = peak_added(chunk, h, y)
     h, y = make(args.positions[0])
-    times = {chunk: [] for chunk in args.chunks}
+    timer = StepTimer(device)
     for repeat in range(args.repeats):
         for chunk in args.chunks if repeat % 2 == 0 else args.chunks[::-1]:
-            sync()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            step(chunk, h, y)
-            sync()
-            times[chunk].append(
-                (1000 * (time.perf_counter() - start), 1000 * (time.process_time() - start_cpu))
-            )
+            with timer.group(kind=str(chunk)):
+                step(chunk, h, y)
     (n1, n2), target = args.positions, args.extrapolate_to
     rows = []
     for chunk in args.chunks:
@@ -304,8 +293,8 @@ def loss_alone(args) -> dict:
         rows.append(
             {
                 "chunk": chunk,
-                "ms": statistics.median(t for t, _ in times[chunk]),
-                "cpu_ms": statistics.median(c for _, c in times[chunk]),
+                "ms": timer.median(str(chunk)),
+                "cpu_ms": timer.median(str(chunk), cpu=True),
                 "peak_mib": {n: memory[(chunk, n)] / MiB for n in args.positions},
                 "bytes_per_position": per_position,
                 "extrapolated_mib": (memory[(chunk, n2)] + per_position * (target - n2)) / MiB,

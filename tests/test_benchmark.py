@@ -24,17 +24,7 @@ import benchmark
 import gpu_summary
 import gpu_vs_cpu
 
-ROW_NUMBERS = [
-    "tokens_per_sec",
-    "tokens_per_sec_per_device",
-    "step_ms",
-    "step_cpu_ms",
-    "peak_mem_mb",
-    "data_wait_share",
-    "bare_step_ms",
-    "bare_ratio",
-    "bare_cpu_ratio",
-]
+ROW_NUMBERS = ["tokens_per_sec", "tokens_per_sec_per_device", "step_ms", "bare_step_ms", "bare_ratio"]
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +88,11 @@ def test_json_has_a_complete_row_per_setup(bench_run):
             continue
         assert row["status"] == "ok", row
         for key in ROW_NUMBERS:
-            assert isinstance(row[key], float), (key, row)
-            assert row[key] > 0 or key == "data_wait_share", (key, row)
-        assert 0 <= row["data_wait_share"] < 1
+            assert isinstance(row[key], float) and row[key] > 0, (key, row)
         assert row["mfu"] is None  # no known peak FLOP/s for a CPU
-        assert row["peak_mem_source"].startswith("peak RSS")
+        assert row["peak_mem_mb"] is None  # metrics.jsonl's max_mem_mb is CUDA's
+        # the chapters ran unchanged: their own metrics and printed lines are the figures
+        assert setup.script in row["command"] and "probe" not in row["command"]
         assert isinstance(row["threads_per_rank"], int) and row["threads_per_rank"] >= 1
         assert row["devices"] == row["processes"] == setup.ranks
         assert (
