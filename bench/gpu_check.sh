@@ -4,7 +4,7 @@
 #
 #   step           limit  estimate on one H200 (how each is reckoned: bench/README.md, "The GPU check")
 #   prepare_data     30s    ~5s  the Shakespeare token files: checked, prepared only if missing
-#   replica_dtype    30s   ~15s  the dtype inside DataParallel's replica threads (bfloat16 expected)
+#   replica_dtype    45s   ~15s  the dtype inside DataParallel's replica threads (bfloat16 expected)
 #   eager           150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04 with
 #                                1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
 #   gpu_vs_cpu       60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
@@ -24,11 +24,11 @@
 #
 # $OUT receives four files, rewritten after every step, so a check stopped from outside keeps what
 # ran: environment.txt, rows.json (one row per step), summary.md and details.tar.gz (every step's
-# log and results files). Those files are made in $WORK/results; checkpoints (1.5 GB each for
+# log and results files, which the steps write in $WORK/results). Checkpoints (1.5 GB each for
 # GPT-2 with its AdamW state), metrics and probe files stay under $WORK, a fresh temporary folder
 # unless set.
 #
-# Settings (environment): OUT, WORK, TOTAL (390), COMPILE (150), STEPS (all, or names separated by
+# Settings (environment): OUT, WORK, TOTAL (360), COMPILE (150), STEPS (all, or names separated by
 # commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per step, 32), ITERS (30),
 # LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2), CHECK_PRESET (small),
 # CHECK_STEPS (10 for gpu_vs_cpu, 12 for from_scratch), PREFLIGHT_MB (1,16,128) and DEVICE (cuda) exist
@@ -38,7 +38,7 @@ cd "$(dirname "$0")/.."  # the repository root
 
 OUT="${OUT:-bench/results/gpu}"
 WORK="${WORK:-$(mktemp -d -t gpu_check.XXXXXX)}"
-TOTAL="${TOTAL:-390}"
+TOTAL="${TOTAL:-360}"
 COMPILE="${COMPILE:-150}"
 STEPS="${STEPS:-all}"
 STRETCH="${STRETCH:-1}"  # every limit times this: for a rehearsal on a busy CPU, which starts processes slower
@@ -106,7 +106,7 @@ if [[ ! -f "$DATA_DIR/shakespeare/meta.json" ]]; then
         "elsewhere and bring it along (bench/GPU_CHECK.md); trying to prepare it here"
 fi
 step prepare_data 30 -- "$PYTHON" -c "import sys; sys.path.insert(0, '.'); from common.data import prepare; prepare('shakespeare', sys.argv[1])" "$DATA_DIR"
-step replica_dtype 30 -- "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 --out "$DETAIL/replica_dtype.json"
+step replica_dtype 45 -- "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 --out "$DETAIL/replica_dtype.json"
 
 common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BATCH" --iters "$ITERS"
         --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")

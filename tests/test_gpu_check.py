@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +186,31 @@ def test_a_compile_step_is_not_started_without_a_cold_compile_s_time(image_env, 
     rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
     assert [(r["step"], r["status"]) for r in rows] == [("compile", "skipped")]
     assert "needs 215s" in rows[0]["note"]
+
+
+def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_dir, tmp_path):
+    """The lent machine's limit kills the whole command: what $OUT holds by then is whole."""
+    out = tmp_path / "out"
+    folders = dict(OUT=str(out), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
+    env = dict(image_env, STEPS="prepare_data,eager", **folders, **TINY)
+    check = subprocess.Popen(
+        ["bash", str(REPO / "bench" / "gpu_check.sh")],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, as the lent machine's command is
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "details.tar.gz").exists() and check.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert check.poll() is None, "the check ended before it could be stopped"
+    finally:
+        os.killpg(check.pid, signal.SIGKILL)
+        check.wait()
+    rows = json.loads((out / "rows.json").read_text())["rows"]
+    assert [(r["step"], r["status"]) for r in rows] == [("prepare_data", "passed")]
+    assert "| prepare_data | passed |" in (out / "summary.md").read_text()
+    with tarfile.open(out / "details.tar.gz") as tar:
+        assert "details/prepare_data.log" in tar.getnames()
