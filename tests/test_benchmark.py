@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -234,50 +232,6 @@ def test_gpu_vs_cpu_refuses_bad_arguments():
         with pytest.raises(SystemExit) as exit_info:
             gpu_vs_cpu.parse_args(bad)
         assert exit_info.value.code == 2
-
-
-def gpu_check(data_dir, tmp_path, timeout: float, **settings: str) -> subprocess.CompletedProcess:
-    """`bash bench/gpu_check.sh` on the CPU: its results in tmp_path/out, its work files in tmp_path/work."""
-    folders = dict(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
-    env = dict(os.environ, DEVICE="cpu", **folders, **settings)
-    script = ["bash", str(REPO / "bench" / "gpu_check.sh")]
-    return subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def test_gpu_check_runs_end_to_end_on_the_cpu(data_dir, tmp_path):
-    """The GPU check's mechanics, every step of it, as a dry run on the CPU with the tiny model."""
-    out, work = tmp_path / "out", tmp_path / "work"
-    tiny = dict(
-        PRESET="tiny", CHECK_PRESET="tiny", ITERS="4", LOG_INTERVAL="2", BATCH="4", OMP_NUM_THREADS="1"
-    )
-    proc = gpu_check(data_dir, tmp_path, timeout=600, **tiny)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "all steps passed" in proc.stdout
-    summary = (out / "summary.md").read_text()
-    for row in (
-        "01 one device (eager)",
-        "03 DataParallel (eager)",
-        "04 DDP, 1 rank (eager)",
-        "01 one device (compile)",
-    ):
-        status = summary.split(f"| {row} |")[1].splitlines()[0] if f"| {row} |" in summary else ""
-        assert "| ok |" in status, summary
-    assert "bf16 vs float32 check" in summary and "PASS" in summary
-    assert json.loads((out / "replica_dtype.json").read_text())["passed"]
-    assert "preflight PASSED" in summary and "bucketed: mean step time" in summary
-    assert "need two GPUs or more" in summary  # what one GPU cannot show is said, not faked
-    assert "## Plain vs chunked loss" in summary and (out / "loss_chunked.md").exists()
-    # only small files come back: checkpoints and run folders stay in the work folder
-    assert not list(out.rglob("*.pt")) and list(work.rglob("ckpt.pt"))
-    assert sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) < 1_000_000
-
-
-def test_gpu_check_gives_every_step_no_more_than_the_time_left(data_dir, tmp_path):
-    """With TOTAL too small for anything, every step is skipped and named, and the script fails."""
-    proc = gpu_check(data_dir, tmp_path, timeout=120, TOTAL="1")
-    assert proc.returncode == 1
-    steps = "prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked"
-    assert f"failed steps: {steps}" in proc.stdout
 
 
 def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "04_ddp"))
 
 from worker_shared import flat, gloo_group, write_results
-from zero1 import ShardedOptimizer, ZeroOneDataParallel
+from zero1 import ShardedOptimizer, ZeroOneDataParallel, reduce_scatter_single
 
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
@@ -92,7 +92,7 @@ class SumNotAverage(ZeroOneDataParallel):
     def _launch(self, bucket):
         self._pack(bucket)
         bucket.buffer[bucket.numel :].zero_()
-        bucket.work = dist.reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
+        bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
         self.comm_calls += 1
 
 

