@@ -10,10 +10,10 @@ import argparse
 import torch
 
 from .checkpoint import checkpoint_model_config, load_checkpoint
-from .config import OneLineParser, positive_int
 from .device import pick_device
 from .model import GPT
 from .support.errors import run_main
+from .support.flags import OneLineParser, positive_int
 from .training import sample_text
 
 

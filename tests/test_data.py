@@ -17,9 +17,9 @@ from common.data import (
     epoch_permutation,
     load_splits,
     prepare,
-    shakespeare_texts,
     validation_windows,
 )
+from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.tokenizer import encode, eot_id
 

@@ -34,8 +34,9 @@ import torch
 from helpers import outputs_of, replace_statement, start, tiny_run_args
 
 from common.chapters import CHAPTERS
-from common.data import TokenWindows, epoch_permutation, load_splits, prepare, shakespeare_texts
+from common.data import TokenWindows, epoch_permutation, load_splits, prepare
 from common.metrics import read_metrics
+from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.training import is_divergence, stop_if_diverged
 from tools.launch import REPO, child_env, run_python, torchrun_command, two_node_commands

@@ -1,0 +1,99 @@
+"""The command line's guards: value checks, one-line errors, and flags of other chapters.
+
+A flag that a chapter does not support yet is still recognised (hidden from --help), so that using
+it too early gets a message naming the chapter that introduces it instead of "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from ..chapters import CHAPTERS
+from .errors import CourseError
+
+# flag -> the chapter that introduces it
+INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}
+# flag -> (the last chapter that uses it, what to say to whoever uses it later; {script}: this chapter's)
+RETIRED_AFTER = {
+    "--gpus": (
+        3,
+        "chapter 03's DataParallel flag; here each process drives one GPU and torchrun starts them: "
+        "torchrun --standalone --nproc_per_node=N {script}",
+    )
+}
+
+
+def positive_int(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
+    return int(text)
+
+
+def non_negative_int(text: str) -> int:
+    if int(text) < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return int(text)
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:  # AdamW would refuse it with a traceback, or train on nan
+        raise argparse.ArgumentTypeError(f"must be a finite number, zero or more, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    if not 0.0 <= float(text) < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return float(text)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the script's docstring as written and shows every default once."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit status 2, as every other mistake is."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def not_in_chapter(chapter: int, flag: str) -> bool:
+    """Whether `flag` belongs to other chapters than this one: hidden from --help, refused when used."""
+    return INTRODUCED_IN.get(flag, 0) > chapter or RETIRED_AFTER.get(flag, (chapter,))[0] < chapter
+
+
+def refuse_other_chapters_flags(chapter: int, args: argparse.Namespace) -> None:
+    def used(flag: str) -> bool:
+        return getattr(args, flag.lstrip("-").replace("-", "_")) not in (None, False)
+
+    for flag, introduced in INTRODUCED_IN.items():
+        if introduced > chapter and used(flag):
+            raise CourseError(
+                f"{flag} is introduced in chapter {introduced:02d} ({CHAPTERS[introduced]}); "
+                f"this is chapter {chapter:02d}: run {CHAPTERS[introduced]}/train.py to use it"
+            )
+    for flag, (last, instead) in RETIRED_AFTER.items():
+        if chapter > last and used(flag):
+            raise CourseError(f"{flag} is " + instead.format(script=f"{CHAPTERS[chapter]}/train.py"))
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir must be a folder, or a path where one can be made: not an existing file."""
+    path = Path(out_dir)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise CourseError(
+                    f"--out-dir {out_dir}: {folder} is a file, not a folder; "
+                    "give a folder for metrics.jsonl and ckpt.pt (new or an earlier run's)"
+                )
+            return
