@@ -21,9 +21,8 @@ from .support.flags import (
 
 
 def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog=f"{CHAPTERS[chapter]}/train.py", description=description, formatter_class=HelpFormatter
-    )
+    prog = f"{CHAPTERS[chapter]}/train.py"
+    p = OneLineParser(prog=prog, description=description, formatter_class=HelpFormatter)
 
     def later(flag: str, **kwargs):
         """A flag of another chapter: hidden from --help here, refused when used."""
@@ -32,15 +31,11 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
         g.add_argument(flag, **kwargs)
 
     g = p.add_argument_group("batch and schedule")
-    g.add_argument(
-        "--batch-size", type=positive_int, default=8, help="micro-batch: sequences per forward pass"
-    )
+    g.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
     later("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--max-iters", type=positive_int, default=400, help="optimizer steps to train for")
     g.add_argument("--lr", type=non_negative_float, default=2e-3, help="peak learning rate")
-    g.add_argument(
-        "--min-lr", type=non_negative_float, default=2e-4, help="learning rate at the end of the decay"
-    )
+    g.add_argument("--min-lr", type=non_negative_float, default=2e-4, help="learning rate after the decay")
     g.add_argument("--warmup-iters", type=non_negative_int, default=50, help="steps of linear warm-up")
     g.add_argument("--lr-decay-iters", type=positive_int, help="steps of cosine decay (default: --max-iters)")
     g.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW's weight decay")
@@ -56,9 +51,7 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     g.add_argument("--n-embd", type=positive_int, help="the width (default: the preset's)")
     g.add_argument("--block-size", type=positive_int, help="the context length (default: the preset's)")
     g.add_argument("--dropout", type=fraction, default=0.0, help="dropout probability")
-    g.add_argument(
-        "--bias", action=argparse.BooleanOptionalAction, default=True, help="biases in Linear, LayerNorm"
-    )
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="biases in layers")
     g.add_argument(
         "--chunked-loss",
         action=argparse.BooleanOptionalAction,
@@ -67,45 +60,26 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
         "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory",
     )
     g.add_argument(
-        "--init-from",
-        choices=["scratch", "gpt2"],
-        default="scratch",
-        help="gpt2: OpenAI's weights (downloads once)",
+        "--init-from", choices=["scratch", "gpt2"], default="scratch", help="gpt2: OpenAI's weights"
     )
 
     g = p.add_argument_group("data")
-    g.add_argument(
-        "--dataset",
-        default="shakespeare",
-        help="'shakespeare' (offline), a local .txt/.json/.jsonl/.parquet file, or a Hugging Face "
-        "data set name",
-    )
-    g.add_argument(
-        "--text-column", default="text", help="the column holding the text in JSON/Parquet/Hub data"
-    )
+    corpus = "'shakespeare' (offline), a .txt/.json/.jsonl/.parquet file, or a Hugging Face data set"
+    g.add_argument("--dataset", default="shakespeare", help=corpus)
+    g.add_argument("--text-column", default="text", help="the column holding the text in JSON/Parquet/Hub")
     g.add_argument("--data-dir", default="data", help="where prepared token files are kept")
     g.add_argument("--num-proc", type=positive_int, help="threads for tokenizing (default: CPUs, at most 8)")
 
     g = p.add_argument_group("evaluation, logging and checkpoints")
     g.add_argument(
-        "--eval-interval",
-        type=positive_int,
-        default=100,
-        help="evaluate every this many steps and at the end",
+        "--eval-interval", type=positive_int, default=100, help="evaluate every N steps, at the end"
     )
-    g.add_argument(
-        "--eval-batches",
-        type=positive_int,
-        default=20,
-        help="validation batches (global size) per evaluation",
-    )
-    g.add_argument(
-        "--log-interval", type=positive_int, default=10, help="a metrics line every this many steps"
-    )
+    g.add_argument("--eval-batches", type=positive_int, default=20, help="validation batches per evaluation")
+    g.add_argument("--log-interval", type=positive_int, default=10, help="a metrics line every N steps")
     g.add_argument("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     g.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
     g.add_argument(
-        "--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end; 0 skips"
+        "--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end"
     )
     g.add_argument("--prompt", default="\n", help="text the final sample starts from (default: a newline)")
 
@@ -122,11 +96,7 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     later("--gpus", type=positive_int, help="GPUs DataParallel spreads over (default: all visible)")
     later("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="NCCL with CUDA, gloo without")
     later("--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait for a peer")
-    later(
-        "--shared-fs",
-        action="store_true",
-        help="nodes share one file system: global rank 0 alone prepares data",
-    )
+    later("--shared-fs", action="store_true", help="nodes share one file system: rank 0 prepares data")
     return p
 
 
@@ -140,30 +110,20 @@ def parse_args(chapter: int, description: str, argv: list[str] | None = None) ->
 
 
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
-    try:
-        cfg = model_config(
-            args.preset,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            n_embd=args.n_embd,
-            block_size=args.block_size,
-            dropout=args.dropout,
-            bias=args.bias,
-            chunked_loss=args.chunked_loss,
-        )
-    except ValueError as err:
-        raise CourseError(str(err)) from None
+    overrides = {
+        k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
+    }
+    cfg = model_config(args.preset, **overrides, chunked_loss=args.chunked_loss)
     if cfg.n_embd % cfg.n_head:
         raise CourseError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
     if args.init_from == "gpt2":
         gpt2 = PRESETS["gpt2"]
         if cfg.block_size > gpt2.block_size:
             raise CourseError(
-                f"--block-size {cfg.block_size} is larger than GPT-2's {gpt2.block_size} positions; "
-                "use at most that"
+                f"--block-size {cfg.block_size} is larger than GPT-2's 1024 positions; use at most that"
             )
         if (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias) != (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, True):
             raise CourseError(
-                "--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without layer/head/width overrides"
+                "--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without size overrides"
             )
     return cfg

@@ -86,6 +86,7 @@ def runs(data_dir, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.quick
 def test_two_ranks_equal_chapter01_step_for_step(runs):
     reference = train_losses(runs["ch01"])
     ddp = train_losses(runs["ddp"])

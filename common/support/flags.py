@@ -26,29 +26,26 @@ RETIRED_AFTER = {
 }
 
 
-def positive_int(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
-    return int(text)
+def _checked(name: str, convert, ok, rule: str):
+    """An argparse type: `convert` the text, refuse values that are not `ok` with `rule` (one line)."""
+
+    def check(text: str):
+        value = convert(text)  # a ValueError here is argparse's "invalid <name> value"
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    check.__name__ = name
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    if int(text) < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
-    return int(text)
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:  # AdamW would refuse it with a traceback, or train on nan
-        raise argparse.ArgumentTypeError(f"must be a finite number, zero or more, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    if not 0.0 <= float(text) < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return float(text)
+positive_int = _checked("positive_int", int, lambda v: v >= 1, "a positive whole number")
+non_negative_int = _checked("non_negative_int", int, lambda v: v >= 0, "zero or more")
+# AdamW would refuse a negative value with a traceback, or train on nan
+non_negative_float = _checked(
+    "non_negative_float", float, lambda v: math.isfinite(v) and v >= 0, "a finite number, zero or more"
+)
+fraction = _checked("fraction", float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
