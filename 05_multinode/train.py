@@ -29,8 +29,8 @@ from torch.utils.data.distributed import DistributedSampler
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, pick_dtype, rank_device, setup_math, share_cpu_cores
-from common.distributed import one_rank_first, ranks_unlike_rank0, restart_store
+from common.device import autocast_context, describe, pick_dtype, setup_math
+from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, restart_store, share_cpu_cores
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.rundir import claim_out_dir

@@ -4,7 +4,6 @@ are functions of plain facts (a capability, a GPU count), so tests check them on
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -48,57 +47,6 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise CourseError("--device mps asked for Apple's GPU, which is not available here; use --device cpu")
     return device
-
-
-def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> torch.device:
-    """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
-
-    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. The
-    decision takes the machine's GPU count as a plain number, so the tests can check it on a CPU
-    for machines they do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
-    """
-    if requested == "auto":
-        requested = "cuda" if cuda_gpus else "cpu"
-    device = parse_device(requested, cuda_gpus)
-    if device.type == "mps":
-        raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
-    if device.type != "cuda":
-        return device
-    if device.index is not None:  # one GPU named by the reader: only for a single process per machine
-        if local_world_size > 1:
-            raise CourseError(
-                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
-            )
-        return device
-    if local_rank >= cuda_gpus:
-        raise CourseError(
-            f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "
-            "start at most that many processes per machine (--nproc_per_node)"
-        )
-    return torch.device("cuda", local_rank)
-
-
-def cpu_threads_per_rank(
-    local_world_size: int, cpu_count: int, omp_num_threads: str | None
-) -> tuple[int | None, str]:
-    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's choice).
-
-    Unset, torch gives every rank all the cores; torchrun's OMP_NUM_THREADS=1 leaves a big CPU idle.
-    So then each rank gets an equal share; any other OMP_NUM_THREADS is the reader's choice.
-    """
-    if local_world_size > 1 and omp_num_threads in (None, "1"):
-        return max(1, cpu_count // local_world_size), f"{cpu_count} cores / {local_world_size} rank(s)"
-    return None, "OMP_NUM_THREADS" if omp_num_threads is not None else "torch's default"
-
-
-def share_cpu_cores(local_world_size: int) -> str:
-    """Give this rank its share of the CPU's cores; says how many threads it has, and why."""
-    threads, why = cpu_threads_per_rank(
-        local_world_size, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS")
-    )
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return f"{torch.get_num_threads()} CPU thread(s) per rank ({why})"
 
 
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:

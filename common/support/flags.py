@@ -14,15 +14,12 @@ from pathlib import Path
 from ..chapters import CHAPTERS
 from .errors import CourseError
 
-# flag -> the chapter that introduces it
-INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}
-# flag -> (the last chapter that uses it, what to say to whoever uses it later; {script}: this chapter's)
-RETIRED_AFTER = {
-    "--gpus": (
-        3,
-        "chapter 03's DataParallel flag; here each process drives one GPU and torchrun starts them: "
-        "torchrun --standalone --nproc_per_node=N {script}",
-    )
+# flag -> (the first chapter that uses it, the last); what to say to whoever uses it after its last
+CHAPTER_FLAGS = {"--grad-accum": (2, 5), "--gpus": (3, 3), "--backend": (4, 5), "--dist-timeout": (4, 5)}
+CHAPTER_FLAGS["--shared-fs"] = (5, 5)
+RETIRED = {
+    "--gpus": "chapter 03's DataParallel flag; here each process drives one GPU and torchrun starts them: "
+    "torchrun --standalone --nproc_per_node=N {script}"
 }
 
 
@@ -65,22 +62,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 def not_in_chapter(chapter: int, flag: str) -> bool:
     """Whether `flag` belongs to other chapters than this one: hidden from --help, refused when used."""
-    return INTRODUCED_IN.get(flag, 0) > chapter or RETIRED_AFTER.get(flag, (chapter,))[0] < chapter
+    first, last = CHAPTER_FLAGS.get(flag, (1, 5))
+    return not first <= chapter <= last
 
 
 def refuse_other_chapters_flags(chapter: int, args: argparse.Namespace) -> None:
-    def used(flag: str) -> bool:
-        return getattr(args, flag.lstrip("-").replace("-", "_")) not in (None, False)
-
-    for flag, introduced in INTRODUCED_IN.items():
-        if introduced > chapter and used(flag):
+    for flag, (first, last) in CHAPTER_FLAGS.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")) in (None, False):
+            continue  # not used
+        if chapter < first:
             raise CourseError(
-                f"{flag} is introduced in chapter {introduced:02d} ({CHAPTERS[introduced]}); "
-                f"this is chapter {chapter:02d}: run {CHAPTERS[introduced]}/train.py to use it"
+                f"{flag} is introduced in chapter {first:02d} ({CHAPTERS[first]}); "
+                f"this is chapter {chapter:02d}: run {CHAPTERS[first]}/train.py to use it"
             )
-    for flag, (last, instead) in RETIRED_AFTER.items():
-        if chapter > last and used(flag):
-            raise CourseError(f"{flag} is " + instead.format(script=f"{CHAPTERS[chapter]}/train.py"))
+        if chapter > last:
+            raise CourseError(f"{flag} is " + RETIRED[flag].format(script=f"{CHAPTERS[chapter]}/train.py"))
 
 
 def check_out_dir(out_dir: str) -> None:
