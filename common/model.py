@@ -226,10 +226,8 @@ def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> No
             target[: value.shape[0]].copy_(value)
 
 
-def gpt2_pretrained(block_size: int = 1024, dropout: float = 0.0) -> GPT:
-    """GPT-2 small (124M) with OpenAI's weights, fetched by `transformers` (needs the network once)."""
+def load_gpt2_weights(model: GPT) -> None:
+    """OpenAI's GPT-2 small (124M) weights, fetched by `transformers` (needs the network once)."""
     from transformers import GPT2LMHeadModel  # imported here: only this path needs it
 
-    model = GPT(replace(PRESETS["gpt2"], block_size=block_size, dropout=dropout))
     load_hf_gpt2_state_dict(model, GPT2LMHeadModel.from_pretrained("gpt2").state_dict())
-    return model

