@@ -133,7 +133,7 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
                     iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
@@ -145,7 +145,7 @@ def main():
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save_checkpoint(

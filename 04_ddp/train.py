@@ -27,8 +27,8 @@ from torch.utils.data.distributed import DistributedSampler
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, pick_dtype, rank_device, setup_math, share_cpu_cores
-from common.distributed import one_rank_first, ranks_unlike_rank0
+from common.device import autocast_context, describe, pick_dtype, setup_math
+from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.rundir import claim_out_dir
@@ -224,7 +224,7 @@ def main():
                 # the mean over all ranks: a collective, so every rank calls it (SUM works on every backend)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
                     iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
@@ -242,7 +242,7 @@ def main():
                 val_stats = torch.stack([my_loss * my_count, my_count])  # the sum of my losses, their count
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
-                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 if is_rank0:

@@ -1,17 +1,13 @@
-"""ckpt.pt: written atomically, read without unpickling code, loadable by every chapter.
-
-A checkpoint holds plain tensors and Python values only (so `torch.load(weights_only=True)` reads
-it): the model's state dict without any `module.` prefix, the optimizer's state, the float16 loss
-scaler's state, the iteration, the model and training configuration, and the random state (the
-CPU's and, on a GPU, the GPU's, which draws the dropout masks), so a resumed run continues the very
-same sequence of batches and computations.
-"""
+"""ckpt.pt: written atomically, read without unpickling code (plain tensors and values only),
+loadable by every chapter; with the random state, a resumed run continues the very same run."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
 import zipfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,22 +17,10 @@ from .support.errors import CourseError
 
 CKPT_NAME = "ckpt.pt"
 
-# Prefixes that wrappers add to parameter names: nn.DataParallel / DDP ("module.") and
-# torch.compile ("_orig_mod."). A checkpoint must not depend on how the model was wrapped.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    def clean(name: str) -> str:
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in WRAPPER_PREFIXES:
-                if name.startswith(prefix):
-                    name, stripped = name[len(prefix) :], True
-        return name
-
-    return {clean(k): v for k, v in state.items()}
+    """Names without the prefixes wrappers add: "module." (DataParallel, DDP), "_orig_mod." (compile)."""
+    return {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}
 
 
 def save_checkpoint(
@@ -50,10 +34,7 @@ def save_checkpoint(
     best_val_loss: float | None = None,
     scaler_state: dict | None = None,
 ) -> Path:
-    """Write <out_dir>/ckpt.pt through a temporary file and os.replace.
-
-    A crash mid-write leaves a stray temporary file and the previous checkpoint untouched.
-    """
+    """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one intact."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CKPT_NAME
@@ -62,7 +43,7 @@ def save_checkpoint(
         "model": clean_state_dict(model_state),
         "optimizer": optimizer_state,
         "iter_num": iter_num,
-        "model_config": model_config.to_dict(),
+        "model_config": asdict(model_config),
         "train_config": {
             k: v for k, v in train_config.items() if isinstance(v, (int, float, str, bool, type(None)))
         },
@@ -82,7 +63,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(out_dir_or_file: str | Path) -> dict:
-    """Read a checkpoint to the CPU; every way it can be missing or broken is one clear error."""
+    """Read a checkpoint to the CPU; every way it can be missing or broken is one clear line."""
     path = Path(out_dir_or_file)
     if path.is_dir() or path.suffix != ".pt":
         path = path / CKPT_NAME
@@ -124,7 +105,7 @@ def checkpoint_model_config(checkpoint: dict) -> GPTConfig:
     return GPTConfig(**checkpoint["model_config"])
 
 
-def check_same_shape(checkpoint: dict, config: GPTConfig, path_hint: str = "the checkpoint") -> None:
+def check_same_shape(checkpoint: dict, config: GPTConfig) -> None:
     """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
     saved = checkpoint_model_config(checkpoint)
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
@@ -135,6 +116,6 @@ def check_same_shape(checkpoint: dict, config: GPTConfig, path_hint: str = "the 
     ]
     if differs:
         raise CourseError(
-            f"{path_hint} is for another model shape: {', '.join(differs)}; "
+            f"the checkpoint is for another model shape: {', '.join(differs)}; "
             "resume with the same --preset and overrides, or use a new --out-dir"
         )

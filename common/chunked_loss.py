@@ -1,40 +1,24 @@
 """The output layer and the loss in pieces: `F.cross_entropy(h @ W.T, targets)` without the logits.
 
-Why this exists. GPT-2's vocabulary has 50,304 entries, so the logits of a batch are
-positions x 50,304 numbers: 206 MB for 1,024 positions in float32, 6.6 GB for a GPU micro-batch of
-32 x 1,024 (plus a bfloat16 copy and the gradients of both). The plain computation writes them,
-reads them for the softmax, writes the softmax's gradient of the same size and reads it twice for
-the two matrix products of the backward pass. In the course's small model that traffic is most of
-a training step on a CPU, and on a GPU it is most of the memory a step needs beyond the weights.
+Why: with GPT-2's 50,304-entry vocabulary the logits of a GPU micro-batch of 32 x 1,024 positions
+take 6.6 GB in float32, and the plain computation writes and reads them (and their gradient) several
+times: on a CPU that traffic is most of a training step, on a GPU most of the memory beyond the weights.
 
-`chunked_cross_entropy` computes the same loss and the same gradients a few rows (positions) at a
-time. For each chunk of positions it computes the chunk's logits, their log-softmax and loss, and
-right away the chunk's gradient with respect to the logits (softmax minus one-hot), which it turns
-into its share of the two gradients that matter: of the hidden states `h` (chunk x n_embd) and of
-the output matrix `W` (added up over the chunks). The chunk's logits are then dropped. Nothing of
-size positions x vocabulary is ever held, and the logits are read while they are still in cache.
-
-The gradients are computed during the forward pass, before anyone asks for them: a training step
-always calls backward, and it saves computing the logits a second time. The backward pass only
-multiplies them by the incoming gradient (1 for `loss.backward()`, the loss scale under float16,
-1/K with gradient accumulation). Under `torch.no_grad()` (evaluation) no gradient work is done.
-
-It is the idea of Liger Kernel's fused linear cross-entropy (which also computes the gradients
-in the forward pass), written in plain PyTorch operations.
+How: a few positions at a time, compute the chunk's logits, its loss, and right away its gradient
+(softmax minus one-hot), turned into the chunk's share of the gradients of `h` and `W`; then drop
+the chunk's logits. The gradients are computed in the forward pass (a training step always calls
+backward); backward only scales them. Under `torch.no_grad()` no gradient work is done. It is
+the idea of Liger Kernel's fused linear cross-entropy, in plain PyTorch.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Positions per chunk. Each chunk reads the whole output matrix (V x C) three times, so a chunk much
-# smaller than the width C costs more in re-reading the matrix than it saves; a chunk whose logits
-# (chunk x V float32) outgrow the cache loses what chunking gains. On a CPU, 128 measured fastest
-# for the small model (C = 128, bench/README.md): 128 x 50,304 float32 = 26 MB, inside this
-# machine's 32 MB L3 cache. On a GPU, 1,024: about 0.5 GB of temporaries for GPT-2's vocabulary
-# (against the plain path's tens of GB) and big enough that the GPU, not the Python loop launching
-# its kernels, sets the pace. The GPU figure is reasoned, not yet measured: bench/gpu_check.sh
-# measures it.
+# Positions per chunk. Each chunk re-reads the whole output matrix, so much smaller chunks cost more
+# than they save; logits (chunk x V float32) that outgrow the cache lose the gain. On a CPU 128
+# measured fastest for the small model (bench/README.md); on a GPU 1,024 keeps the temporaries near
+# 0.5 GB and the GPU, not the Python loop, sets the pace (reasoned; bench/gpu_check.sh measures it).
 CPU_CHUNK = 128
 GPU_CHUNK = 1024
 

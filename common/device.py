@@ -1,13 +1,9 @@
-"""Which device and number format a run uses, and the autocast context for it.
-
-The GPU decisions are small functions of plain facts (a compute capability, a device name), so
-the tests can check them on a CPU with the values real GPUs report.
-"""
+"""Which device and number format a run uses, and the autocast context for it. The GPU decisions
+are functions of plain facts (a capability, a GPU count), so tests check them on a CPU."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -24,11 +20,8 @@ DTYPES = {
 def pick_device(requested: str = "auto") -> torch.device:
     """auto: the first CUDA GPU, else Apple's mps, else the CPU."""
     if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        mps = torch.backends.mps.is_available()
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     device = parse_device(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if device.type == "cuda" and device.index is not None:
         # Make it the current GPU now: pinned memory, capability queries and anything created on
@@ -56,74 +49,16 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
     return device
 
 
-def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> torch.device:
-    """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
-
-    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. The
-    decision takes the machine's GPU count as a plain number, so the tests can check it on a CPU
-    for machines they do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
-    """
-    if requested == "auto":
-        requested = "cuda" if cuda_gpus else "cpu"
-    device = parse_device(requested, cuda_gpus)
-    if device.type == "mps":
-        raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
-    if device.type != "cuda":
-        return device
-    if device.index is not None:  # one GPU named by the reader: only for a single process per machine
-        if local_world_size > 1:
-            raise CourseError(
-                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
-            )
-        return device
-    if local_rank >= cuda_gpus:
-        raise CourseError(
-            f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "
-            "start at most that many processes per machine (--nproc_per_node)"
-        )
-    return torch.device("cuda", local_rank)
-
-
-def cpu_threads_per_rank(
-    local_world_size: int, cpu_count: int, omp_num_threads: str | None
-) -> tuple[int | None, str]:
-    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's choice).
-
-    Torch alone would give every rank all the cores (oversubscribed); torchrun sets
-    OMP_NUM_THREADS=1, which leaves a big CPU mostly idle. So when the threads are unset or 1, each
-    rank gets an equal share of the cores; any other OMP_NUM_THREADS is the reader's choice.
-    """
-    if local_world_size > 1 and omp_num_threads in (None, "1"):
-        return max(1, cpu_count // local_world_size), f"{cpu_count} cores / {local_world_size} rank(s)"
-    return None, "OMP_NUM_THREADS" if omp_num_threads is not None else "torch's default"
-
-
-def share_cpu_cores(local_world_size: int) -> str:
-    """Give this rank its share of the CPU's cores; says how many threads it has, and why."""
-    threads, why = cpu_threads_per_rank(
-        local_world_size, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS")
-    )
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return f"{torch.get_num_threads()} CPU thread(s) per rank ({why})"
-
-
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """--dtype auto from the device's facts: bfloat16 where NVIDIA GPUs compute it in tensor cores.
-
-    bfloat16 tensor cores came with compute capability 8.0 (Ampere: A100, RTX 30xx, then L4, H100,
-    ...). Older GPUs (V100 is 7.0, T4 7.5) can store bfloat16 and emulate its arithmetic, which
-    torch.cuda.is_bf16_supported() counts as support by default; there it is slow and
-    torch.compile skips it, so they get float16 (with loss scaling) instead. The CPU and Apple's
-    mps stay in float32.
-    """
+    """--dtype auto: bfloat16 where NVIDIA GPUs have bfloat16 tensor cores (capability 8.0, Ampere,
+    on). Older GPUs (V100, T4) only emulate it, slowly: they get float16 (with loss scaling). The CPU
+    and Apple's mps stay in float32."""
     if device_type == "cuda" and capability is not None:
         return torch.bfloat16 if capability >= (8, 0) else torch.float16
     return torch.float32
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on GPUs with bfloat16 tensor cores, float16 on older GPUs, float32 elsewhere."""
     if requested != "auto":
         dtype = DTYPES[requested]
         if device.type == "cpu" and dtype == torch.float16:
@@ -136,10 +71,7 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype):
-    """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32.
-
-    float32 and float64 need none: everything already computes in that format.
-    """
+    """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32."""
     if dtype in (torch.float32, torch.float64):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -148,10 +80,8 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
 def in_autocast(module, device: torch.device, dtype: torch.dtype):
     """`module`, called inside autocast(device, dtype): what nn.DataParallel's replicas need.
 
-    The autocast number format belongs to the thread that entered it. DataParallel runs each
-    replica in a thread of its own and turns autocast on there without saying which format, so a
-    new thread gets the default (float16 on CUDA, bfloat16 on the CPU), whatever the run chose.
-    Entering autocast inside the replica's call, in its own thread, gives it the run's format.
+    Autocast's format belongs to the thread that entered it. DataParallel runs each replica in a
+    thread of its own with autocast's default format (float16 on CUDA), whatever the run chose.
     """
 
     def call(*args, **kwargs):
@@ -162,12 +92,8 @@ def in_autocast(module, device: torch.device, dtype: torch.dtype):
 
 
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
-    """TF32 matmuls on Ampere and newer: float32 ranges at tensor-core speed.
-
-    --dtype float64 makes float64 torch's default, so the model, the optimizer's state and every
-    tensor the loop creates are float64: slow, but with rounding errors about 1e-16 instead of
-    float32's 1e-7, which shows what part of a difference between two runs is rounding.
-    """
+    """TF32 matmuls on Ampere and newer. --dtype float64 makes every tensor float64: slow, but with
+    rounding errors of 1e-16 instead of 1e-7, which shows what part of a difference is rounding."""
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
     if device.type == "cuda" and dtype != torch.float64:

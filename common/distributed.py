@@ -1,8 +1,8 @@
-"""What the DDP chapters need from torch.distributed but do not teach: one rank first, the copies
-check, and a meeting point that survives torchrun's restarts.
+"""What the DDP chapters need but do not teach: each rank's device and CPU threads, one rank first,
+the copies check, and a meeting point that survives torchrun's restarts.
 
-Every function here is a collective or joins one: every rank of the group must call it, in the
-same order, or the ranks that did wait for the others until the timeout.
+Every function here that takes no device facts is a collective or joins one: every rank of the
+group must call it, in the same order, or the ranks that did wait for the others until the timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from .device import parse_device
+from .support.errors import CourseError
 
 # Tokenizing a large data set can take hours, far longer than a training collective may wait.
 PREPARATION_TIMEOUT = datetime.timedelta(hours=6)
@@ -61,3 +64,54 @@ def restart_store(world_size: int, restart_count: int, timeout: datetime.timedel
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"attempt_{restart_count}", agent_store)
+
+
+def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> torch.device:
+    """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
+
+    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. The
+    decision takes the machine's GPU count as a plain number, so the tests can check it on a CPU
+    for machines they do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
+    """
+    if requested == "auto":
+        requested = "cuda" if cuda_gpus else "cpu"
+    device = parse_device(requested, cuda_gpus)
+    if device.type == "mps":
+        raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
+    if device.type != "cuda":
+        return device
+    if device.index is not None:  # one GPU named by the reader: only for a single process per machine
+        if local_world_size > 1:
+            raise CourseError(
+                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
+            )
+        return device
+    if local_rank >= cuda_gpus:
+        raise CourseError(
+            f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "
+            "start at most that many processes per machine (--nproc_per_node)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def cpu_threads_per_rank(
+    local_world_size: int, cpu_count: int, omp_num_threads: str | None
+) -> tuple[int | None, str]:
+    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's choice).
+
+    Unset, torch gives every rank all the cores; torchrun's OMP_NUM_THREADS=1 leaves a big CPU idle.
+    So then each rank gets an equal share; any other OMP_NUM_THREADS is the reader's choice.
+    """
+    if local_world_size > 1 and omp_num_threads in (None, "1"):
+        return max(1, cpu_count // local_world_size), f"{cpu_count} cores / {local_world_size} rank(s)"
+    return None, "OMP_NUM_THREADS" if omp_num_threads is not None else "torch's default"
+
+
+def share_cpu_cores(local_world_size: int) -> str:
+    """Give this rank its share of the CPU's cores; says how many threads it has, and why."""
+    threads, why = cpu_threads_per_rank(
+        local_world_size, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS")
+    )
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return f"{torch.get_num_threads()} CPU thread(s) per rank ({why})"

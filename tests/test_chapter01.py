@@ -39,6 +39,7 @@ def full_run(data_dir, tmp_path_factory):
     return out_dir, proc
 
 
+@pytest.mark.quick
 def test_prints_the_global_batch(full_run):
     _, proc = full_run
     assert "global batch: 8 sequences x 32 tokens = 256 tokens per step" in proc.stdout
@@ -46,6 +47,7 @@ def test_prints_the_global_batch(full_run):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.quick
 def test_metrics_lines(full_run):
     out_dir, _ = full_run
     lines = training_lines(out_dir)
@@ -62,6 +64,7 @@ def test_metrics_lines(full_run):
     assert all(math.isfinite(m["val_loss"]) for m in eval_lines(out_dir))
 
 
+@pytest.mark.quick
 def test_checkpoint_file(full_run):
     out_dir, _ = full_run
     ckpt = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)

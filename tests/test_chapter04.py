@@ -65,13 +65,23 @@ def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("chapter04")
-    out = {name: root / name for name in ("ch01", "ddp", "ddp_accum", "ch01_resumed")}
-    common = {"lr_decay_iters": ITERS}
-    run_python([CHAPTER01, *tiny_run_args(data_dir, out["ch01"], ITERS, batch_size=8, **common)])
-    ddp = run_torchrun(SCRIPT, 2, tiny_run_args(data_dir, out["ddp"], ITERS, batch_size=4, **common))
+def pair(data_dir, tmp_path_factory) -> dict[str, Path]:
+    """Chapter 01 and two ranks of chapter 04 with the same global batch (the quick check needs no more)."""
+    root = tmp_path_factory.mktemp("chapter04_pair")
+    out = {name: root / name for name in ("ch01", "ddp")}
+    run_python([CHAPTER01, *tiny_run_args(data_dir, out["ch01"], ITERS, batch_size=8, lr_decay_iters=ITERS)])
+    ddp = run_torchrun(
+        SCRIPT, 2, tiny_run_args(data_dir, out["ddp"], ITERS, batch_size=4, lr_decay_iters=ITERS)
+    )
     (out["ddp"] / "stdout.txt").write_text(ddp.stdout)  # after the run: the folder held only its files
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(pair, data_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chapter04")
+    out = pair | {name: root / name for name in ("ddp_accum", "ch01_resumed")}
+    common = {"lr_decay_iters": ITERS}
     accum = tiny_run_args(data_dir, out["ddp_accum"], 10, batch_size=2, grad_accum=2, **common)
     run_torchrun(SCRIPT, 2, accum)
     shutil.copytree(out["ddp_accum"], out["ch01_resumed"])  # the chapter 04 checkpoint at step 10
@@ -86,7 +96,9 @@ def runs(data_dir, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def test_two_ranks_equal_chapter01_step_for_step(runs):
+@pytest.mark.quick
+def test_two_ranks_equal_chapter01_step_for_step(pair):
+    runs = pair
     reference = train_losses(runs["ch01"])
     ddp = train_losses(runs["ddp"])
     assert sorted(ddp) == list(range(1, ITERS + 1))

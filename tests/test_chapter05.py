@@ -20,8 +20,8 @@ import pytest
 import torch
 from helpers import outputs_of, start, tiny_run_args
 
-from common.data import shakespeare_texts
 from common.metrics import read_metrics
+from common.support.corpus import shakespeare_texts
 from tools.launch import REPO, child_env, free_port, run_python, torchrun_command
 
 CHAPTER = REPO / "05_multinode"

@@ -17,9 +17,9 @@ from common.data import (
     epoch_permutation,
     load_splits,
     prepare,
-    shakespeare_texts,
     validation_windows,
 )
+from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.tokenizer import encode, eot_id
 
@@ -65,6 +65,7 @@ def test_shakespeare_is_clean_play_text():
     assert "To be, or not to be" in text
 
 
+@pytest.mark.quick
 def test_shakespeare_prepared_files(data_dir):
     folder = data_dir / "shakespeare"
     meta = json.loads((folder / "meta.json").read_text())
@@ -155,6 +156,7 @@ def test_unknown_corpus_name(tmp_path):
 # ---- windows -----------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_inputs_and_targets_shifted_by_one(data_dir):
     block = 32
     train, val = load_splits(data_dir / "shakespeare", block)
@@ -189,6 +191,7 @@ def test_validation_windows_fixed_and_spread(data_dir):
 # ---- the data order of README.md, "How the chapters stay the same run" ----------------------------------
 
 
+@pytest.mark.quick
 def test_epoch_permutation_is_seeded_randperm():
     for seed, epoch in ((1337, 0), (1337, 1), (7, 3)):
         g = torch.Generator().manual_seed(seed + epoch)

@@ -16,10 +16,11 @@ import torch
 
 from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.data import shakespeare_texts
 from common.device import auto_dtype, in_autocast
-from common.metrics import gpu_model, model_flops_utilization, peak_flops_of
+from common.metrics import model_flops_utilization
 from common.model import GPT, model_config
+from common.support.corpus import shakespeare_texts
+from common.support.gpus import gpu_model, peak_flops_of
 from tools.launch import REPO, run_torchrun
 
 # ---- 1. DataParallel's replica threads and autocast's per-thread number format ---------------

@@ -19,6 +19,7 @@ def test_vocabulary_padded_to_multiple_of_64():
         assert cfg.vocab_size == 50304, name
 
 
+@pytest.mark.quick
 def test_presets_and_overrides():
     cfg = model_config("tiny", n_embd=64, block_size=None)
     assert cfg.n_embd == 64 and cfg.block_size == PRESETS["tiny"].block_size  # None keeps the preset
@@ -54,6 +55,7 @@ def test_no_peak_flops_claimed_on_cpu():
     assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
 
 
+@pytest.mark.quick
 def test_initial_loss_near_ln_vocab():
     torch.manual_seed(0)
     cfg = PRESETS["tiny"]

@@ -15,8 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.config import parse_args
-from common.device import cpu_threads_per_rank, rank_device
-from common.distributed import ranks_unlike_rank0
+from common.distributed import cpu_threads_per_rank, rank_device, ranks_unlike_rank0
 from common.support.errors import CourseError
 from tools.launch import free_port
 

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from common.tokenizer import decode, encode, eot_id, get_tokenizer, gpt2_files
 
 # The URLs tiktoken_ext.openai_public.gpt2() downloads; tiktoken caches each under sha1(url).
@@ -34,6 +36,7 @@ print(json.dumps({"ids": enc.encode_ordinary(text), "eot": enc.eot_token, "n_voc
 """
 
 
+@pytest.mark.quick
 def test_hello_world():
     assert encode("Hello world") == [15496, 995]
     assert decode([15496, 995]) == "Hello world"

@@ -48,8 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import launch  # noqa: E402
 from common.chapters import CHAPTERS  # noqa: E402
+from tools import launch  # noqa: E402
 
 NUMBER = {folder: number for number, folder in CHAPTERS.items()}  # 04_ddp -> 4
 NAMES = {1: "one device", 2: "gradient accumulation", 3: "DataParallel", 4: "DDP", 5: "two nodes"}

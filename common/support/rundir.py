@@ -1,13 +1,8 @@
 """The run folder (--out-dir): one run at a time, and never another run's files overwritten.
 
-A run writes metrics.jsonl and ckpt.pt into its folder. Two rules keep those files safe:
-
-- A new run (no --resume) refuses a folder that already holds a run: it would replace that run's
-  checkpoint and metrics. The message says how to continue it or where to start a new one.
-- Two runs never write into one folder at the same time. The run that writes (global rank 0)
-  holds an exclusive lock on the folder itself (flock on the directory: no lock file is written)
-  for as long as it lives. The operating system drops the lock when the process ends, however it
-  ends (even kill -9), so a dead run leaves no stale lock behind.
+A new run (no --resume) refuses a folder that holds a run. The writing process (global rank 0)
+holds a flock on the folder itself while it lives; the system drops it however the process ends
+(even kill -9), so a dead run leaves no stale lock behind.
 """
 
 from __future__ import annotations
@@ -32,14 +27,8 @@ def holds_a_run(out_dir: Path) -> bool:
 def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
     """Make sure `out_dir` can take this run's files, and lock it until this process ends.
 
-    In a process group only global rank 0 writes files, so it alone checks and locks the folder,
-    and every rank hears its verdict: when the folder is refused, all ranks stop with the same
-    line, and none is left waiting in a collective for the others.
-
-    The lock is held by a file descriptor of the folder that is never closed: it lasts until the
-    process ends.
-    Raises CourseError, with what to do, when the folder holds another run or is in use (an
-    --out-dir that is a file was refused earlier, by common.config).
+    Global rank 0 alone checks and locks (by a descriptor never closed); every rank hears its
+    verdict, so when the folder is refused all ranks stop with the same line and none waits.
     """
     distributed = dist.is_available() and dist.is_initialized()
     problem = None
