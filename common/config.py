@@ -15,6 +15,7 @@ from pathlib import Path
 from .chapters import CHAPTERS
 from .model import PRESETS, GPTConfig, model_config
 from .support.errors import CourseError
+from .support.preempt import stop_signal
 
 # flag -> the chapter that introduces it
 INTRODUCED_IN = {"--grad-accum": 2, "--gpus": 3, "--backend": 4, "--dist-timeout": 4, "--shared-fs": 5}
@@ -178,6 +179,13 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     )
     g.add_argument("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     g.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
+    g.add_argument(
+        "--stop-signal",
+        type=stop_signal,
+        default="SIGTERM",
+        help="besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
+        "the step it is in and stop, to be resumed (exit status 75)",
+    )
     g.add_argument(
         "--sample-tokens", type=_non_negative_int, default=200, help="tokens to generate at the end; 0 skips"
     )
