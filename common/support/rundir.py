@@ -8,10 +8,19 @@ A run writes metrics.jsonl and ckpt.pt into its folder. Two rules keep those fil
   holds an exclusive lock on the folder itself (flock on the directory: no lock file is written)
   for as long as it lives. The operating system drops the lock when the process ends, however it
   ends (even kill -9), so a dead run leaves no stale lock behind.
+
+What the lock covers depends on the file system. On a local disk it excludes every other process.
+On NFS a flock excludes only processes of the same machine (the client), so two runs started on
+two machines into one folder of an NFS share are not kept apart: give each run its own --out-dir.
+Some file systems cannot lock at all (Lustre mounted without the flock option answers ENOSYS, an
+NFS without its lock service ENOLCK): the run then stops with one line that says so, and
+COURSE_NO_LOCK=1 in the environment runs without the lock, the second rule then being the
+reader's to keep.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -56,16 +65,26 @@ def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
         raise CourseError(problem)
 
 
+NO_LOCK = "COURSE_NO_LOCK"  # =1: a file system that cannot lock; the run goes on without the lock
+
+
 def _claim(out_dir: Path, resume: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = os.open(out_dir, os.O_RDONLY)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        if os.environ.get(NO_LOCK) != "1":
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
         os.close(lock)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # another process holds the lock
+            raise CourseError(
+                f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
+                "wait for it to end, or give this run another --out-dir"
+            ) from None
         raise CourseError(
-            f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
-            "wait for it to end, or give this run another --out-dir"
+            f"the file system of {out_dir} cannot lock the folder ({os.strerror(err.errno or 0)}): "
+            f"use an --out-dir on another file system, or run with {NO_LOCK}=1 to go on without "
+            "the lock, making sure no other run writes into this folder"
         ) from None
     if not resume and holds_a_run(out_dir):
         os.close(lock)
