@@ -30,7 +30,8 @@ from common.training import build_model, check_resume, evaluate, lr_at, sample_t
 
 
 class DataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
+    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
+    and whose loss counts every row once, however the batch splits (see parallel_apply).
 
     DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
     there without saying which format. The format belongs to the thread, and a new thread has the
@@ -44,7 +45,19 @@ class DataParallel(nn.DataParallel):
 
     def parallel_apply(self, replicas, inputs, kwargs):
         replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
-        return super().parallel_apply(replicas, inputs, kwargs)
+        outputs = super().parallel_apply(replicas, inputs, kwargs)
+        # A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
+        # replicas different shares, and the plain mean of their mean losses would count each row
+        # of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
+        # all rows. An even split, as every training batch is, gets weights of exactly 1.
+        weights = row_weights([len(args[0]) for args in inputs])
+        return [(logits, loss * w) for (logits, loss), w in zip(outputs, weights)]
+
+
+def row_weights(rows: list[int]) -> list[float]:
+    """Factors for each replica's mean loss, so that the mean of the weighted losses is the mean
+    over all rows: replica i holds rows[i] of them."""
+    return [r * len(rows) / sum(rows) for r in rows]
 
 
 def main():
