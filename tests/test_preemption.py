@@ -7,6 +7,8 @@
 - In-process: the signal handling itself (a repeat passed on by a launcher is the same stop, a
   later one stops at once), run_main's lines and statuses (a script without --resume, as the
   hang lab, does not offer it), and --stop-signal's names.
+- 05_multinode/slurm.sbatch, with stand-ins for srun and scontrol: USR1 to the batch shell becomes a
+  SIGTERM to the training, the job is requeued, and the requeued job passes --resume.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import io
 import os
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -183,3 +186,69 @@ def test_run_main_lines_and_statuses(restore_signal_handlers):
         130,
         "stopped by SIGTERM: the last checkpoint written is intact; continue with --resume\n",
     )
+
+
+# ---- 05_multinode/slurm.sbatch: the job stops, is requeued, and the next one resumes ---------------
+
+FAKE_SRUN = """#!/bin/bash
+# srun as far as the script needs it: the preflight ends at once; the training records its words,
+# then runs until SIGTERM, as a training run that saves and stops does (status 75)
+if [[ "$*" == *preflight* ]]; then exit 0; fi
+echo "$*" >> "$LOG"
+trap 'echo stopped >> "$LOG"; exit 75' TERM
+echo started >> "$LOG"
+while true; do sleep 0.1; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [[ "$1" == show ]]; then echo node1; exit 0; fi
+echo "scontrol $*" >> "$LOG"
+"""
+
+
+def test_slurm_script_passes_the_stop_on_requeues_and_the_next_job_resumes(tmp_path):
+    bin_dir, out_dir, log = tmp_path / "bin", tmp_path / "out", tmp_path / "log"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LOG": str(log),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node1",
+        "OUT_DIR": str(out_dir),
+    }
+    script = Path(__file__).resolve().parents[1] / "05_multinode" / "slurm.sbatch"
+
+    def job(restart_count: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["bash", str(script), "--max-iters", "9"],
+            env={**env, "SLURM_RESTART_COUNT": str(restart_count)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    first = job(0)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@90 sends, to the batch shell only
+    output, _ = first.communicate(timeout=30)
+    words = log.read_text().splitlines()
+    assert words[1:] == ["started", "stopped", "scontrol requeue 42"], output
+    assert "--resume" not in words[0] and "--max-iters 9" in words[0]
+    assert first.returncode == 75, output
+
+    # the requeued job: the same job id, so the same folder, where the stopped run left its checkpoint
+    out_dir.mkdir()
+    (out_dir / "ckpt.pt").write_bytes(b"")
+    log.unlink()
+    second = job(1)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second.send_signal(signal.SIGUSR1)
+    second.communicate(timeout=30)
+    assert "--resume --max-iters 9" in log.read_text().splitlines()[0]
