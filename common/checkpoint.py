@@ -3,7 +3,7 @@
 A checkpoint holds plain tensors and Python values only (so `torch.load(weights_only=True)` reads
 it): the model's state dict without any `module.` prefix, the optimizer's state, the float16 loss
 scaler's state, the iteration, the model and training configuration, and the random state (the
-CPU's and, on GPUs, every GPU's, which draw the dropout masks), so a resumed run continues the very
+CPU's and, on a GPU, the GPU's, which draws the dropout masks), so a resumed run continues the very
 same sequence of batches and computations.
 """
 

@@ -8,14 +8,6 @@ A run writes metrics.jsonl and ckpt.pt into its folder. Two rules keep those fil
   holds an exclusive lock on the folder itself (flock on the directory: no lock file is written)
   for as long as it lives. The operating system drops the lock when the process ends, however it
   ends (even kill -9), so a dead run leaves no stale lock behind.
-
-What the lock covers depends on the file system. On a local disk it excludes every other process.
-On NFS a flock excludes only processes of the same machine (the client), so two runs started on
-two machines into one folder of an NFS share are not kept apart: give each run its own --out-dir.
-Some file systems cannot lock at all (Lustre mounted without the flock option answers ENOSYS, an
-NFS without its lock service ENOLCK): the run then stops with one line that says so, and
-COURSE_NO_LOCK=1 in the environment runs without the lock, the second rule then being the
-reader's to keep.
 """
 
 from __future__ import annotations
@@ -65,7 +57,14 @@ def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
         raise CourseError(problem)
 
 
-NO_LOCK = "COURSE_NO_LOCK"  # =1: a file system that cannot lock; the run goes on without the lock
+# What the lock covers depends on the file system. On a local disk it excludes every other process.
+# On NFS a flock excludes only processes of the same machine (the client): two runs started on two
+# machines into one folder of an NFS share are not kept apart, so give each run its own --out-dir.
+# Some file systems cannot lock at all (Lustre mounted without the flock option answers ENOSYS, an
+# NFS without its lock service ENOLCK): the run then stops with one line that says so, and
+# COURSE_NO_LOCK=1 in the environment runs without the lock; keeping other runs out of the folder
+# is then the reader's task.
+NO_LOCK = "COURSE_NO_LOCK"
 
 
 def _claim(out_dir: Path, resume: bool) -> None:
