@@ -86,9 +86,9 @@ class Preemption:
         """Whether the run should save this step and stop; the same answer on every rank."""
         if self.agree_on is None:
             return self.received is not None
-        # One number per step, summed over the ranks: nothing next to the gradients DDP all-reduces
+        # One number per step, summed over the ranks: little next to the gradients DDP all-reduces
         # in every step. Reading it back makes the host wait for the step to end on the GPU before
-        # it queues the next one, a pause of microseconds against a step of milliseconds or more.
+        # it queues the next one: the GPU idles while the next step's first kernels are launched.
         flag = torch.tensor(float(self.received is not None), device=self.agree_on)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)  # SUM works on every backend
         return flag.item() > 0
