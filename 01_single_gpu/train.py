@@ -22,6 +22,7 @@ from common.data import batch_loader, describe_global_batch, load_splits, prepar
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
+from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
@@ -96,6 +97,22 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
+    def save(step: int) -> None:
+        """The checkpoint, at every evaluation and when the run is asked to stop."""
+        save_checkpoint(
+            out_dir,
+            model_state=raw_model.state_dict(),
+            optimizer_state=optimizer.state_dict(),
+            iter_num=step,
+            model_config=model_config,
+            train_config=train_config,
+            best_val_loss=best_val_loss,
+            scaler_state=scaler.state_dict(),
+        )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    preemption = Preemption(args.stop_signal)
+
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
@@ -141,19 +158,13 @@ def main():
                 stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                save_checkpoint(
-                    out_dir,
-                    model_state=raw_model.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
 
     if args.sample_tokens:
@@ -162,4 +173,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, resumable=True)

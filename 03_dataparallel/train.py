@@ -24,12 +24,14 @@ from common.data import batch_loader, describe_global_batch, load_splits, prepar
 from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
+from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 
 class DataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
+    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
+    and whose loss counts every row once, however the batch splits (see parallel_apply).
 
     DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
     there without saying which format. The format belongs to the thread, and a new thread has the
@@ -43,7 +45,19 @@ class DataParallel(nn.DataParallel):
 
     def parallel_apply(self, replicas, inputs, kwargs):
         replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
-        return super().parallel_apply(replicas, inputs, kwargs)
+        outputs = super().parallel_apply(replicas, inputs, kwargs)
+        # A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
+        # replicas different shares, and the plain mean of their mean losses would count each row
+        # of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
+        # all rows. An even split, as every training batch is, gets weights of exactly 1.
+        weights = row_weights([len(args[0]) for args in inputs])
+        return [(logits, loss * w) for (logits, loss), w in zip(outputs, weights)]
+
+
+def row_weights(rows: list[int]) -> list[float]:
+    """Factors for each replica's mean loss, so that the mean of the weighted losses is the mean
+    over all rows: replica i holds rows[i] of them."""
+    return [r * len(rows) / sum(rows) for r in rows]
 
 
 def main():
@@ -155,6 +169,22 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
+    def save(step: int) -> None:
+        """The checkpoint, at every evaluation and when the run is asked to stop."""
+        save_checkpoint(
+            out_dir,
+            model_state=model.module.state_dict(),
+            optimizer_state=optimizer.state_dict(),
+            iter_num=step,
+            model_config=model_config,
+            train_config=train_config,
+            best_val_loss=best_val_loss,
+            scaler_state=scaler.state_dict(),
+        )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    preemption = Preemption(args.stop_signal)
+
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
@@ -210,19 +240,13 @@ def main():
                 stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                save_checkpoint(
-                    out_dir,
-                    model_state=model.module.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
         peaks = [f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB" for i in range(replicas)]
@@ -234,4 +258,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, resumable=True)

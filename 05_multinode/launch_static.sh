@@ -14,6 +14,10 @@
 #   NPROC_PER_NODE   processes per node, one per GPU (the GPUs nvidia-smi lists, else 1)
 #   MAX_RESTARTS     how often torchrun restarts this node's processes after a failure (0)
 #   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to check)
+#
+# To stop a training run so that it can continue later, send SIGTERM to torchrun on every node (a
+# scheduler does): every rank ends the step it is in, rank 0 saves it, and the training processes
+# exit with status 75. Run the same line again with --resume to continue.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root, so the paths below work from anywhere
 

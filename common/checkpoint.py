@@ -51,6 +51,8 @@ def save_checkpoint(
         "rng_cpu": torch.get_rng_state(),
         # the current GPU's generator, where this process has used CUDA (dropout on the GPU draws from it)
         "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        # and every visible GPU's: chapter 03's replicas draw their dropout masks on their own GPUs
+        "rng_cuda_all": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         # float16's loss scale, grown and cut during training: a resumed run must not restart at 65,536
         "scaler": scaler_state or {},
     }
@@ -96,9 +98,26 @@ def restore_training_state(
     if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
         scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng_cpu"])
-    if checkpoint.get("rng_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(checkpoint["rng_cuda"])  # the current GPU: each chapter has set it
+    if torch.cuda.is_available():  # the current GPU: each chapter has set it
+        for index, state in gpu_rng_plan(checkpoint, torch.cuda.device_count(), torch.cuda.current_device()):
+            torch.cuda.set_rng_state(state, index)
     return checkpoint["iter_num"]
+
+
+def gpu_rng_plan(checkpoint: dict, gpus: int, current: int) -> list[tuple[int, torch.Tensor]]:
+    """The saved GPU random states to set, as (GPU index, state) in order, for a process that sees
+    `gpus` GPUs and computes on GPU `current`.
+
+    Every GPU gets the state saved for the GPU of its number (chapter 03's replicas, one process
+    driving all GPUs), as far as both runs have it. Then the current GPU gets the saving process's
+    current GPU's state: under DDP rank 0 alone saves, and in its process only its own GPU's
+    generator has drawn; every rank's GPU has drawn just as often from the same seed, so its state
+    is the one each rank continues from. A checkpoint of a CPU run has none: nothing is set.
+    """
+    plan = list(enumerate(checkpoint.get("rng_cuda_all") or []))[:gpus]
+    if checkpoint.get("rng_cuda") is not None:
+        plan.append((current, checkpoint["rng_cuda"]))
+    return plan
 
 
 def checkpoint_model_config(checkpoint: dict) -> GPTConfig:

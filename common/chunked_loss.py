@@ -35,13 +35,20 @@ def _loss_and_grads(
 ):
     """The summed loss and (if wanted) the gradients of that sum, chunk by chunk.
 
-    h (N, C), weight (V, C), targets (N,); the matrix products run in `dtype`, the softmax in
-    float32 (float64 in a float64 run). Returns the summed loss (0-dim), the number of positions
-    that count, and grad_h (N, C) and grad_w (V, C), in that precision, or None where not wanted.
+    h (N, C), weight (V, C), targets (N,); the matrix products run in `dtype` (the gradient ones
+    in float32 when `dtype` is float16), the softmax in float32 (float64 in a float64 run).
+    Returns the summed loss (0-dim), the number of positions that count, and grad_h (N, C) and
+    grad_w (V, C), in that precision, or None where not wanted.
     """
     n = h.shape[0]
     acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 when the run is float64
     h_lo, w_lo = h.to(dtype), weight.to(dtype)  # no copy when already in dtype (float32 on the CPU)
+    # The gradient products carry no loss scale: it is known only in backward. float16 ends at
+    # 65,504, and a sum over a chunk's positions can pass it. The plain path's products carry the
+    # scale, which the GradScaler lowers until they fit; here it could not, and one inf would make
+    # it skip every step. So under float16 they run in float32. bfloat16 has float32's range.
+    grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+    h_g, w_g = h.to(grad_dtype), weight.to(grad_dtype)  # no copy when already in that format
     valid = targets != ignore_index  # (N,) positions that count, as F.cross_entropy's ignore_index
     # (N, 1): an ignored position gathers column 0, then counts 0
     safe_targets = targets.clamp(min=0).unsqueeze(1)
@@ -59,14 +66,14 @@ def _loss_and_grads(
             grad_logits = log_probs.exp_().scatter_add_(
                 1, y_c, torch.full_like(y_c, -1, dtype=log_probs.dtype)
             )
-            # the products run in the matmul's precision, as in the plain path
-            grad_logits = grad_logits.to(dtype)
+            # the products run in the matmul's precision, as in the plain path (float16: float32)
+            grad_logits = grad_logits.to(grad_dtype)
             if want_grad_h:
-                grad_h[rows] = (grad_logits @ w_lo) * keep  # (c, C); an ignored position gets zero
-            if want_grad_w and dtype == acc:  # the product adds itself into grad_w
-                grad_w.addmm_(grad_logits.t(), h_c * keep)  # (V, C), summed over the chunks
-            elif want_grad_w:  # bfloat16 or float16 products, summed in float32 (on the CPU the add
-                grad_w += grad_logits.t() @ (h_c * keep)  # makes a float32 copy of each product first)
+                grad_h[rows] = (grad_logits @ w_g) * keep  # (c, C); an ignored position gets zero
+            if want_grad_w and grad_dtype == acc:  # the product adds itself into grad_w
+                grad_w.addmm_(grad_logits.t(), h_g[rows] * keep)  # (V, C), summed over the chunks
+            elif want_grad_w:  # bfloat16 products, summed in float32 (on the CPU the add
+                grad_w += grad_logits.t() @ (h_g[rows] * keep)  # makes a float32 copy of each product first)
             del grad_logits
         del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
     return loss_sum, valid.sum(), grad_h, grad_w

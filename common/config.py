@@ -18,6 +18,7 @@ from .support.flags import (
     positive_int,
     refuse_other_chapters_flags,
 )
+from .support.preempt import stop_signal
 
 
 def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
@@ -78,6 +79,13 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=positive_int, default=10, help="a metrics line every N steps")
     g.add_argument("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     g.add_argument("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
+    g.add_argument(
+        "--stop-signal",
+        type=stop_signal,
+        default="SIGTERM",
+        help="besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
+        "the step it is in and stop, to be resumed (exit status 75)",
+    )
     g.add_argument(
         "--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end"
     )

@@ -69,7 +69,8 @@ def restart_store(world_size: int, restart_count: int, timeout: datetime.timedel
 def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> torch.device:
     """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
 
-    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. The
+    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. A
+    process that sees a single GPU takes it, whatever its LOCAL_RANK (with a one-line note). The
     decision takes the machine's GPU count as a plain number, so the tests can check it on a CPU
     for machines they do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
     """
@@ -86,6 +87,15 @@ def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpu
                 f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
             )
         return device
+    if cuda_gpus == 1 and local_rank > 0:
+        # A launcher that gives each process its own GPU (SLURM's --gpus-per-task, or
+        # CUDA_VISIBLE_DEVICES set per task) leaves each of them one GPU, always numbered 0.
+        print(
+            f"note: LOCAL_RANK {local_rank} sees one GPU, its own (CUDA_VISIBLE_DEVICES per process): "
+            "using it as cuda:0; ranks sharing one GPU would be refused by NCCL",
+            flush=True,
+        )
+        return torch.device("cuda", 0)
     if local_rank >= cuda_gpus:
         raise CourseError(
             f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "

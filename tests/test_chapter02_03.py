@@ -14,6 +14,7 @@ one schedule.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -294,3 +295,35 @@ def test_measure_memory_prints_a_table(data_dir):
     assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)
     assert float(full[3].replace(",", "")) > float(micro[3].replace(",", ""))
     assert "profiler_start" not in proc.stderr + proc.stdout  # the profiler library's own lines are hidden
+
+
+def test_chapter03_validation_loss_counts_every_row_once_when_the_batch_splits_unevenly(monkeypatch):
+    """A last validation batch of 5 rows on 2 GPUs splits 3 + 2 (torch.chunk's split, which
+    DataParallel's scatter uses). nn.DataParallel.parallel_apply needs GPUs; here the replicas run
+    one after another on the CPU, and the loss that evaluate() takes the mean of must be the mean
+    over the 5 rows."""
+    spec = importlib.util.spec_from_file_location("chapter03_train", CH03)
+    chapter03 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter03)  # defines the class and main(); main() does not run
+    assert chapter03.row_weights([4, 4]) == [1.0, 1.0]  # an even split: the losses as they are
+
+    def replicas_in_turn(self, replicas, inputs, kwargs):
+        return [replica(*args) for replica, args in zip(replicas, inputs)]
+
+    monkeypatch.setattr(torch.nn.DataParallel, "parallel_apply", replicas_in_turn)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+
+    def loss_of(x, y):  # a model's (output, mean loss), as GPT's forward returns them
+        return None, torch.nn.functional.cross_entropy(model(x), y)
+
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    rows = [len(part) for part in torch.arange(5).chunk(2)]
+    assert rows == [3, 2]
+    split = list(zip(x.split(rows), y.split(rows)))
+    dp = chapter03.DataParallel(model, torch.device("cpu"), torch.float32)
+    losses = torch.stack([loss for _, loss in dp.parallel_apply([loss_of, loss_of], split, [{}, {}])])
+    _, whole = loss_of(x, y)
+    torch.testing.assert_close(losses.mean(), whole)
+    unweighted = torch.stack([loss_of(*part)[1] for part in split]).mean()
+    assert not torch.allclose(unweighted, whole)  # what chapter 03 reported before

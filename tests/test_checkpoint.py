@@ -16,6 +16,7 @@ from common.checkpoint import (
     check_same_shape,
     checkpoint_model_config,
     clean_state_dict,
+    gpu_rng_plan,
     load_checkpoint,
     save_checkpoint,
 )
@@ -172,3 +173,21 @@ def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
     path.write_text('{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo')
     MetricsLog(path, resume_from=2)
     assert read_metrics(path) == [{"iter": 1, "loss": 10.8}, {"iter": 2, "loss": 10.7}]
+
+
+def test_every_gpus_random_state_goes_back_to_its_gpu():
+    """What restore_training_state sets on GPUs, from facts a CPU can stand in for."""
+    states = [torch.tensor([i], dtype=torch.uint8) for i in range(4)]  # GPU i's generator, as saved
+
+    def effective(checkpoint, gpus, current):  # later settings of one GPU replace earlier ones
+        return {i: int(s) for i, s in gpu_rng_plan(checkpoint, gpus, current)}
+
+    # chapter 03 on 4 GPUs: one process, current GPU 0; each replica's GPU continues its own stream
+    dataparallel = {"rng_cuda": states[0], "rng_cuda_all": states}
+    assert effective(dataparallel, 4, 0) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert effective(dataparallel, 2, 0) == {0: 0, 1: 1}  # resumed on fewer GPUs: those it has
+    # DDP: rank 0 saved; rank 2 resumes on GPU 2 with the stream of rank 0's GPU, drawn as often
+    assert effective(dataparallel, 4, 2)[2] == 0
+    # a checkpoint from before every GPU's state was kept, and one of a CPU run
+    assert effective({"rng_cuda": states[0]}, 4, 0) == {0: 0}
+    assert effective({"rng_cuda": None, "rng_cuda_all": None}, 4, 0) == {}

@@ -194,3 +194,20 @@ def test_in_replica_threads_as_dataparallel_runs_it():
     assert rel_diff(loss, ref_loss) <= 1e-6
     for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
         assert rel_diff(p.grad, q.grad) <= 1e-5, name
+
+
+def test_float16_gradients_cannot_overflow_where_the_plain_path_does_not():
+    """One token as the target of every position of a chunk, hidden states of 1,000: the output
+    matrix's gradient for that token sums 128 x -1,000 over the chunk, past float16's 65,504. The
+    plain path's gradient of the mean stays near -1,000 (and carries the loss scale, which the
+    GradScaler lowers until it fits); the chunked path's must be finite and the same."""
+    positions, width, vocab = 2 * CPU_CHUNK, 8, 64
+    h = torch.full((positions, width), 1000.0)
+    weight = torch.randn(vocab, width) * 1e-3
+    targets = torch.zeros(positions, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.float16):  # the products in float16, as on an older GPU
+        loss, grad_h, grad_w = loss_and_grads(chunked_cross_entropy, h, weight, targets)
+    ref_loss, ref_h, ref_w = loss_and_grads(plain, h.half().float(), weight.half().float(), targets)
+    assert torch.isfinite(grad_w).all() and torch.isfinite(grad_h).all()
+    assert rel_diff(loss, ref_loss) <= 1e-3
+    assert rel_diff(grad_w, ref_w) <= 1e-3 and rel_diff(grad_h, ref_h) <= 1e-3

@@ -36,6 +36,20 @@ def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
         rank_device("auto", 8, 9, cuda_gpus=8)
 
 
+@pytest.mark.parametrize("local_rank", [1, 3, 7])
+def test_a_process_that_sees_one_gpu_takes_it_whatever_its_local_rank(local_rank, capsys):
+    # CUDA_VISIBLE_DEVICES set per task (SLURM --gpus-per-task): every process sees its own GPU as 0
+    assert rank_device("auto", local_rank, 8, cuda_gpus=1) == torch.device("cuda", 0)
+    assert rank_device("cuda", local_rank, 8, cuda_gpus=1) == torch.device("cuda", 0)
+    note = capsys.readouterr().out.splitlines()
+    assert len(note) == 2 and note[0].startswith(f"note: LOCAL_RANK {local_rank} sees one GPU")
+    # local rank 0, or a machine of two GPUs, is as before: no note, and too many ranks are refused
+    assert rank_device("auto", 0, 8, cuda_gpus=1) == torch.device("cuda", 0)
+    with pytest.raises(CourseError, match=r"LOCAL_RANK 2, but this machine has 2 GPU\(s\)"):
+        rank_device("auto", 2, 3, cuda_gpus=2)
+    assert capsys.readouterr().out == ""
+
+
 def test_a_named_gpu_is_for_one_process_per_machine():
     assert rank_device("cuda:1", 0, 1, cuda_gpus=2) == torch.device("cuda", 1)
     with pytest.raises(CourseError, match="every rank takes cuda:LOCAL_RANK; use --device cuda"):

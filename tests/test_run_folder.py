@@ -4,12 +4,16 @@
   two-node simulation), and the earlier run's files stay byte for byte as they were.
 - A second run into a folder in use is refused while the first goes on; the lock of a killed run
   does not outlive it.
-- Ctrl-C and SIGTERM under torchrun: one `[rank R]` line from every rank, no worker traceback.
+- Ctrl-C under torchrun: one `[rank R]` line from every rank; SIGTERM: one from rank 0 (the run
+  saves the step it is in); no worker traceback.
 - Under a pseudo-terminal without a size, the run still prints its progress lines.
+- A file system that cannot lock (flock's ENOLCK, ENOSYS) is named, with the way on (COURSE_NO_LOCK=1).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import pty
 import select
@@ -18,8 +22,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import snapshot, start, tiny_run_args
 
+from common.support import rundir
+from common.support.errors import CourseError
 from tools.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
 
 
@@ -151,8 +158,12 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
         finally:
             stop_launchers([proc])
         lines = (seen + rest).splitlines()
-        for rank in (0, 1):
+        # Ctrl-C: every rank stops at once; SIGTERM: the ranks end their step, rank 0 saves it and
+        # speaks for all (tests/test_preemption.py)
+        for rank in (0, 1) if sig == signal.SIGINT else (0,):
             assert sum(f"[rank {rank}] stopped by {sig.name}" in line for line in lines) == 1, seen + rest
+        if sig == signal.SIGTERM:
+            assert not [line for line in lines if "[rank 1] stopped by" in line], seen + rest
         assert not [line for line in lines if "stopped by" in line and not line.startswith("[rank ")]
         assert "[rank 0] Traceback" not in seen + rest and "[rank 1] Traceback" not in seen + rest
 
@@ -182,3 +193,30 @@ def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_pat
     assert proc.wait(timeout=120) == 0
     text = output.decode(errors="replace")
     assert "iter      4 | loss" in text, text
+
+
+def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock(tmp_path, monkeypatch):
+    """flock's own errors, planted: only EWOULDBLOCK means another run; ENOLCK (NFS without its lock
+    service) and ENOSYS (Lustre without flock) mean the file system cannot lock."""
+
+    def failing(code):
+        def flock(fd, operation):
+            raise OSError(code, os.strerror(code))
+
+        return flock
+
+    for code in (errno.ENOLCK, errno.ENOSYS):
+        monkeypatch.setattr(fcntl, "flock", failing(code))
+        with pytest.raises(CourseError) as err:
+            rundir.claim_out_dir(tmp_path / "run", resume=False)
+        assert "cannot lock the folder" in str(err.value) and "COURSE_NO_LOCK=1" in str(err.value)
+        assert "in use" not in str(err.value)
+    monkeypatch.setattr(fcntl, "flock", failing(errno.EWOULDBLOCK))
+    with pytest.raises(CourseError, match="in use by a run that is still going"):
+        rundir.claim_out_dir(tmp_path / "run", resume=False)
+    # the documented way on: no lock taken, and the folder's other rule still holds
+    monkeypatch.setenv("COURSE_NO_LOCK", "1")
+    rundir.claim_out_dir(tmp_path / "run", resume=False)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"iter": 1, "loss": 10.0}\n')
+    with pytest.raises(CourseError, match="already holds a run"):
+        rundir.claim_out_dir(tmp_path / "run", resume=False)

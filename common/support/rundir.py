@@ -7,6 +7,7 @@ holds a flock on the folder itself while it lives; the system drops it however t
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -45,16 +46,33 @@ def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
         raise CourseError(problem)
 
 
+# What the lock covers depends on the file system. On a local disk it excludes every other process.
+# On NFS a flock excludes only processes of the same machine (the client): two runs started on two
+# machines into one folder of an NFS share are not kept apart, so give each run its own --out-dir.
+# Some file systems cannot lock at all (Lustre mounted without the flock option answers ENOSYS, an
+# NFS without its lock service ENOLCK): the run then stops with one line that says so, and
+# COURSE_NO_LOCK=1 in the environment runs without the lock; keeping other runs out of the folder
+# is then the reader's task.
+NO_LOCK = "COURSE_NO_LOCK"
+
+
 def _claim(out_dir: Path, resume: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = os.open(out_dir, os.O_RDONLY)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        if os.environ.get(NO_LOCK) != "1":
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
         os.close(lock)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # another process holds the lock
+            raise CourseError(
+                f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
+                "wait for it to end, or give this run another --out-dir"
+            ) from None
         raise CourseError(
-            f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
-            "wait for it to end, or give this run another --out-dir"
+            f"the file system of {out_dir} cannot lock the folder ({os.strerror(err.errno or 0)}): "
+            f"use an --out-dir on another file system, or run with {NO_LOCK}=1 to go on without "
+            "the lock, making sure no other run writes into this folder"
         ) from None
     if not resume and holds_a_run(out_dir):
         os.close(lock)
