@@ -62,6 +62,8 @@ def shown(path: Path) -> str:
 def written_as(source: str) -> tuple[int | None, int | None]:
     """(N, line) of the script's parse_args(chapter=N, ...), or (None, None)."""
     for number, line in enumerate(source.splitlines(), 1):
+        if line.lstrip().startswith("#"):
+            continue  # an exercise's TODO quotes the line it asks for
         found = re.search(r"parse_args\(\s*chapter\s*=\s*(\d+)", line)
         if found:
             return int(found.group(1)), number
@@ -387,7 +389,7 @@ def check(args) -> int:
         raise CannotRun(
             f"{shown(script)} is still chapter {says:02d}'s script (line {line}: "
             f"parse_args(chapter={says}, ...)) and is checked as chapter {chapter:02d}: "
-            f"do its TODOs, the first sets chapter={chapter}"
+            f"do its TODOs (one sets chapter={chapter})"
         )
     split = batch_split(chapter, nproc)
     root = Path(args.out_root)
