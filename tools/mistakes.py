@@ -51,6 +51,7 @@ class Mistake:
     # the mistake planted in a copy of the chapter's train.py (tests/test_check.py): statements of the
     # script, each replaced by new lines ("": removed)
     plant: tuple[tuple[str, str], ...]
+    plant_ranks: int = 1  # the ranks the planted copy is checked with: 2 where the signature needs them
 
 
 def near(value: float | None, target: float, rel: float = 1e-6) -> bool:
@@ -73,6 +74,7 @@ MISTAKES = [
                 "sync = model.no_sync()",
             ),
         ),
+        plant_ranks=2,
     ),
     Mistake(
         name="a global batch that forgets world_size or grad_accum",
@@ -89,6 +91,7 @@ MISTAKES = [
                 "global_batch = args.batch_size * args.grad_accum",
             ),
         ),
+        plant_ranks=2,
     ),
     Mistake(
         name="loss not divided by K",
@@ -134,6 +137,7 @@ MISTAKES = [
                 "seed=args.seed + rank, drop_last=True)",
             ),
         ),
+        plant_ranks=2,
     ),
     Mistake(
         name="a forgotten set_epoch",
@@ -169,6 +173,7 @@ MISTAKES = [
             ("dist.all_reduce(loss, op=dist.ReduceOp.SUM)", ""),
             ("loss_value = loss.item() / world_size", "loss_value = loss.item()"),
         ),
+        plant_ranks=2,
     ),
     Mistake(
         name="resume skipping steps instead of micro-batches",
