@@ -41,6 +41,13 @@ CORPUS_CHARS = 3500  # the first 3500 characters of the first play: 29 training 
 # the chapters (micro-batches, ranks), so allow a little more, still far below any real difference
 LOSS_RTOL, PARAM_RTOL = 1e-10, 1e-9
 PROBE = REPO / "tools" / "check_probe.py"
+# what a check on one CPU machine cannot see: there the new part of these chapters changes no number
+NOT_SEEN_HERE = {
+    3: "on a CPU DataParallel has nothing to split: this shows your script is still chapter 01's run, "
+    "not that its split works (that needs 2 GPUs and --gpus 2)",
+    5: "on one machine the check is one node: it shows the training is chapter 01's run, not the "
+    "multi-node launch (05_multinode/simulate_two_nodes.sh runs that)",
+}
 REFERENCE = REPO / CHAPTERS[1] / "train.py"
 RUN_TIMEOUT = 600
 
@@ -284,6 +291,9 @@ def gather_facts(
     repeats = len(rank0) > steps_per_epoch and sorted(
         w for steps in ranks_steps for w in steps[steps_per_epoch]["windows"]
     ) == sorted(w for steps in ranks_steps for w in steps[0]["windows"])
+    if not any(step["windows"] for steps in ranks_steps for step in steps):
+        # the script reads its data some other way than common.data: no facts about the data
+        first_data, share, repeats = None, False, False
     drift, drifting = None, []
     for step in range(1, min(map(len, ranks_steps), default=0) + 1):
         sums = [steps[step - 1].get("checksum") for steps in ranks_steps]
@@ -293,6 +303,20 @@ def gather_facts(
             break
     params = run.params()
     ref_params = ref.params()
+    if drift is None and ranks_steps:  # every rank's final copy, whole, against rank 0's
+        import torch
+
+        finals = [run.params(r) for r in range(len(ranks))]
+        drifting = [
+            r for r, p in enumerate(finals) if p is None or params is None or not torch.equal(p, params)
+        ]
+        drift = STEPS if drifting else None
+    data_ranks = []
+    if first_data is not None and windows(first_data) is not None:
+        wanted = set(ref_steps[first_data - 1]["windows"])
+        data_ranks = [
+            r for r, steps in enumerate(ranks_steps) if not set(steps[first_data - 1]["windows"]) <= wanted
+        ]
     distance = relative_distance(params, ref_params)
     first_loss = first_loss_diff(losses, ref_losses)
     stopped = None if run.status == 0 and len(losses) == STEPS else len(losses)
@@ -322,14 +346,16 @@ def gather_facts(
         resume_at=RESUME_AT if resumed is not None else None,
         resume_diff=resume_diff,
     )
-    details = {"distance": distance, "drifting": drifting, "ranks": len(ranks)}
+    details = {"distance": distance, "drifting": drifting, "ranks": len(ranks), "data_ranks": data_ranks}
     return facts, details
 
 
 # ---- the report ------------------------------------------------------------------------------------
 
 
-def plot(path: Path, losses: dict[int, float], ref: dict[int, float], first: int | None, title: str) -> bool:
+def plot(
+    path: Path, losses: dict[int, float], ref: dict[int, float], first: int | None, epoch: int, title: str
+) -> bool:
     try:
         import matplotlib
 
@@ -340,12 +366,17 @@ def plot(path: Path, losses: dict[int, float], ref: dict[int, float], first: int
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(sorted(ref), [ref[s] for s in sorted(ref)], "o-", label="chapter 01", color="tab:blue")
     ax.plot(sorted(losses), [losses[s] for s in sorted(losses)], "x--", label="your script", color="tab:red")
+    for boundary in range(epoch, STEPS, epoch):
+        label = "a new epoch" if boundary == epoch else None  # starts after this step
+        ax.axvspan(boundary + 0.45, boundary + 0.55, color="0.9", label=label)
     if first is not None:
         ax.axvline(first, color="gray", linestyle=":")
+        where = (first, 0.03)  # at the bottom of the plot, beside the line
         ax.annotate(
             f"first difference: step {first}",
-            (first, ref.get(first, 0)),
-            xytext=(5, 10),
+            where,
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 0),
             textcoords="offset points",
         )
     ax.set_xlabel("step")
@@ -450,7 +481,7 @@ def check(args) -> int:
     first = facts.first_loss_diff
     if not args.no_plot:
         png = folder / "losses.png"
-        if plot(png, losses, ref_losses, first, f"{shown(script)} against chapter 01"):
+        if plot(png, losses, ref_losses, first, facts.steps_per_epoch, f"{shown(script)} against chapter 01"):
             where = f"plot: {shown(png)}"
         else:
             where = "plot: none (matplotlib is not installed)"
@@ -462,6 +493,8 @@ def check(args) -> int:
         print(
             f"same run: all {STEPS} losses and the final parameters equal chapter 01's, {ranks}{resumed_text}"
         )
+        if chapter in NOT_SEEN_HERE:
+            print(f"note: {NOT_SEEN_HERE[chapter]}")
         if where:
             print(where)
         return 0
@@ -492,7 +525,11 @@ def check(args) -> int:
         else:
             print(f"  the ranks' copies: equal on all {details['ranks']} ranks at every step")
     if facts.first_data_diff is not None:
-        print(f"  the windows read: other than chapter 01's from step {facts.first_data_diff}")
+        who = ""
+        if nproc > 1 and details["data_ranks"]:
+            ranks_off = ", ".join(map(str, details["data_ranks"]))
+            who = f" (rank(s) {ranks_off} read windows outside that step's batch)"
+        print(f"  the windows read: other than chapter 01's from step {facts.first_data_diff}{who}")
     if facts.resume_diff is not None:
         print(
             f"  uninterrupted it is chapter 01's run; stopped at step {RESUME_AT} and resumed, "
