@@ -17,6 +17,7 @@ both loss curves go to a new folder under out/check/.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import math
@@ -220,7 +221,22 @@ def corpus_text() -> str:
     return shakespeare_texts()[0][:CORPUS_CHARS]
 
 
-def reference_run(root: Path, corpus: str) -> Run:
+def prepared_corpus(root: Path) -> tuple[Path, Path, str]:
+    """(the corpus file, the data root where it is prepared, its text), made once under root: every
+    run then finds the token files ready (one check after another, or two at once)."""
+    from common.data import prepare
+
+    root.mkdir(parents=True, exist_ok=True)
+    corpus, data, text = root / "corpus.txt", root / "data", corpus_text()
+    with open(root / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second check waits here until the files are written
+        if not corpus.exists() or corpus.read_text(encoding="utf-8") != text:
+            corpus.write_text(text, encoding="utf-8")
+        prepare(str(corpus), data, log=lambda *a: None)
+    return corpus, data, text
+
+
+def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run:
     """Chapter 01's run, kept under root/reference/ by a hash of everything it depends on."""
     digest = hashlib.sha256()
     sources = [REFERENCE, PROBE, *sorted((REPO / "common").rglob("*.py"))]
@@ -233,8 +249,7 @@ def reference_run(root: Path, corpus: str) -> Run:
         return Run(final / "01", final / "01_facts", final / "01.log", 0)
     building = root / "reference" / f".building-{os.getpid()}-{time.time_ns()}"
     building.mkdir(parents=True)
-    (building / "corpus.txt").write_text(corpus, encoding="utf-8")
-    args = run_flags(building / "corpus.txt", building / "data", building / "01", batch_size=GLOBAL_BATCH)
+    args = run_flags(corpus_file, data, building / "01", batch_size=GLOBAL_BATCH)
     run = run_one(REFERENCE, 1, args, building, "01")
     if run.status != 0 or len(run.losses()) != STEPS:
         raise CannotRun(f"chapter 01 itself did not run: {failure_line(run, REFERENCE)} (see {run.log})")
@@ -424,9 +439,8 @@ def check(args) -> int:
         )
     split = batch_split(chapter, nproc)
     root = Path(args.out_root)
+    corpus_file, data, corpus = prepared_corpus(root)
     folder = fresh_folder(root, script)
-    corpus = corpus_text()
-    (folder / "corpus.txt").write_text(corpus, encoding="utf-8")
     shape = f"{nproc} rank(s) x " if chapter >= 4 else ""
     if chapter >= 2:
         shape += f"{split['grad_accum']} micro-batch(es) x {split['batch_size']}"
@@ -435,9 +449,9 @@ def check(args) -> int:
     print(f"checking {shown(script)} as chapter {chapter:02d} ({shape}) against chapter 01 (--batch-size 8)")
     print(f"  float64, tiny model, {STEPS} steps over 3 epochs of a small corpus; runs in {shown(folder)}/")
 
-    script_args = run_flags(folder / "corpus.txt", folder / "data", folder / "run", **split)
+    script_args = run_flags(corpus_file, data, folder / "run", **split)
     proc = start(script, nproc, script_args, folder, "run")
-    ref = reference_run(root, corpus)
+    ref = reference_run(root, corpus_file, data, corpus)
     run = finish(*proc)
     losses, ref_losses = run.losses(), ref.losses()
     if not losses:
@@ -448,7 +462,7 @@ def check(args) -> int:
         first = run_one(
             script,
             nproc,
-            run_flags(folder / "corpus.txt", folder / "data", folder / "resumed", RESUME_AT, **split),
+            run_flags(corpus_file, data, folder / "resumed", RESUME_AT, **split),
             folder,
             "resumed",
         )
@@ -456,7 +470,7 @@ def check(args) -> int:
             resumed = run_one(
                 script,
                 nproc,
-                run_flags(folder / "corpus.txt", folder / "data", folder / "resumed", resume=True, **split),
+                run_flags(corpus_file, data, folder / "resumed", resume=True, **split),
                 folder,
                 "resumed",
             )
