@@ -216,7 +216,10 @@ def failure_line(run: Run, script: Path) -> str:
 
 
 def corpus_text() -> str:
-    from common.data import shakespeare_texts
+    try:
+        from common.support.corpus import shakespeare_texts
+    except ImportError:  # before common/support/corpus.py, the corpus code was in common/data.py
+        from common.data import shakespeare_texts
 
     return shakespeare_texts()[0][:CORPUS_CHARS]
 
