@@ -173,19 +173,30 @@ def start(script: Path, nproc: int, args: list[str], folder: Path, name: str) ->
     with log.open("w") as out:
         out.write(f"$ {shown_command(cmd)}\n")
         out.flush()
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        # in the checker's process group: Ctrl-C in the terminal stops the runs too
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     return proc, Run(folder / name, facts, log, -1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a run that is still going (torchrun passes the SIGTERM on to its ranks)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def finish(proc: subprocess.Popen, run: Run) -> Run:
     try:
         run.status = proc.wait(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+        stop(proc)
         run.status = 124
+    finally:
+        stop(proc)  # interrupted while waiting: the run does not outlive the check
     return run
 
 
@@ -453,9 +464,13 @@ def check(args) -> int:
     print(f"  float64, tiny model, {STEPS} steps over 3 epochs of a small corpus; runs in {shown(folder)}/")
 
     script_args = run_flags(corpus_file, data, folder / "run", **split)
-    proc = start(script, nproc, script_args, folder, "run")
-    ref = reference_run(root, corpus_file, data, corpus)
-    run = finish(*proc)
+    proc, run = start(script, nproc, script_args, folder, "run")
+    try:
+        ref = reference_run(root, corpus_file, data, corpus)  # meanwhile, unless an earlier check made it
+    except BaseException:
+        stop(proc)
+        raise
+    run = finish(proc, run)
     losses, ref_losses = run.losses(), ref.losses()
     if not losses:
         raise CannotRun(f"{failure_line(run, script)} (the whole output: {shown(run.log)})")
