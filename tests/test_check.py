@@ -108,6 +108,7 @@ def test_no_known_signature_is_said_as_such():
         grad_ratio_at_1=1.3,
         first_data_diff=None,
         rank0_reads_its_share=True,
+        ranks_overlap=False,
         repeats_first_epoch=False,
         zero_grads_per_step=1,
         ranks_drift_from=None,

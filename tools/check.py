@@ -320,9 +320,11 @@ def gather_facts(
     repeats = len(rank0) > steps_per_epoch and sorted(
         w for steps in ranks_steps for w in steps[steps_per_epoch]["windows"]
     ) == sorted(w for steps in ranks_steps for w in steps[0]["windows"])
+    epoch0 = [{w for step in steps[:steps_per_epoch] for w in step["windows"]} for steps in ranks_steps]
+    overlap = any(epoch0[a] & epoch0[b] for a in range(len(epoch0)) for b in range(a + 1, len(epoch0)))
     if not any(step["windows"] for steps in ranks_steps for step in steps):
         # the script reads its data some other way than common.data: no facts about the data
-        first_data, share, repeats = None, False, False
+        first_data, share, repeats, overlap = None, False, False, False
     drift, drifting = None, []
     for step in range(1, min(map(len, ranks_steps), default=0) + 1):
         sums = [steps[step - 1].get("checksum") for steps in ranks_steps]
@@ -367,6 +369,7 @@ def gather_facts(
         grad_ratio_at_1=grad,
         first_data_diff=first_data,
         rank0_reads_its_share=share,
+        ranks_overlap=overlap,
         repeats_first_epoch=repeats,
         zero_grads_per_step=max((s["zero_grads"] for s in rank0[1:]), default=0),
         ranks_drift_from=drift,

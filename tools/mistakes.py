@@ -30,6 +30,7 @@ class Facts:
     grad_ratio_at_1: float | None  # rank 0's gradient norm (before clipping) at step 1 / chapter 01's
     first_data_diff: int | None  # the first step whose windows (all ranks together) are not chapter 01's
     rank0_reads_its_share: bool  # rank 0 read only windows of chapter 01's batch at every step of epoch 0
+    ranks_overlap: bool  # two ranks read the same window in epoch 0 (one permutation cut in pieces cannot)
     repeats_first_epoch: bool  # the second epoch's first step read the windows of the first epoch's
     zero_grads_per_step: int  # the most zero_grad calls between two optimizer steps on rank 0
     ranks_drift_from: int | None  # the first step after which some rank's parameters differ from rank 0's
@@ -123,7 +124,9 @@ MISTAKES = [
         name="samplers seeded per rank",
         did="each rank's sampler draws its own permutation (a seed that depends on the rank), so the "
         "ranks' shares are not one permutation cut in world_size pieces: other windows from step 1",
-        signature=lambda f: f.world_size > 1 and f.first_data_diff == 1 and f.rank0_reads_its_share,
+        signature=lambda f: (
+            f.world_size > 1 and f.first_data_diff == 1 and (f.rank0_reads_its_share or f.ranks_overlap)
+        ),
         chapter=4,
         line="sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, "
         "seed=args.seed, drop_last=True)",
