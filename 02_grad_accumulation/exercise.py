@@ -1,8 +1,8 @@
-# Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add
-# chapter 02's idea where the 6 TODOs say. A TODO says what the lines below
-# it become and quotes the comments of the solution's new lines. Then check your script:
+# Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add chapter 02's idea
+# where the 6 TODOs say. A TODO says how the lines below it change and quotes the new comments of
+# the solution there. Then check your script:
 #     python tools/check.py 02_grad_accumulation/exercise.py
-# The solution is 02_grad_accumulation/train.py (README.md shows the diff). This file is made by
+# The solution is 02_grad_accumulation/train.py (its README shows the diff). This file is made by
 # tools/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 01: train a GPT on one device.
 
@@ -128,8 +128,6 @@ def main():
                 group["lr"] = lr
             # TODO 6/6: change the next 5 line(s) of code into 9:
             #   the mean loss over the whole global batch
-            #   (B, T) each, built in CPU memory
-            #   mean cross-entropy over B * T predictions
             #   backward() adds into .grad, so K micro-steps sum K gradients; dividing each
             #   loss by K turns that sum into the gradient of the mean over all K * B sequences
             #   this micro-batch's activations are freed here

@@ -1,8 +1,8 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add
-# chapter 04's idea where the 21 TODOs say. A TODO says what the lines below
-# it become and quotes the comments of the solution's new lines. Then check your script:
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
+# TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
+# there. Then check your script:
 #     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
-# The solution is 04_ddp/train.py (README.md shows the diff). This file is made by
+# The solution is 04_ddp/train.py (its README shows the diff). This file is made by
 # tools/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 03: nn.DataParallel, one process driving several GPUs.
 
@@ -247,11 +247,8 @@ def main():
             #   and the last backward averages the sums once.
             #   (B, T) each, built in CPU memory
             #   mean cross-entropy over B * T predictions
-            #   backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-            #   loss by K turns that sum into the gradient of the mean over all K * B sequences
             #   the last micro-step's backward all-reduces bucket after bucket of gradients
             #   while it is still computing the rest; when it returns, every rank holds the average
-            #   this micro-batch's activations are freed here
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory

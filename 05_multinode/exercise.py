@@ -1,8 +1,8 @@
-# Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add
-# chapter 05's idea where the 14 TODOs say. A TODO says what the lines below
-# it become and quotes the comments of the solution's new lines. Then check your script:
+# Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
+# the 14 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
+# solution there. Then check your script:
 #     python tools/check.py 05_multinode/exercise.py --nproc-per-node 2
-# The solution is 05_multinode/train.py (README.md shows the diff). This file is made by
+# The solution is 05_multinode/train.py (its README shows the diff). This file is made by
 # tools/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 04: DistributedDataParallel, one process per GPU, started by torchrun.
 

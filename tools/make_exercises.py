@@ -86,17 +86,22 @@ def docstring_end(lines: list[str]) -> int:
     return 0
 
 
-def hint_lines(new: list[str]) -> list[str]:
-    """What the TODO quotes of the new lines: their comments; no comments: the code itself."""
+def comments_of(lines: list[str]) -> list[str]:
     comments = []
-    for line in new:
+    for line in lines:
         stripped = line.strip()
         if stripped.startswith("#"):
             comments.append(stripped.lstrip("# ").rstrip())
         elif "  # " in line:  # a comment at the end of a line of code
             comments.append(line.split("  # ", 1)[1].strip())
-    if comments:
-        return comments
+    return comments
+
+
+def hint_lines(old: list[str], new: list[str]) -> list[str]:
+    """What the TODO quotes of the new lines: their comments that are new; no comments: the code."""
+    if comments_of(new):
+        kept = set(comments_of(old))
+        return [comment for comment in comments_of(new) if comment not in kept]
     return [line.rstrip("\n") for line in new if line.strip()]
 
 
@@ -111,7 +116,7 @@ def todo_block(number: int, total: int, tag: str, old: list[str], new: list[str]
         what = f"change the next {code_old} line(s) of code" + (
             f" into {code_new}" if code_new != code_old else ""
         )
-    quoted = hint_lines(new) if code_new else []
+    quoted = hint_lines(old, new) if code_new else []
     show_code = quoted and not any(line.strip().startswith("#") or "  # " in line for line in new)
     lines = [f"{indent}# TODO {number}/{total}: {what}" + (":" if quoted else "")]
     for text in quoted:
@@ -158,14 +163,22 @@ def exercise(chapter: int) -> str:
         below = next((line for line in old[at:] if line.strip()), "")
         block = todo_block(number, total, tag, old[i1:i2], new[j1:j2], indentation(below))
         blocks.setdefault(at, []).extend(block)
+    about = (
+        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s train.py; add "
+        f"chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how the lines below it "
+        "change and quotes the new comments of the solution there. Then check your script:"
+    )
+    solution = (
+        f"The solution is {folder}/train.py (its README shows the diff). This file is made by "
+        "tools/make_exercises.py from the two scripts; `git checkout` it to start again."
+    )
+    nproc = " --nproc-per-node 2" if chapter >= 4 else ""
     header = [
-        f"# Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s train.py; add\n",
-        f"# chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says what the lines below\n",
-        "# it become and quotes the comments of the solution's new lines. Then check your script:\n",
-        f"#     python tools/check.py {folder}/exercise.py{' --nproc-per-node 2' if chapter >= 4 else ''}\n",
-        f"# The solution is {folder}/train.py (README.md shows the diff). This file is made by\n",
-        "# tools/make_exercises.py from the two scripts; `git checkout` it to start again.\n",
+        *textwrap.wrap(about, 100, initial_indent="# ", subsequent_indent="# "),
+        f"#     python tools/check.py {folder}/exercise.py{nproc}",
+        *textwrap.wrap(solution, 100, initial_indent="# ", subsequent_indent="# "),
     ]
+    header = [line + "\n" for line in header]
     out = list(header)
     for i, line in enumerate(old):
         out.extend(blocks.get(i, []))
