@@ -46,8 +46,12 @@ def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter
     assert len(out.splitlines()) == 1, out
 
 
-def test_chapter_02_is_the_same_run(capsys, out_root):
-    code, out = run_check(capsys, out_root, REPO / CHAPTERS[2] / "train.py", "--no-resume", "--no-plot")
+@pytest.mark.parametrize("chapter", [2, 3, 5])
+def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
+    """Without the resume phase: chapter 04's test below runs it, and the resume mistake's too."""
+    nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
+    script = REPO / CHAPTERS[chapter] / "train.py"
+    code, out = run_check(capsys, out_root, script, *nproc, "--no-resume", "--no-plot")
     assert code == 0, out
     assert "same run: all 8 losses and the final parameters equal chapter 01's" in out, out
 
