@@ -4,10 +4,11 @@ tools/check.py compares a learner's run with chapter 01's and gathers the facts 
 first entry of MISTAKES whose signature fits the facts is the diagnosis. No entry fits: the checker
 says so ("no known signature") rather than guess.
 
-To add a mistake: plant it in a copy of a chapter script, run `python tools/check.py COPY`, read the
-facts it prints with --facts, and write the entry: what the learner did, the signature as a small
-test of the facts, and the line to look at. Put specific signatures before general ones: the
-first that fits wins. tests/test_check.py plants every entry and expects its name back.
+To add a mistake: plant it in a copy of a chapter script, run `python tools/check.py COPY --facts`,
+read the facts, and write the entry: what the learner did, the signature as a small test of the
+facts, the right line and how to find the learner's, and the plant (the statements you changed).
+Put specific signatures before general ones: the first that fits wins. tests/test_check.py plants
+every entry in a copy of its chapter's script and expects the entry's name back.
 """
 
 from __future__ import annotations
