@@ -1,0 +1,240 @@
+# Exercise: chapter 03 (03_dataparallel). This is chapter 02's train.py; add chapter 03's idea where
+# the 16 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
+# solution there. Then check your script:
+#     python tools/check.py 03_dataparallel/exercise.py
+# The solution is 03_dataparallel/train.py (its README shows the diff). This file is made by
+# tools/make_exercises.py from the two scripts; `git checkout` it to start again.
+"""Chapter 02: gradient accumulation, a bigger batch than memory holds.
+
+Chapter 01's program, with one change: an optimizer step now adds up the gradients of
+--grad-accum micro-batches of --batch-size sequences before it moves the parameters. Only one
+micro-batch's activations are in memory at a time, yet the step is the step of the whole batch.
+
+    python 02_grad_accumulation/train.py --batch-size 2 --grad-accum 4   # the same run as 01 with 8
+"""
+
+# TODO 1/16: the imports: remove (-) and add (+)
+#     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
+#     + from torch import nn
+#     + from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+
+import torch
+from torch.utils.data import RandomSampler
+
+from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.config import gpt_config_from_args, parse_args
+from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
+from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
+from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
+from common.support.errors import CourseError, run_main
+from common.support.rundir import claim_out_dir
+from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
+
+
+# TODO 2/16: add 13 line(s) of code here:
+#     class DataParallel(nn.DataParallel):
+#     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
+#     DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
+#     there without saying which format. The format belongs to the thread, and a new thread has the
+#     default, float16: a bfloat16 run would silently compute in float16, with no loss scaling. So
+#     each replica enters autocast itself, inside its thread, with the format this run chose.
+#     """
+#     def __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs):
+#     super().__init__(module, **kwargs)
+#     self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
+#     def parallel_apply(self, replicas, inputs, kwargs):
+#     replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
+#     return super().parallel_apply(replicas, inputs, kwargs)
+def main():
+    # TODO 3/16: change the next 1 line(s) of code:
+    #     args = parse_args(chapter=3, description=__doc__)
+    args = parse_args(chapter=2, description=__doc__)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device, dtype)
+    autocast = autocast_context(device, dtype)
+    out_dir = Path(args.out_dir)
+
+    # TODO 4/16: add 18 line(s) of code here:
+    #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
+    #   torch.compile works per thread, and the replicas run in threads it never enters
+    #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
+    # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
+    model_config = gpt_config_from_args(args)
+    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
+    train_set, val_set = load_splits(data_folder, model_config.block_size)
+
+    # TODO 5/16: change the next 1 line(s) of code:
+    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    #   each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
+    global_batch = args.batch_size * args.grad_accum
+    tokens_per_step = global_batch * model_config.block_size
+    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    if steps_per_epoch == 0:
+        raise CourseError(
+            f"the training split has {len(train_set)} windows, fewer than one batch of "
+            f"{global_batch}; lower --batch-size or use a larger corpus"
+        )
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
+
+    # ---- model and optimizer ---------------------------------------------------------------------
+    # The run folder: refused if it holds another run (unless this one continues it) or another
+    # run is using it; then locked until this process ends, so no second run writes into it.
+    claim_out_dir(out_dir, resume=args.resume)
+    checkpoint = load_checkpoint(out_dir) if args.resume else None
+    if checkpoint is not None:
+        check_resume(checkpoint, global_batch, args.seed)
+    model = build_model(model_config, args.init_from, checkpoint).to(device)
+    # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
+    # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
+    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    # TODO 6/16: change the next 1 line(s) of code into 6:
+    #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
+    #   with "module.", so checkpoints save model.module's, which any chapter can load.
+    #   one GPU: the chosen one
+    #   no CUDA GPU: DataParallel calls the model as it is
+    #   nn.DataParallel, see the class above
+    #   DataParallel, not compiled: see the evaluation below
+    raw_model = model  # the plain module: its state dict is what checkpoints hold
+    if args.compile:
+        model = torch.compile(model)
+
+    peak = peak_flops(device, dtype)
+    print(
+        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
+        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    )
+    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    # TODO 7/16: change the next 1 line(s) of code:
+    #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
+    split = f"{args.grad_accum} micro-batches x {args.batch_size}"
+    print(f"global batch: {split} = {per_step}")
+    # TODO 8/16: add 7 line(s) of code here:
+    #     if replicas > 1:
+    #     print(
+    #     f"DataParallel: 1 process, {replicas} threads, one replica per GPU on cuda:0..{replicas - 1}; "
+    #     f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
+    #     )
+    #     else:
+    #     print(f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's")
+    if iter_num:
+        print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+
+    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
+    order = torch.Generator()
+    sampler = RandomSampler(train_set, generator=order)
+
+    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num if checkpoint else None)
+    progress = Progress(total=args.max_iters, initial=iter_num)
+    # TODO 9/16: change the next 1 line(s) of code:
+    #     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
+    train_config = vars(args) | {"global_batch": global_batch, "chapter": 2}
+    best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
+    model.train()
+    # TODO 10/16: change the next 1 line(s) of code:
+    #   tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
+    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
+
+    while iter_num < args.max_iters:
+        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        order.manual_seed(args.seed + epoch)
+        skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
+        # TODO 11/16: change the next 1 line(s) of code:
+        #     loader = batch_loader(train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda")
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if iter_num >= args.max_iters:
+                break
+            # ---- one training step ----
+            lr = lr_at(iter_num, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
+            for _ in range(args.grad_accum):
+                # TODO 12/16: change the next 1 line(s) of code:
+                #   (replicas * B, T) each, built in CPU memory
+                x, y = next(batches)  # (B, T) each, built in CPU memory
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast:
+                    # TODO 13/16: change the next 1 line(s) of code into 2:
+                    #   each replica returns its own mean loss: a vector of `replicas` losses on cuda:0.
+                    #   Every replica has B sequences, so their mean is the mean over the micro-batch.
+                    _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
+                    # loss by K turns that sum into the gradient of the mean over all K * B sequences
+                    micro_loss = micro_loss / args.grad_accum
+                scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
+                loss += micro_loss.detach()
+            # clipping, the optimizer step and the learning rate act once per global batch
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)  # parameters move against their gradients
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+
+            # ---- logging: .item() waits for the device, so only at log intervals ----
+            log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
+            if log_now:
+                loss_value = loss.item()
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                figures = speed.measure(iter_num)  # since the last log line
+                metrics.write(
+                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                )
+            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
+
+            # ---- evaluation and checkpoint ----
+            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+                # the model uncompiled: eval mode and a shorter last batch would each be compiled
+                # anew, which takes longer than evaluating without compiling
+                # TODO 14/16: change the next 1 line(s) of code:
+                #     val_loss = evaluate(eval_model, val_set, val_windows, whole_batch, device,
+                #       autocast).item()
+                val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
+                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
+                metrics.write(iter=iter_num, val_loss=val_loss)
+                save_checkpoint(
+                    out_dir,
+                    # TODO 15/16: change the next 1 line(s) of code:
+                    #     model_state=model.module.state_dict(),
+                    model_state=raw_model.state_dict(),
+                    optimizer_state=optimizer.state_dict(),
+                    iter_num=iter_num,
+                    model_config=model_config,
+                    train_config=train_config,
+                    best_val_loss=best_val_loss,
+                    scaler_state=scaler.state_dict(),
+                )
+                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
+                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
+                speed.restart_clock()  # evaluation time is not training time
+    progress.close()
+    # TODO 16/16: add 3 line(s) of code here:
+    #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
+
+    if args.sample_tokens:
+        print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,214 @@
+"""Make the exercises: each is the previous chapter's train.py with the chapter's changes marked TODO.
+
+    python tools/make_exercises.py            # write 0N_<chapter>/exercise.py for chapters 02 to 05
+    python tools/make_exercises.py --check    # exit 1 if an exercise no longer matches the scripts
+
+The changes are those of the published diffs (docs/diffs/, tools/publish_diffs.py): difflib's, from
+chapter N-1's train.py to chapter N's. Above the lines each change touches, a TODO says how many
+lines to add, change or remove there, with the comments of the solution's new lines as the hint:
+they say why, the learner writes the code. A change without a comment (an import, a print) shows its
+code. Changes only to the docstring or to comments are left out. The solution is chapter N's own
+train.py, and `python tools/check.py 0N_<chapter>/exercise.py` tells whether the learner's is the
+same run as chapter 01's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import io
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.chapters import CHAPTERS
+
+REPO = Path(__file__).resolve().parents[1]
+WIDTH = 110  # the course's line length (ruff.toml)
+
+
+def is_comment(line: str) -> bool:
+    return line.strip().startswith("#") or not line.strip()
+
+
+def is_trivial(line: str) -> bool:
+    """A line that says nothing alone: blank, or only closing brackets and quotes."""
+    return not line.strip().strip("()[]{}:,\"'")
+
+
+def inside_strings(lines: list[str]) -> set[int]:
+    """Indexes of the lines that start inside a multi-line string: no comment can go before them."""
+    inside = set()
+    for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+        if token.type == tokenize.STRING and token.end[0] > token.start[0]:
+            inside.update(range(token.start[0], token.end[0]))  # 0-based: the lines after the first
+    return inside
+
+
+def indentation(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
+
+
+def import_lines(lines: list[str]) -> range:
+    """The lines (from 0) of the module's imports, from the first to the last."""
+    tree = ast.parse("".join(lines))
+    imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return range(imports[0].lineno - 1, imports[-1].end_lineno)
+
+
+def imports_todo(old: list[str], new: list[str]) -> list[str]:
+    """One TODO for every change to the imports: the lines to add and to remove (no comment fits
+    between imports that a formatter keeps apart)."""
+    before = [old[i] for i in import_lines(old) if old[i].strip()]
+    after = [new[i] for i in import_lines(new) if new[i].strip()]
+    changed = [f"- {line.strip()}" for line in before if line not in after]
+    changed += [f"+ {line.strip()}" for line in after if line not in before]
+    wrapped = [
+        textwrap.wrap(line, WIDTH, initial_indent="#     ", subsequent_indent="#         ")
+        for line in changed
+    ]
+    return [line + "\n" for lines in wrapped for line in lines]
+
+
+def docstring_end(lines: list[str]) -> int:
+    """The number of lines the module docstring (and anything before it) takes."""
+    tree = ast.parse("".join(lines))
+    first = tree.body[0] if tree.body else None
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        return first.end_lineno
+    return 0
+
+
+def comments_of(lines: list[str]) -> list[str]:
+    comments = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comments.append(stripped.lstrip("# ").rstrip())
+        elif "  # " in line:  # a comment at the end of a line of code
+            comments.append(line.split("  # ", 1)[1].strip())
+    return comments
+
+
+def hint_lines(old: list[str], new: list[str]) -> list[str]:
+    """What the TODO quotes of the new lines: their comments that are new; no comments: the code."""
+    if comments_of(new):
+        kept = set(comments_of(old))
+        return [comment for comment in comments_of(new) if comment not in kept]
+    return [line.rstrip("\n") for line in new if line.strip()]
+
+
+def todo_block(number: int, total: int, tag: str, old: list[str], new: list[str], indent: str) -> list[str]:
+    code_old = sum(1 for line in old if not is_comment(line))
+    code_new = sum(1 for line in new if not is_comment(line))
+    if tag == "insert":
+        what = f"add {code_new} line(s) of code here"
+    elif tag == "delete":
+        what = f"remove the next {code_old} line(s) of code"
+    else:
+        what = f"change the next {code_old} line(s) of code" + (
+            f" into {code_new}" if code_new != code_old else ""
+        )
+    quoted = hint_lines(old, new) if code_new else []
+    show_code = quoted and not any(line.strip().startswith("#") or "  # " in line for line in new)
+    lines = [f"{indent}# TODO {number}/{total}: {what}" + (":" if quoted else "")]
+    for text in quoted:
+        prefix = f"{indent}#     " if show_code else f"{indent}#   "
+        lines += textwrap.wrap(text.strip(), WIDTH, initial_indent=prefix, subsequent_indent=prefix + "  ")
+    return [line.rstrip() + "\n" for line in lines]
+
+
+def exercise(chapter: int) -> str:
+    previous, folder = CHAPTERS[chapter - 1], CHAPTERS[chapter]
+    old = (REPO / previous / "train.py").read_text().splitlines(keepends=True)
+    new = (REPO / folder / "train.py").read_text().splitlines(keepends=True)
+    head = docstring_end(old)
+    changes = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        if tag == "equal":
+            if changes and not all(is_trivial(line) for line in old[i1:i2]):
+                changes.append(None)  # real code between two changes: they stay apart
+            continue
+        if changes and changes[-1] is not None and changes[-1][1] >= head:  # only blanks or brackets between
+            _, a1, _, b1, _ = changes.pop()
+            tag = "replace"
+            i1, j1 = a1, b1
+        changes.append((tag, i1, i2, j1, j2))
+    imports = import_lines(old)
+    changes = [
+        (tag if i2 > i1 and j2 > j1 else ("insert" if j2 > j1 else "delete"), i1, i2, j1, j2)
+        for tag, i1, i2, j1, j2 in filter(None, changes)
+        if not i1 < head  # the docstring's text
+        and i1 not in imports  # the imports: one TODO of their own, below
+        and not all(is_comment(line) for line in old[i1:i2] + new[j1:j2])  # comments only
+    ]
+    blocks = {}
+    strings = inside_strings(old)
+    import_changes = imports_todo(old, new)
+    total = len(changes) + bool(import_changes)
+    if import_changes:
+        blocks[imports.start] = [f"# TODO 1/{total}: the imports: remove (-) and add (+)\n", *import_changes]
+    for number, (tag, i1, i2, j1, j2) in enumerate(changes, 1 + bool(import_changes)):
+        at = i1
+        while at in strings:  # before the line where that string starts
+            at -= 1
+        # indented as the line it stands above (the next one that is not blank)
+        below = next((line for line in old[at:] if line.strip()), "")
+        block = todo_block(number, total, tag, old[i1:i2], new[j1:j2], indentation(below))
+        blocks.setdefault(at, []).extend(block)
+    about = (
+        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s train.py; add "
+        f"chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how the lines below it "
+        "change and quotes the new comments of the solution there. Then check your script:"
+    )
+    solution = (
+        f"The solution is {folder}/train.py (its README shows the diff). This file is made by "
+        "tools/make_exercises.py from the two scripts; `git checkout` it to start again."
+    )
+    nproc = " --nproc-per-node 2" if chapter >= 4 else ""
+    header = [
+        *textwrap.wrap(about, 100, initial_indent="# ", subsequent_indent="# "),
+        f"#     python tools/check.py {folder}/exercise.py{nproc}",
+        *textwrap.wrap(solution, 100, initial_indent="# ", subsequent_indent="# "),
+    ]
+    header = [line + "\n" for line in header]
+    out = list(header)
+    for i, line in enumerate(old):
+        out.extend(blocks.get(i, []))
+        out.append(line)
+    out.extend(blocks.get(len(old), []))
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if an exercise is stale")
+    args = p.parse_args(argv)
+    stale = []
+    for chapter in list(CHAPTERS)[1:]:
+        path = REPO / CHAPTERS[chapter] / "exercise.py"
+        text = exercise(chapter)
+        previous = (REPO / CHAPTERS[chapter - 1] / "train.py").read_text()
+        # the TODOs are comments: the exercise is the previous chapter's program, token for token
+        assert ast.dump(ast.parse(text)) == ast.dump(ast.parse(previous)), f"{path}: a TODO broke the code"
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path.relative_to(REPO)))
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(REPO)}")
+    if stale:
+        print(f"stale: {', '.join(stale)}: run python tools/make_exercises.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
