@@ -28,6 +28,7 @@ from common.data import batch_loader, describe_global_batch, load_splits, prepar
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
+from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
@@ -111,6 +112,22 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
+    def save(step: int) -> None:
+        """The checkpoint, at every evaluation and when the run is asked to stop."""
+        save_checkpoint(
+            out_dir,
+            model_state=raw_model.state_dict(),
+            optimizer_state=optimizer.state_dict(),
+            iter_num=step,
+            model_config=model_config,
+            train_config=train_config,
+            best_val_loss=best_val_loss,
+            scaler_state=scaler.state_dict(),
+        )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    preemption = Preemption(args.stop_signal)
+
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
@@ -149,7 +166,7 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
                     iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
@@ -161,22 +178,16 @@ def main():
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                save_checkpoint(
-                    out_dir,
-                    model_state=raw_model.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
 
     if args.sample_tokens:
@@ -185,4 +196,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, resumable=True)

@@ -31,24 +31,16 @@ from common.data import batch_loader, describe_global_batch, load_splits, prepar
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
+from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 
-# TODO 2/16: add 13 line(s) of code here:
-#     class DataParallel(nn.DataParallel):
-#     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
-#     DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
-#     there without saying which format. The format belongs to the thread, and a new thread has the
-#     default, float16: a bfloat16 run would silently compute in float16, with no loss scaling. So
-#     each replica enters autocast itself, inside its thread, with the format this run chose.
-#     """
-#     def __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs):
-#     super().__init__(module, **kwargs)
-#     self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
-#     def parallel_apply(self, replicas, inputs, kwargs):
-#     replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
-#     return super().parallel_apply(replicas, inputs, kwargs)
+# TODO 2/16: add 20 line(s) of code here:
+#   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
+#   replicas different shares, and the plain mean of their mean losses would count each row
+#   of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
+#   all rows. An even split, as every training batch is, gets weights of exactly 1.
 def main():
     # TODO 3/16: change the next 1 line(s) of code:
     #     args = parse_args(chapter=3, description=__doc__)
@@ -150,11 +142,29 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
+    def save(step: int) -> None:
+        """The checkpoint, at every evaluation and when the run is asked to stop."""
+        save_checkpoint(
+            out_dir,
+            # TODO 11/16: change the next 1 line(s) of code:
+            #     model_state=model.module.state_dict(),
+            model_state=raw_model.state_dict(),
+            optimizer_state=optimizer.state_dict(),
+            iter_num=step,
+            model_config=model_config,
+            train_config=train_config,
+            best_val_loss=best_val_loss,
+            scaler_state=scaler.state_dict(),
+        )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    preemption = Preemption(args.stop_signal)
+
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
         skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
-        # TODO 11/16: change the next 1 line(s) of code:
+        # TODO 12/16: change the next 1 line(s) of code:
         #     loader = batch_loader(train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda")
         loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
         batches = iter(loader)
@@ -167,12 +177,12 @@ def main():
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
-                # TODO 12/16: change the next 1 line(s) of code:
+                # TODO 13/16: change the next 1 line(s) of code:
                 #   (replicas * B, T) each, built in CPU memory
                 x, y = next(batches)  # (B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 13/16: change the next 1 line(s) of code into 2:
+                    # TODO 14/16: change the next 1 line(s) of code into 2:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on cuda:0.
                     #   Every replica has B sequences, so their mean is the mean over the micro-batch.
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
@@ -194,7 +204,7 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
                     iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
@@ -205,28 +215,20 @@ def main():
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 14/16: change the next 1 line(s) of code:
+                # TODO 15/16: change the next 1 line(s) of code:
                 #     val_loss = evaluate(eval_model, val_set, val_windows, whole_batch, device,
                 #       autocast).item()
                 val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                save_checkpoint(
-                    out_dir,
-                    # TODO 15/16: change the next 1 line(s) of code:
-                    #     model_state=model.module.state_dict(),
-                    model_state=raw_model.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
     # TODO 16/16: add 3 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
@@ -237,4 +239,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, resumable=True)

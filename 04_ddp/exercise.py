@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
 #     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
@@ -15,7 +15,7 @@ run is chapter 02's.
     python 03_dataparallel/train.py --gpus 2
 """
 
-# TODO 1/21: the imports: remove (-) and add (+)
+# TODO 1/22: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
 #     - from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
@@ -26,9 +26,8 @@ run is chapter 02's.
 #     + import torch.distributed as dist
 #     + from torch.nn.parallel import DistributedDataParallel as DDP
 #     + from torch.utils.data.distributed import DistributedSampler
-#     + from common.device import autocast_context, describe, pick_dtype, rank_device, setup_math,
-#         share_cpu_cores
-#     + from common.distributed import one_rank_first, ranks_unlike_rank0
+#     + from common.device import autocast_context, describe, pick_dtype, setup_math
+#     + from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
 import sys
 from pathlib import Path
 
@@ -44,11 +43,12 @@ from common.data import batch_loader, describe_global_batch, load_splits, prepar
 from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
+from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
 
-# TODO 2/21: change the next 17 line(s) of code into 21:
+# TODO 2/22: change the next 24 line(s) of code into 21:
 #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
 #   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place ----
 #   torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -58,7 +58,8 @@ from common.training import build_model, check_resume, evaluate, lr_at, sample_t
 #   before any CUDA work, or it would all land on cuda:0
 #   ranks on one CPU share its cores
 class DataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
+    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
+    and whose loss counts every row once, however the batch splits (see parallel_apply).
 
     DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
     there without saying which format. The format belongs to the thread, and a new thread has the
@@ -72,7 +73,19 @@ class DataParallel(nn.DataParallel):
 
     def parallel_apply(self, replicas, inputs, kwargs):
         replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
-        return super().parallel_apply(replicas, inputs, kwargs)
+        outputs = super().parallel_apply(replicas, inputs, kwargs)
+        # A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
+        # replicas different shares, and the plain mean of their mean losses would count each row
+        # of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
+        # all rows. An even split, as every training batch is, gets weights of exactly 1.
+        weights = row_weights([len(args[0]) for args in inputs])
+        return [(logits, loss * w) for (logits, loss), w in zip(outputs, weights)]
+
+
+def row_weights(rows: list[int]) -> list[float]:
+    """Factors for each replica's mean loss, so that the mean of the weighted losses is the mean
+    over all rows: replica i holds rows[i] of them."""
+    return [r * len(rows) / sum(rows) for r in rows]
 
 
 def main():
@@ -84,7 +97,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 3/21: change the next 5 line(s) of code into 4:
+    # TODO 3/22: change the next 5 line(s) of code into 4:
     #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it ----
     #   NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
@@ -94,7 +107,7 @@ def main():
         raise CourseError(f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}")
     if device.type == "cpu" and torch.cuda.is_available():
         raise CourseError(
-            # TODO 4/21: change the next 12 line(s) of code into 15:
+            # TODO 4/22: change the next 12 line(s) of code into 15:
             #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
             #     hanging.
             #   the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
@@ -117,14 +130,14 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 5/21: change the next 1 line(s) of code into 4:
+    # TODO 5/22: change the next 1 line(s) of code into 4:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
     #   (every rank calls one_rank_first), then find the files ready and prepare() does no work.
     data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
-    # TODO 6/21: change the next 1 line(s) of code:
+    # TODO 6/22: change the next 1 line(s) of code:
     #   on each of world_size ranks at the same time, each of `batch_size` sequences.
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
@@ -156,7 +169,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     # resuming: the optimizer's averages, the loss scale and the random state continue where they were
     iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
-    # TODO 7/21: change the next 4 line(s) of code into 1:
+    # TODO 7/22: change the next 4 line(s) of code into 1:
     #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     #   into backward to average the gradients over ranks. The wrapper keeps the real model in
     #   model.module. Its state dict would prefix every name with "module.", so checkpoints save
@@ -169,20 +182,20 @@ def main():
         gpu_ids = None  # no CUDA GPU: DataParallel calls the model as it is
     model = DataParallel(model, device, dtype, device_ids=gpu_ids)  # nn.DataParallel, see the class above
     raw_model = model.module
-    # TODO 8/21: remove the next 1 line(s) of code
+    # TODO 8/22: remove the next 1 line(s) of code
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
     peak = peak_flops(device, dtype)
-    # TODO 9/21: change the next 1 line(s) of code:
+    # TODO 9/22: change the next 1 line(s) of code:
     #     log(
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 10/21: change the next 9 line(s) of code into 5:
+    # TODO 10/22: change the next 9 line(s) of code into 5:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
@@ -198,12 +211,12 @@ def main():
     else:
         print(f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's")
     if iter_num:
-        # TODO 11/21: change the next 1 line(s) of code:
+        # TODO 11/22: change the next 1 line(s) of code:
         #     log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # TODO 12/21: change the next 5 line(s) of code into 8:
+    # TODO 12/22: change the next 5 line(s) of code into 8:
     #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W, ...
     #   (W = world_size): the ranks' micro-batches of one step together are the G consecutive
     #   positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
@@ -216,19 +229,50 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
-    # TODO 13/21: change the next 1 line(s) of code:
+    # TODO 13/22: change the next 1 line(s) of code:
     #   tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
     # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
+    def save(step: int) -> None:
+        # TODO 14/22: change the next 11 line(s) of code into 12:
+        #     """The checkpoint, at every evaluation and when the run is asked to stop; rank 0 writes it."""
+        #     if is_rank0:
+        #     save_checkpoint(
+        #     out_dir,
+        #     model_state=model.module.state_dict(),
+        #     optimizer_state=optimizer.state_dict(),
+        #     iter_num=step,
+        #     model_config=model_config,
+        #     train_config=train_config,
+        #     best_val_loss=best_val_loss,
+        #     scaler_state=scaler.state_dict(),
+        #     )
+        """The checkpoint, at every evaluation and when the run is asked to stop."""
+        save_checkpoint(
+            out_dir,
+            model_state=model.module.state_dict(),
+            optimizer_state=optimizer.state_dict(),
+            iter_num=step,
+            model_config=model_config,
+            train_config=train_config,
+            best_val_loss=best_val_loss,
+            scaler_state=scaler.state_dict(),
+        )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    # TODO 15/22: change the next 1 line(s) of code:
+    #   The ranks agree on the step to stop at: one all-reduce of a single number per step.
+    preemption = Preemption(args.stop_signal)
+
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # TODO 14/21: change the next 1 line(s) of code:
+        # TODO 16/22: change the next 1 line(s) of code:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         order.manual_seed(args.seed + epoch)
         skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
-        # TODO 15/21: change the next 1 line(s) of code:
+        # TODO 17/22: change the next 1 line(s) of code:
         #     loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type ==
         #       "cuda")
         loader = batch_loader(train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda")
@@ -240,7 +284,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 16/21: change the next 9 line(s) of code into 10:
+            # TODO 18/22: change the next 9 line(s) of code into 10:
             #   this rank's mean loss over its share of the global batch
             #   DDP averages the gradients over ranks inside backward(). Before the last micro-step
             #   that traffic would be wasted: no_sync() lets this rank's gradients add up locally,
@@ -275,10 +319,10 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
-                # TODO 17/21: change the next 1 line(s) of code into 2:
+                # TODO 19/22: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it (SUM works on every backend)
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
                     iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
@@ -287,7 +331,7 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # TODO 18/21: change the next 1 line(s) of code into 6:
+                # TODO 20/22: change the next 1 line(s) of code into 6:
                 #   Each rank evaluates every world_size-th window (with raw_model: no gradients, nothing
                 #   for DDP to do); the loss sums and window counts are added over ranks, so every rank
                 #   gets the mean over all the windows.
@@ -295,36 +339,18 @@ def main():
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(eval_model, val_set, val_windows, whole_batch, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                # TODO 19/21: change the next 10 line(s) of code into 11:
-                #     if is_rank0:
-                #     save_checkpoint(
-                #     out_dir,
-                #     model_state=model.module.state_dict(),
-                #     optimizer_state=optimizer.state_dict(),
-                #     iter_num=iter_num,
-                #     model_config=model_config,
-                #     train_config=train_config,
-                #     best_val_loss=best_val_loss,
-                #     scaler_state=scaler.state_dict(),
-                #     )
-                save_checkpoint(
-                    out_dir,
-                    model_state=model.module.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 20/21: change the next 5 line(s) of code:
+    # TODO 21/22: change the next 5 line(s) of code:
     #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     #   bit for bit against rank 0's copy.
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
@@ -337,7 +363,7 @@ def main():
 
 
 if __name__ == "__main__":
-    # TODO 21/21: change the next 1 line(s) of code into 5:
+    # TODO 22/22: change the next 1 line(s) of code into 5:
     #   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
     #   connections to the other ranks (and NCCL's communicators) cleanly.
-    run_main(main)
+    run_main(main, resumable=True)

@@ -17,8 +17,9 @@ Started with plain `python`, the script runs as a world of one process and says 
 """
 
 # TODO 1/14: the imports: remove (-) and add (+)
-#     - from common.distributed import one_rank_first, ranks_unlike_rank0
-#     + from common.distributed import one_rank_first, ranks_unlike_rank0, restart_store
+#     - from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
+#     + from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, restart_store,
+#         share_cpu_cores
 import contextlib
 import datetime
 import os
@@ -36,10 +37,11 @@ from torch.utils.data.distributed import DistributedSampler
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, pick_dtype, rank_device, setup_math, share_cpu_cores
-from common.distributed import one_rank_first, ranks_unlike_rank0
+from common.device import autocast_context, describe, pick_dtype, setup_math
+from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
+from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
 from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
 
@@ -230,6 +232,24 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
+    def save(step: int) -> None:
+        """The checkpoint, at every evaluation and when the run is asked to stop; rank 0 writes it."""
+        if is_rank0:
+            save_checkpoint(
+                out_dir,
+                model_state=model.module.state_dict(),
+                optimizer_state=optimizer.state_dict(),
+                iter_num=step,
+                model_config=model_config,
+                train_config=train_config,
+                best_val_loss=best_val_loss,
+                scaler_state=scaler.state_dict(),
+            )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    # The ranks agree on the step to stop at: one all-reduce of a single number per step.
+    preemption = Preemption(args.stop_signal, agree_on=device)
+
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         sampler.set_epoch(epoch)  # the permutation of seed + epoch; without this every epoch repeats epoch 0
@@ -276,7 +296,7 @@ def main():
                 # the mean over all ranks: a collective, so every rank calls it (SUM works on every backend)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler)  # nan/inf: stop before writing
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
                     iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
@@ -294,23 +314,16 @@ def main():
                 val_stats = torch.stack([my_loss * my_count, my_count])  # the sum of my losses, their count
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
-                stop_if_diverged(iter_num, val_loss, what="validation loss")  # before the checkpoint
+                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
-                if is_rank0:
-                    save_checkpoint(
-                        out_dir,
-                        model_state=model.module.state_dict(),
-                        optimizer_state=optimizer.state_dict(),
-                        iter_num=iter_num,
-                        model_config=model_config,
-                        train_config=train_config,
-                        best_val_loss=best_val_loss,
-                        scaler_state=scaler.state_dict(),
-                    )
+                save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     # bit for bit against rank 0's copy.
@@ -325,7 +338,7 @@ def main():
 
 if __name__ == "__main__":
     try:
-        run_main(main)
+        run_main(main, resumable=True)
     finally:
         # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
         # connections to the other ranks (and NCCL's communicators) cleanly.
