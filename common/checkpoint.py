@@ -30,9 +30,8 @@ def save_checkpoint(
     scaler_state: dict | None = None,
 ) -> None:
     """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one intact."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp, cuda = out_dir / f".{CKPT_NAME}.tmp.{os.getpid()}", torch.cuda.is_initialized()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp, cuda = Path(out_dir, f".{CKPT_NAME}.tmp.{os.getpid()}"), torch.cuda.is_initialized()
     plain = {k: v for k, v in train_config.items() if v is None or isinstance(v, (int, float, str))}
     checkpoint = {
         "model": clean_state_dict(model_state),
@@ -50,7 +49,7 @@ def save_checkpoint(
         torch.save(checkpoint, f)
         f.flush()
         os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    os.replace(tmp, out_dir / CKPT_NAME)
+    os.replace(tmp, tmp.with_name(CKPT_NAME))
 
 
 def load_checkpoint(out_dir_or_file: str | Path) -> dict:

@@ -81,15 +81,14 @@ def evaluate(
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
     was_training = model.training
     model.eval()
-    total, seen = torch.zeros((), device=device), 0
+    total = torch.zeros((), device=device)
     for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
         total += loss.mean().to(total.dtype) * len(x)  # mean(): DataParallel returns one loss per GPU
-        seen += len(x)
     model.train(was_training)
-    return total / max(seen, 1)
+    return total / max(len(windows), 1)
 
 
 def sample_text(
@@ -98,8 +97,6 @@ def sample_text(
     """Text the model writes after `prompt` (seeded, so the same weights give the same text)."""
     context = torch.tensor([encode(prompt) or [50256]], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    was_training = model.training
-    model.eval()
+    model.eval()  # no dropout; its callers train no more after it
     out = model.generate(context, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
-    model.train(was_training)
     return decode(out[0].tolist())

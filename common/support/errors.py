@@ -33,8 +33,7 @@ class StopNow(list):
 def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
     """Run a script's main(): a CourseError is one line and status 2, a stop signal one line and 130 (75
     for a loop's own stop at a step's end); `resumable`: the line says to continue with --resume."""
-    # under torchrun every rank speaks for itself: say which rank is speaking
-    prefix = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""
+    prefix = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""  # under torchrun: who speaks
     stop_now = StopNow()
     signal.signal(signal.SIGINT, stop_now)
     signal.signal(signal.SIGTERM, stop_now)

@@ -33,7 +33,7 @@ class Preemption:
         self.agree_on = agree_on
         self.received: str | None = None  # the first stop signal's name
         self._received_at = 0.0
-        self._stop_now = signal.getsignal(signal.SIGINT)  # run_main's: a later stop signal goes to it
+        self._stop_now = signal.getsignal(signal.SIGINT)  # run_main's, to note the signal in
         for name in {"SIGTERM", stop_signal(signal_name)}:
             signal.signal(signal.Signals[name], self._on_signal)
 
@@ -46,9 +46,7 @@ class Preemption:
             return
         if now - self._received_at < SAME_STOP_S:
             return  # the same request, passed on by a launcher
-        if callable(self._stop_now):
-            self._stop_now(signum, frame)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt  # run_main's one line names the first signal
 
     def requested(self) -> bool:
         """Whether the run should save this step and stop; the same answer on every rank."""
