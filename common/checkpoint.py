@@ -1,4 +1,4 @@
-"""ckpt.pt: written atomically, read without unpickling code; with the random state, resumed, the same run."""
+"""ckpt.pt: written atomically, read without unpickling code, holding all a resumed run needs to go on."""
 
 import os
 import re

@@ -60,7 +60,7 @@ def stop_if_diverged(
     step, loss, grad_norm=None, scaler=None, grad_clip=None, dtype=None, what="training loss"
 ):
     """Stop with one line when `loss` (a float) or `grad_norm` is not finite, advising what would change."""
-    norm = None if grad_norm is None else float(grad_norm)
+    norm = None if grad_norm is None else float(grad_norm)  # called where the device is idle: no stall
     if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
         norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
         tries = ["a lower --lr"]

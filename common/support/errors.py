@@ -10,8 +10,7 @@ class CourseError(Exception):
     """A mistake the reader can fix: the message says what is wrong and what to do."""
 
 
-# os.EX_TEMPFAIL, "try again later": what a run stopped to be resumed asks of whoever started it
-EXIT_STOPPED = 75
+EXIT_STOPPED = 75  # os.EX_TEMPFAIL, "try again later": what a run stopped to be resumed asks for
 
 
 class Stopped(Exception):
@@ -43,7 +42,7 @@ def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
         print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Stopped as stopped:
-        if stopped.speaks:
+        if stopped.speaks:  # rank 0 speaks for every rank
             print(f"{prefix}{stopped}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STOPPED)
     except (KeyboardInterrupt, Exception):

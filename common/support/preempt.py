@@ -1,6 +1,6 @@
-"""A scheduler's stop signal (SIGTERM, or --stop-signal) ends a run at a step's end, that step saved:
-the loop asks `requested()` once per step, saves, then calls `stop(step)` (one line, status 75). A second
-signal, Ctrl-C or a rank that cannot finish its step (a dead peer) stop at once (run_main, status 130)."""
+"""SLURM or Kubernetes sends SIGTERM (or --stop-signal's signal) a while before SIGKILL: the run finishes
+its step, saves it and stops (one line, status 75), losing nothing. A second signal, Ctrl-C or a rank that
+cannot finish its step (a dead peer) stop at once instead (run_main's one line, status 130)."""
 
 import argparse
 import signal
@@ -33,7 +33,7 @@ class Preemption:
         self.agree_on = agree_on
         self.received: str | None = None  # the first stop signal's name
         self._received_at = 0.0
-        self._stop_now = signal.getsignal(signal.SIGINT)  # run_main's, to note the signal in
+        self._stop_now = signal.getsignal(signal.SIGINT)  # run_main's StopNow, if any
         for name in {"SIGTERM", stop_signal(signal_name)}:
             signal.signal(signal.Signals[name], self._on_signal)
 

@@ -27,7 +27,7 @@ def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
 
 
 def _claim(out_dir: Path, resume: bool) -> str | None:
-    """What is wrong with the folder, if anything."""
+    """What is wrong with the folder, if anything (None: it is this run's now)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # a flock, by a descriptor never closed: dropped however the process ends (even kill -9)
     lock = os.open(out_dir, os.O_RDONLY)
@@ -53,4 +53,3 @@ def _claim(out_dir: Path, resume: bool) -> str | None:
             f"{out_dir} already holds a run (its {CKPT_NAME} / {METRICS_NAME}); continue it "
             f"with --resume, start a new run with another --out-dir, or delete {out_dir} first"
         )
-    return None
