@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import checkpoint_model_config, load_checkpoint
+from .checkpoint import load_checkpoint
 from .device import pick_device
-from .model import GPT
+from .model import GPT, GPTConfig
 from .support.errors import run_main
 from .support.flags import HelpFormatter, OneLineParser, positive_int
 from .training import sample_text
@@ -31,7 +31,7 @@ def main() -> None:
 
     checkpoint = load_checkpoint(args.out_dir)
     device = pick_device(args.device)
-    model = GPT(checkpoint_model_config(checkpoint))
+    model = GPT(GPTConfig(**checkpoint["model_config"]))
     model.load_state_dict(checkpoint["model"])
     model.to(device)
     chapter = checkpoint.get("train_config", {}).get("chapter", "?")

@@ -1,7 +1,4 @@
-"""The pieces of a training run around the loop: building the model, the learning-rate schedule,
-the divergence guard, evaluation and sampling. The loop itself is written out in each chapter."""
-
-from __future__ import annotations
+"""The pieces of a run around the loop, which each chapter writes out: model, schedule, guards, evaluation."""
 
 import argparse
 import math
@@ -54,30 +51,16 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
 
 
 def is_divergence(loss: float, grad_norm: float | None = None, skips_inf_steps: bool = False) -> bool:
-    """A non-finite loss means the run diverged. So does a non-finite gradient norm (the step would
-    write inf or nan into the parameters), unless float16's GradScaler is on (`skips_inf_steps`):
-    it skips that one step on purpose and lowers its loss scale."""
-    if not math.isfinite(loss):
-        return True
-    return grad_norm is not None and not math.isfinite(grad_norm) and not skips_inf_steps
+    """A non-finite loss, or gradient norm (unless float16's GradScaler skips such a step on purpose)."""
+    bad_norm = grad_norm is not None and not math.isfinite(grad_norm) and not skips_inf_steps
+    return not math.isfinite(loss) or bad_norm
 
 
 def stop_if_diverged(
-    step: int,
-    loss: float,
-    grad_norm: torch.Tensor | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    grad_clip: float | None = None,
-    dtype: torch.dtype | None = None,
-    what: str = "training loss",
-) -> None:
-    """Stop with one line when `loss` (already on the host) or the gradient norm is not finite.
-
-    Called only where the chapters already wait for the device (logging, evaluation), before a
-    checkpoint is written. Under DDP the loss and the norm are equal on every rank, so all ranks
-    stop at the same step. The advice names only the settings (`grad_clip`, `dtype`) that would change.
-    """
-    norm = None if grad_norm is None else float(grad_norm)  # the device is idle here: no stall
+    step, loss, grad_norm=None, scaler=None, grad_clip=None, dtype=None, what="training loss"
+):
+    """Stop with one line when `loss` (a float) or `grad_norm` is not finite, advising what would change."""
+    norm = None if grad_norm is None else float(grad_norm)  # called where the device is idle: no stall
     if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
         norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
         tries = ["a lower --lr"]
@@ -99,32 +82,21 @@ def evaluate(
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    seen = 0
     for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
         total += loss.mean().to(total.dtype) * len(x)  # mean(): DataParallel returns one loss per GPU
-        seen += len(x)
     model.train(was_training)
-    return total / max(seen, 1)
+    return total / max(len(windows), 1)
 
 
 def sample_text(
-    model: GPT,
-    prompt: str,
-    max_new_tokens: int,
-    device: torch.device,
-    temperature: float = 0.8,
-    top_k: int | None = 200,
-    seed: int = 1337,
+    model: GPT, prompt: str, max_new_tokens: int, device: torch.device, temperature=0.8, top_k=200, seed=1337
 ) -> str:
     """Text the model writes after `prompt` (seeded, so the same weights give the same text)."""
-    ids = encode(prompt) or [50256]
-    context = torch.tensor([ids], dtype=torch.long, device=device)
+    context = torch.tensor([encode(prompt) or [50256]], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    was_training = model.training
-    model.eval()
+    model.eval()  # no dropout; its callers train no more after it
     out = model.generate(context, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
-    model.train(was_training)
     return decode(out[0].tolist())

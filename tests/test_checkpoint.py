@@ -14,13 +14,12 @@ from helpers import start
 
 from common.checkpoint import (
     check_same_shape,
-    checkpoint_model_config,
     clean_state_dict,
     gpu_rng_plan,
     load_checkpoint,
     save_checkpoint,
 )
-from common.model import GPT, PRESETS, model_config
+from common.model import GPT, PRESETS, GPTConfig, model_config
 from common.support.errors import CourseError
 from tools.launch import run_python
 
@@ -47,7 +46,7 @@ def test_round_trip_with_weights_only(tmp_path):
     assert raw["train_config"] == {"seed": 1, "data_dir": "data", "lr": 0.5}
     ckpt = load_checkpoint(tmp_path)
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 7  # the folder or the file
-    restored = GPT(checkpoint_model_config(ckpt))
+    restored = GPT(GPTConfig(**ckpt["model_config"]))
     restored.load_state_dict(ckpt["model"])
     for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
         assert torch.equal(a, b), name
@@ -125,7 +124,7 @@ def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the half-written temporary file
     ckpt = load_checkpoint(tmp_path)
     assert ckpt["iter_num"] == 1  # the previous one, whole
-    GPT(checkpoint_model_config(ckpt)).load_state_dict(ckpt["model"])
+    GPT(GPTConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
     save_tiny(tmp_path, 3)  # and the next save replaces it as usual
     assert load_checkpoint(tmp_path)["iter_num"] == 3
 
