@@ -1,8 +1,5 @@
-"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT.
-
-It knows nothing about devices, ranks or data: token ids in, logits out, or a loss when targets are
-given (computed without the full logits unless `chunked_loss=False`).
-"""
+"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT. Token ids in, logits
+out, or a loss when targets are given; it knows nothing about devices, ranks or data."""
 
 from __future__ import annotations
 
@@ -60,11 +57,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, time, channels (n_embd)
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # q, k, v: (B, T, C) -> (B, n_head, T, head_size)
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2)
+        )
         # flash attention where the device has it; the causal mask is built in
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
@@ -168,20 +164,12 @@ class GPT(nn.Module):
         ]
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B:
-        6 per parameter plus the attention scores, 12 * n_layer * n_embd * block_size."""
+        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B."""
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature=1.0, top_k=None, generator=None):
         """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
@@ -201,8 +189,7 @@ _HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width;
-    a padded vocabulary keeps its extra rows, a smaller block_size keeps the first positions)."""
+    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width)."""
     ours = model.state_dict()
     with torch.no_grad():
         for name, value in hf_state.items():
@@ -213,11 +200,12 @@ def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> No
             if target is None:
                 raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
             value = value.t() if name.endswith(_HF_TRANSPOSED) else value
-            if name == "wpe.weight" and value.shape[0] < target.shape[0]:
-                raise ValueError(
-                    f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
-                )
-            value = value[: target.shape[0]] if name == "wpe.weight" else value
+            if name == "wpe.weight":  # a smaller block_size keeps the first positions
+                if value.shape[0] < target.shape[0]:
+                    raise ValueError(
+                        f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
+                    )
+                value = value[: target.shape[0]]
             padded = name in ("wte.weight", "lm_head.weight") and value.shape[0] <= target.shape[0]
             if value.shape[1:] != target.shape[1:] or (value.shape[0] != target.shape[0] and not padded):
                 raise ValueError(
