@@ -1,14 +1,7 @@
-"""The output layer and the loss in pieces: `F.cross_entropy(h @ W.T, targets)` without the logits.
-
-Why: with GPT-2's 50,304-entry vocabulary the logits of a GPU micro-batch of 32 x 1,024 positions
-take 6.6 GB in float32, and the plain computation writes and reads them (and their gradient) several
-times: on a CPU that traffic is most of a training step, on a GPU most of the memory beyond the weights.
-
-How: a few positions at a time, compute the chunk's logits, its loss, and right away its gradient
-(softmax minus one-hot), turned into the chunk's share of the gradients of `h` and `W`; then drop the
-chunk's logits. Backward only scales those gradients. It is the idea of Liger Kernel's fused linear
-cross-entropy, in plain PyTorch.
-"""
+"""The output layer and the loss in pieces: `F.cross_entropy(h @ W.T, targets)` without the logits
+(why: docs/deep/MEMORY.md). A few positions at a time: the chunk's logits, its loss and right away its
+gradient (softmax minus one-hot), turned into its share of the gradients of `h` and `W`; backward only
+scales them. The idea of Liger Kernel's fused linear cross-entropy, in plain PyTorch."""
 
 import torch
 

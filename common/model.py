@@ -47,8 +47,7 @@ def model_config(preset: str, **overrides) -> GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.dropout = config.dropout
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -106,18 +105,15 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Tied embeddings: reading a token in and writing it out use the same matrix.
         self.transformer.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2's init: weights N(0, 0.02), biases 0
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
         # GPT-2 scales the projections into the residual stream by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the tied matrix once); positions left out by default."""
@@ -177,28 +173,27 @@ _HF_VOCAB = ("wte.weight", "lm_head.weight")
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
     """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width)."""
-    ours = model.state_dict()
-    with torch.no_grad():
-        for name, value in hf_state.items():
-            name = name.removeprefix("transformer.")
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            target = ours.get(name if name == "lm_head.weight" else f"transformer.{name}")
-            if target is None:
-                raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
-            value = value.t() if name.endswith(_HF_TRANSPOSED) else value
-            if name == "wpe.weight":  # a smaller block_size keeps the first positions
-                if value.shape[0] < target.shape[0]:
-                    raise ValueError(
-                        f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
-                    )
-                value = value[: target.shape[0]]
-            part = target[: value.shape[0]]  # a padded vocabulary keeps its extra rows
-            if part.shape != value.shape or (len(part) < len(target) and name not in _HF_VOCAB):
+    ours = model.state_dict()  # detached: copying into it needs no no_grad()
+    for name, value in hf_state.items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+            continue
+        target = ours.get(name if name == "lm_head.weight" else f"transformer.{name}")
+        if target is None:
+            raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
+        value = value.t() if name.endswith(_HF_TRANSPOSED) else value
+        if name == "wpe.weight":  # a smaller block_size keeps the first positions
+            if value.shape[0] < target.shape[0]:
                 raise ValueError(
-                    f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
+                    f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
                 )
-            part.copy_(value)
+            value = value[: target.shape[0]]
+        part = target[: value.shape[0]]  # a padded vocabulary keeps its extra rows
+        if part.shape != value.shape or (len(part) < len(target) and name not in _HF_VOCAB):
+            raise ValueError(
+                f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
+            )
+        part.copy_(value)
 
 
 def load_gpt2_weights(model: GPT) -> None:
