@@ -61,9 +61,8 @@ class TokenWindows(Dataset):
     """Map-style dataset: item i is (x, y), window i of a token file, y shifted by one from x."""
 
     def __init__(self, bin_path: str | Path, block_size: int):
-        self.path = Path(bin_path)
+        self.path, self.block_size = Path(bin_path), block_size
         self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
-        self.block_size = block_size
         self.n_windows = (len(self.tokens) - 1) // block_size
         if self.n_windows < 1:
             raise CourseError(

