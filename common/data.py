@@ -1,12 +1,7 @@
-"""From a corpus to batches: prepare once into token files, then read fixed-size windows.
+"""From a corpus to batches: prepare once into token files (GPT-2 ids as uint16), then read windows.
 
-prepare() turns a corpus into `train.bin` and `val.bin` (GPT-2 token ids as uint16, which holds
-every id below 65,536) and `meta.json`. The training set is a list of windows 0..N-1: window i holds
-tokens [i*T, i*T + T] (T = block_size, one extra token so inputs and targets can be shifted by one).
-Which windows a step reads is the sampler's business: this module knows nothing about ranks.
-"""
-
-from __future__ import annotations
+Window i holds tokens [i*T, i*T + T] (T = block_size, one more so targets are inputs shifted by one).
+Which windows a step reads is the sampler's business: this module knows nothing about ranks."""
 
 import itertools
 import json
@@ -25,17 +20,9 @@ FORMAT_VERSION = 1  # bump when the way files are written changes, so old folder
 
 
 def prepare(
-    corpus: str = DEFAULT_CORPUS,
-    data_root: str | Path = "data",
-    val_fraction: float = 0.1,
-    num_proc: int | None = None,
-    text_column: str = "text",
-    log=print,
+    corpus=DEFAULT_CORPUS, data_root="data", val_fraction=0.1, num_proc=None, text_column="text", log=print
 ) -> Path:
-    """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json`; return that folder.
-
-    Deterministic, and a second call with an unchanged corpus does no work.
-    """
+    """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json` once; return that folder."""
     kind, folder_name, fingerprint = corpus_source(corpus)
     folder = Path(data_root) / folder_name
     meta_path = folder / "meta.json"
@@ -52,8 +39,7 @@ def prepare(
     texts = read_corpus(kind, corpus, text_column)
     if not texts:
         raise CourseError(f"corpus {corpus!r} has no documents")
-    threads = num_proc or min(os.cpu_count() or 1, 8)
-    docs = get_tokenizer().encode_ordinary_batch(texts, num_threads=threads)
+    docs = get_tokenizer().encode_ordinary_batch(texts, num_threads=num_proc or min(os.cpu_count() or 1, 8))
     # every document ends with <|endoftext|>, so the model sees where one text stops
     ids = np.fromiter(itertools.chain.from_iterable(d + [eot_id()] for d in docs), dtype=np.uint16)
     if len(ids) <= len(texts):  # nothing but <|endoftext|> markers
@@ -63,14 +49,8 @@ def prepare(
     for name, part in (("train.bin", ids[:split]), ("val.bin", ids[split:])):
         part.tofile(folder / f"{name}.tmp")
         os.replace(folder / f"{name}.tmp", folder / name)
-    meta = {"corpus": corpus, "fingerprint": fingerprint, "format": FORMAT_VERSION, "tokenizer": "gpt2"}
-    meta |= {
-        "dtype": "uint16",
-        "documents": len(texts),
-        "train_tokens": split,
-        "val_tokens": len(ids) - split,
-    }
-    meta["val_fraction"] = val_fraction
+    meta = {"corpus": corpus, "tokenizer": "gpt2", "dtype": "uint16", "documents": len(texts)}
+    meta |= expected | {"fingerprint": fingerprint, "train_tokens": split, "val_tokens": len(ids) - split}
     (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(folder / "meta.json.tmp", meta_path)  # written last: its presence means the folder is complete
     log(f"prepared {len(texts)} documents: {split:,} training and {len(ids) - split:,} validation tokens")
@@ -81,9 +61,8 @@ class TokenWindows(Dataset):
     """Map-style dataset: item i is (x, y), window i of a token file, y shifted by one from x."""
 
     def __init__(self, bin_path: str | Path, block_size: int):
-        self.path = Path(bin_path)
+        self.path, self.block_size = Path(bin_path), block_size
         self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
-        self.block_size = block_size
         self.n_windows = (len(self.tokens) - 1) // block_size
         if self.n_windows < 1:
             raise CourseError(
@@ -109,28 +88,15 @@ def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-class SkipFirst(Sampler):
-    """Another sampler's order minus its first `skip` indices: a resumed run starts mid-epoch."""
-
-    def __init__(self, sampler: Sampler, skip: int):
-        self.sampler, self.skip = sampler, skip
-
-    def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(len(self.sampler) - self.skip, 0)
-
-
 def batch_loader(
     dataset: Dataset, sampler: Sampler, batch_size: int, skip_batches: int = 0, pin_memory: bool = False
 ) -> DataLoader:
     """Batches in the sampler's order, starting `skip_batches` in; an incomplete last batch is dropped."""
-    # The loader gets its own generator so that building one does not draw from the global random
-    # state that dropout uses: a resumed run then draws the same dropout masks as an unbroken one.
-    skip = SkipFirst(sampler, skip_batches * batch_size)
+    # its own generator: building a loader must not draw from the global random state that dropout
+    # uses, so a resumed run draws the same dropout masks as an unbroken one
+    order = list(sampler)[skip_batches * batch_size :]  # a resumed run starts mid-epoch
     return DataLoader(
-        dataset, batch_size, sampler=skip, drop_last=True, pin_memory=pin_memory, generator=torch.Generator()
+        dataset, batch_size, sampler=order, drop_last=True, pin_memory=pin_memory, generator=torch.Generator()
     )
 
 

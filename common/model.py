@@ -1,10 +1,5 @@
-"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT.
-
-It knows nothing about devices, ranks or data: token ids in, logits out, or a loss when targets are
-given (computed without the full logits unless `chunked_loss=False`).
-"""
-
-from __future__ import annotations
+"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT. Token ids in, logits
+out, or a loss when targets are given; it knows nothing about devices, ranks or data."""
 
 import math
 from dataclasses import dataclass, replace
@@ -52,23 +47,18 @@ def model_config(preset: str, **overrides) -> GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.dropout = config.dropout
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, time, channels (n_embd)
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # q, k, v: (B, T, C) -> (B, n_head, T, head_size)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
         # flash attention where the device has it; the causal mask is built in
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -77,12 +67,11 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # GPT-2's GELU
 
 
 class Block(nn.Module):
@@ -97,8 +86,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -117,18 +105,15 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Tied embeddings: reading a token in and writing it out use the same matrix.
         self.transformer.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2's init: weights N(0, 0.02), biases 0
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
         # GPT-2 scales the projections into the residual stream by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the tied matrix once); positions left out by default."""
@@ -144,20 +129,14 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        if targets is None:
-            # generating: only the last position's prediction is needed
+        if targets is None:  # generating: only the last position's prediction is needed
             return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab_size)
-        if self.config.chunked_loss:
-            # the same loss, the output layer computed a few positions at a time: the (B, T, vocab_size)
-            # logits are never held, so there are none to return
+        if self.config.chunked_loss:  # the same loss; the (B, T, vocab_size) logits are never held
             return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)  # (B, T, vocab_size)
         # float32 for the softmax even under bf16 autocast; float64 stays float64
-        loss = F.cross_entropy(
-            logits.view(-1, logits.size(-1)).to(torch.promote_types(logits.dtype, torch.float32)),
-            targets.reshape(-1),
-        )
-        return logits, loss
+        wide = logits.view(B * T, -1).to(torch.promote_types(logits.dtype, torch.float32))
+        return logits, F.cross_entropy(wide, targets.reshape(-1))
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
@@ -168,62 +147,52 @@ class GPT(nn.Module):
         ]
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B:
-        6 per parameter plus the attention scores, 12 * n_layer * n_embd * block_size."""
+        """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix B."""
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature=1.0, top_k=None, generator=None):
         """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
+            logits, _ = self(idx[:, -self.config.block_size :])  # the context the model can see
             logits = logits[:, -1, :GPT2_VOCAB_SIZE].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits[logits < kth] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id.to(idx.device)), dim=1)
         return idx
 
 
 # Hugging Face's GPT-2 stores these as Conv1D, whose weight is the transpose of a Linear's.
 _HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_HF_VOCAB = ("wte.weight", "lm_head.weight")
 
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width;
-    a padded vocabulary keeps its extra rows, a smaller block_size keeps the first positions)."""
-    ours = model.state_dict()
-    with torch.no_grad():
-        for name, value in hf_state.items():
-            name = name.removeprefix("transformer.")
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-                continue
-            target = ours.get(name if name == "lm_head.weight" else f"transformer.{name}")
-            if target is None:
-                raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
-            value = value.t() if name.endswith(_HF_TRANSPOSED) else value
-            if name == "wpe.weight" and value.shape[0] < target.shape[0]:
+    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width)."""
+    ours = model.state_dict()  # detached: copying into it needs no no_grad()
+    for name, value in hf_state.items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+            continue
+        target = ours.get(name if name == "lm_head.weight" else f"transformer.{name}")
+        if target is None:
+            raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
+        value = value.t() if name.endswith(_HF_TRANSPOSED) else value
+        if name == "wpe.weight":  # a smaller block_size keeps the first positions
+            if value.shape[0] < target.shape[0]:
                 raise ValueError(
                     f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
                 )
-            value = value[: target.shape[0]] if name == "wpe.weight" else value
-            padded = name in ("wte.weight", "lm_head.weight") and value.shape[0] <= target.shape[0]
-            if value.shape[1:] != target.shape[1:] or (value.shape[0] != target.shape[0] and not padded):
-                raise ValueError(
-                    f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
-                )
-            target[: value.shape[0]].copy_(value)
+            value = value[: target.shape[0]]
+        part = target[: value.shape[0]]  # a padded vocabulary keeps its extra rows
+        if part.shape != value.shape or (len(part) < len(target) and name not in _HF_VOCAB):
+            raise ValueError(
+                f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
+            )
+        part.copy_(value)
 
 
 def load_gpt2_weights(model: GPT) -> None:

