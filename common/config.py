@@ -44,10 +44,8 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag("--block-size", type=positive_int, help="the context length (default: the preset's)")
     flag("--dropout", type=fraction, default=0.0, help="dropout probability")
     flag("--bias", action=argparse.BooleanOptionalAction, default=True, help="biases in layers")
-    chunked = (
-        "the output layer and the loss a few positions at a time (common/chunked_loss.py); "
-        "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory"
-    )
+    chunked = "the output layer and the loss a few positions at a time (common/chunked_loss.py); "
+    chunked += "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory"
     flag("--chunked-loss", action=argparse.BooleanOptionalAction, default=True, help=chunked)
     flag("--init-from", choices=["scratch", "gpt2"], default="scratch", help="gpt2: OpenAI's weights")
     group = p.add_argument_group("data")
@@ -62,19 +60,15 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag("--log-interval", type=positive_int, default=10, help="a metrics line every N steps")
     flag("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     flag("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
-    stop = (
-        "besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
-        "the step it is in and stop, to be resumed (exit status 75)"
-    )
+    stop = "besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
+    stop += "the step it is in and stop, to be resumed (exit status 75)"
     flag("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     flag("--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end")
     flag("--prompt", default="\n", help="text the final sample starts from (default: a newline)")
     group = p.add_argument_group("hardware")
     flag("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    dtype = (
-        "auto: bfloat16 on GPUs with bf16 tensor cores, float16 on older ones, float32 on the CPU; "
-        "float64: slow, to tell rounding from bugs"
-    )
+    dtype = "auto: bfloat16 on GPUs with bf16 tensor cores, float16 on older ones, float32 on the CPU; "
+    dtype += "float64: slow, to tell rounding from bugs"
     flag("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto", help=dtype)
     flag("--compile", action="store_true", help="torch.compile the model")
     flag("--gpus", type=positive_int, help="GPUs DataParallel spreads over (default: all visible)")

@@ -10,7 +10,6 @@ DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float1
 
 
 def pick_device(requested: str = "auto") -> torch.device:
-    """auto: the first CUDA GPU, else Apple's mps, else the CPU."""
     if requested == "auto":
         mps = torch.backends.mps.is_available()
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
@@ -22,7 +21,6 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 def parse_device(requested: str, cuda_gpus: int) -> torch.device:
-    """--device as a torch.device, checked against the `cuda_gpus` GPUs this machine has."""
     try:
         device = torch.device(requested)
     except RuntimeError:
@@ -41,8 +39,7 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
 
 
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """--dtype auto: bfloat16 where GPUs have bfloat16 tensor cores (capability 8.0 on); older GPUs only
-    emulate it, slowly: they get float16 (with loss scaling). The CPU and Apple's mps stay in float32."""
+    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones emulate it, slowly."""
     if device_type == "cuda" and capability is not None:
         return torch.bfloat16 if capability >= (8, 0) else torch.float16
     return torch.float32
@@ -78,8 +75,7 @@ def in_autocast(module, device: torch.device, dtype: torch.dtype):
 
 
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
-    """TF32 matmuls on Ampere and newer. --dtype float64 makes every tensor float64: slow, but with
-    rounding errors of 1e-16 instead of 1e-7, which shows what part of a difference is rounding."""
+    """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors 1e-16, not 1e-7."""
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
     elif device.type == "cuda":

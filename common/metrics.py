@@ -53,8 +53,6 @@ def _parse(line: str) -> dict | None:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to <out-dir>/metrics.jsonl (only where `enabled`)."""
-
     def __init__(self, path: str | Path, enabled: bool = True, resume_from: int | None = None):
         self.path, self.enabled = Path(path), enabled
         if not enabled:

@@ -6,7 +6,6 @@ import sys
 
 
 def _checked(name: str, convert, ok, rule: str):
-    """An argparse type: `convert` the text, then refuse in one line a value that is not `ok`."""
 
     def check(text: str):
         if not ok(value := convert(text)):
