@@ -6,7 +6,6 @@ import sys
 
 
 def _checked(name: str, convert, ok, rule: str):
-
     def check(text: str):
         if not ok(value := convert(text)):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")

@@ -1,7 +1,5 @@
 """Peak FLOP/s of the GPUs the course knows, for MFU: a lookup, not a lesson."""
 
-import re
-
 import torch
 
 # Dense peak FLOP/s of the tensor cores, from the data sheets: (bfloat16, float16, tf32 = float32 matmuls).
@@ -28,9 +26,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def peak_flops_of(name: str, dtype: torch.dtype) -> float | None:
-    name = name.upper().replace("-", " ")  # "NVIDIA A100-SXM4-80GB" -> "NVIDIA A100 SXM4 80GB"
+    name = f" {name.upper().replace('-', ' ')} "  # "NVIDIA A100-SXM4-80GB" -> " NVIDIA A100 SXM4 80GB "
     column = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}.get(dtype)
     for gpus, peaks in PEAK_FLOPS.items():  # whole words: "NVIDIA L40" is not an "L4"
-        if column is not None and any(re.search(rf"\b{gpu}\b", name) for gpu in gpus.upper().split(", ")):
+        if column is not None and any(f" {gpu} " in name for gpu in gpus.upper().split(", ")):
             return peaks[column]
     return None
