@@ -64,8 +64,7 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
 
 
 def in_autocast(module, device: torch.device, dtype: torch.dtype):
-    """`module`, called inside autocast(device, dtype): autocast's format belongs to the thread that
-    entered it, and nn.DataParallel runs each replica in a thread of its own (docs/deep/AUTOCAST_TRAP.md)."""
+    """`module` called inside autocast: DataParallel's replica threads lose it (docs/deep/AUTOCAST_TRAP.md)"""
 
     def call(*args, **kwargs):
         with autocast_context(device, dtype):

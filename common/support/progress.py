@@ -19,14 +19,11 @@ class Progress:
 
     def step(self, iter_num: int, loss: float | None = None, figures: dict | None = None, lr: float = 0.0):
         self.bar.update(1)  # nothing where the bar is off
-        if not self.enabled or loss is None:  # the loss and speed (Throughput's figures) come at log steps
-            return
-        speed = f"{figures['tokens_per_sec']:,.0f}"
-        if self.tty:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=speed, refresh=False)
-        else:
-            line = f"{self.prefix}iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {speed} tokens/s"
-            print(line, flush=True)
+        if self.tty and loss is not None:  # the loss and speed (Throughput's figures) come at log steps
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{figures['tokens_per_sec']:,.0f}", refresh=False)
+        elif self.enabled and loss is not None:
+            speed = f"{figures['tokens_per_sec']:,.0f} tokens/s"
+            print(f"{self.prefix}iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {speed}", flush=True)
 
     def print(self, message: str) -> None:
         """A line that does not tear the bar."""
