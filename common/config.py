@@ -94,7 +94,6 @@ def parse_args(chapter: int, description: str, argv: list[str] | None = None) ->
             )
     args.grad_accum = args.grad_accum or 1
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    # --out-dir must be a folder, or a path where one can be made: not an existing file
     path = Path(args.out_dir)
     folder = next((folder for folder in (path, *path.parents) if folder.exists()), None)
     if folder is not None and not folder.is_dir():

@@ -1,5 +1,6 @@
 """What a run reports: metrics.jsonl for plots and notebooks, the speed and MFU of each interval."""
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -44,14 +45,6 @@ def max_memory_mb(device: torch.device) -> float | None:
 METRICS_NAME = "metrics.jsonl"  # in every run's --out-dir
 
 
-def _parse(line: str) -> dict | None:
-    """One metrics line, or None for a blank line or one cut short by a crash mid-write."""
-    try:
-        return json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None
-
-
 class MetricsLog:
     def __init__(self, path: str | Path, enabled: bool = True, resume_from: int | None = None):
         self.path, self.enabled = Path(path), enabled
@@ -71,4 +64,8 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [record for line in Path(path).read_text().splitlines() if (record := _parse(line)) is not None]
+    records = []
+    for line in Path(path).read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a blank line, or one cut short by a crash mid-write
+            records.append(json.loads(line))
+    return records

@@ -9,11 +9,8 @@ from tqdm import tqdm
 class Progress:
     def __init__(self, total: int, initial: int, enabled: bool = True, prefix: str = ""):
         self.prefix, self.enabled = prefix, enabled
-        try:  # a pseudo-terminal without a size (`script`, some CI runners) reports 0 columns
-            columns = os.get_terminal_size(sys.stderr.fileno()).columns
-        except (OSError, ValueError):
-            columns = 0
-        self.tty = enabled and sys.stderr.isatty() and columns > 0  # else no bar: plain lines
+        # no bar in a file, nor on a pseudo-terminal without a size (`script`, some CI runners): plain lines
+        self.tty = enabled and sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
         desc = prefix.strip() or None
         self.bar = tqdm(total=total, initial=initial, disable=not self.tty, dynamic_ncols=True, desc=desc)
 
