@@ -1,7 +1,4 @@
-"""Which device and number format a run uses, and the autocast context for it. The GPU decisions
-are functions of plain facts (a capability, a GPU count), so tests check them on a CPU."""
-
-from __future__ import annotations
+"""Which device and number format a run uses; GPU decisions take plain facts, so a CPU can test them."""
 
 import contextlib
 
@@ -9,29 +6,21 @@ import torch
 
 from .support.errors import CourseError
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64")}
 
 
 def pick_device(requested: str = "auto") -> torch.device:
-    """auto: the first CUDA GPU, else Apple's mps, else the CPU."""
     if requested == "auto":
         mps = torch.backends.mps.is_available()
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     device = parse_device(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if device.type == "cuda" and device.index is not None:
-        # Make it the current GPU now: pinned memory, capability queries and anything created on
-        # plain "cuda" would otherwise land on GPU 0, which may be someone else's.
+        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be someone else's
         torch.cuda.set_device(device)
     return device
 
 
 def parse_device(requested: str, cuda_gpus: int) -> torch.device:
-    """--device as a torch.device, checked against the `cuda_gpus` GPUs this machine has."""
     try:
         device = torch.device(requested)
     except RuntimeError:
@@ -50,9 +39,7 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
 
 
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """--dtype auto: bfloat16 where NVIDIA GPUs have bfloat16 tensor cores (capability 8.0, Ampere,
-    on). Older GPUs (V100, T4) only emulate it, slowly: they get float16 (with loss scaling). The CPU
-    and Apple's mps stay in float32."""
+    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones emulate it, slowly."""
     if device_type == "cuda" and capability is not None:
         return torch.bfloat16 if capability >= (8, 0) else torch.float16
     return torch.float32
@@ -72,17 +59,12 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 def autocast_context(device: torch.device, dtype: torch.dtype):
     """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32."""
-    if dtype in (torch.float32, torch.float64):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    full = dtype in (torch.float32, torch.float64)
+    return contextlib.nullcontext() if full else torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def in_autocast(module, device: torch.device, dtype: torch.dtype):
-    """`module`, called inside autocast(device, dtype): what nn.DataParallel's replicas need.
-
-    Autocast's format belongs to the thread that entered it. DataParallel runs each replica in a
-    thread of its own with autocast's default format (float16 on CUDA), whatever the run chose.
-    """
+    """`module` called inside autocast: DataParallel's replica threads lose it (docs/deep/AUTOCAST_TRAP.md)"""
 
     def call(*args, **kwargs):
         with autocast_context(device, dtype):
@@ -92,18 +74,14 @@ def in_autocast(module, device: torch.device, dtype: torch.dtype):
 
 
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
-    """TF32 matmuls on Ampere and newer. --dtype float64 makes every tensor float64: slow, but with
-    rounding errors of 1e-16 instead of 1e-7, which shows what part of a difference is rounding."""
+    """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors 1e-16, not 1e-7."""
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
-    if device.type == "cuda" and dtype != torch.float64:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    elif device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
 
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    if device.type == "cpu":
-        return f"cpu ({torch.get_num_threads()} threads)"
-    return str(device)
+    return f"cpu ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
