@@ -1,10 +1,4 @@
 """The five chapters, in order: the one list that the scripts, tests, tools and notebooks use."""
 
-# chapter number -> its folder, which holds its train.py, README.md and notebook
-CHAPTERS = {
-    1: "01_single_gpu",
-    2: "02_grad_accumulation",
-    3: "03_dataparallel",
-    4: "04_ddp",
-    5: "05_multinode",
-}
+FOLDERS = "01_single_gpu 02_grad_accumulation 03_dataparallel 04_ddp 05_multinode".split()
+CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (train.py, README.md)

@@ -69,9 +69,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return *grads, None, None, None
 
 
-def chunked_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
-):
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk=None):
     """`F.cross_entropy(h @ weight.T, targets)`, `chunk` positions at a time (default: by device).
 
     Under autocast the products run in the autocast dtype and the softmax in float32, as in the plain
@@ -80,10 +78,9 @@ def chunked_cross_entropy(
     """
     device_type = h.device.type
     chunk = chunk or (CPU_CHUNK if device_type == "cpu" else GPU_CHUNK)
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)  # what autocast gives the plain path's lm_head
-    else:
-        dtype = torch.promote_types(h.dtype, weight.dtype)
+    # the plain path's lm_head runs in autocast's dtype when autocast is on
+    plain = torch.promote_types(h.dtype, weight.dtype)
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else plain
     with torch.autocast(device_type, enabled=False):  # the function chooses its own precisions
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, dtype)

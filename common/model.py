@@ -13,15 +13,10 @@ from .chunked_loss import chunked_cross_entropy
 GPT2_VOCAB_SIZE = 50257  # tiktoken's GPT-2 encoding: 50,256 BPE tokens + <|endoftext|>
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
-    """Round the vocabulary up so the output matmul has friendly shapes (50257 -> 50304)."""
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
 @dataclass(frozen=True)
 class GPTConfig:
     block_size: int = 256  # longest sequence the model can see (learned positions)
-    vocab_size: int = padded_vocab_size(GPT2_VOCAB_SIZE)
+    vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64: friendlier matmul shapes
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128

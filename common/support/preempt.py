@@ -1,6 +1,5 @@
-"""SLURM or Kubernetes sends SIGTERM (or --stop-signal's signal) a while before SIGKILL: the run finishes
-its step, saves it and stops (one line, status 75), losing nothing. A second signal, Ctrl-C or a rank that
-cannot finish its step (a dead peer) stop at once instead (run_main's one line, status 130)."""
+"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: the run finishes its step, saves it and stops
+(one line, status 75). A second signal, Ctrl-C or a rank stuck on a dead peer stop at once (status 130)."""
 
 import argparse
 import signal

@@ -11,8 +11,8 @@ class Progress:
         self.prefix, self.enabled = prefix, enabled
         # no bar in a file, nor on a pseudo-terminal without a size (`script`, some CI runners): plain lines
         self.tty = enabled and sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
-        desc = prefix.strip() or None
-        self.bar = tqdm(total=total, initial=initial, disable=not self.tty, dynamic_ncols=True, desc=desc)
+        desc, off = prefix.strip() or None, not self.tty
+        self.bar = tqdm(total=total, initial=initial, disable=off, dynamic_ncols=True, desc=desc)
 
     def step(self, iter_num: int, loss: float | None = None, figures: dict | None = None, lr: float = 0.0):
         self.bar.update(1)  # nothing where the bar is off
@@ -22,8 +22,7 @@ class Progress:
             speed = f"{figures['tokens_per_sec']:,.0f} tokens/s"
             print(f"{self.prefix}iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {speed}", flush=True)
 
-    def print(self, message: str) -> None:
-        """A line that does not tear the bar."""
+    def print(self, message: str) -> None:  # a line that does not tear the bar
         if self.enabled:
             (self.bar.write if self.tty else print)(f"{self.prefix}{message}")
             sys.stdout.flush()
