@@ -36,9 +36,9 @@ from helpers import outputs_of, replace_statement, start, tiny_run_args
 from common.chapters import CHAPTERS
 from common.data import TokenWindows, epoch_permutation, load_splits, prepare
 from common.metrics import read_metrics
-from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.training import is_divergence, stop_if_diverged
+from tools.check import corpus_text
 from tools.launch import REPO, child_env, run_python, torchrun_command, two_node_commands
 
 ITERS, RESUME_AT = 8, 5
@@ -123,7 +123,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     """(the corpus file, a data root where it is prepared)."""
     root = tmp_path_factory.mktemp("epochs")
     path = root / "act1.txt"
-    path.write_text(shakespeare_texts()[0][:3500], encoding="utf-8")
+    path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check.py)
     folder = prepare(str(path), root / "data", log=lambda *a: None)
     train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
     assert (

