@@ -195,7 +195,7 @@ def main():
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
     # The ranks agree on the step to stop at: one all-reduce of a single number per step.
-    preemption = Preemption(args.stop_signal, agree_on=device)
+    preemption = Preemption(args.stop_signal, ranks_agree_within=timeout)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)

@@ -2,6 +2,7 @@
 (one line, status 75). A second signal, Ctrl-C or a rank stuck on a dead peer stop at once (status 130)."""
 
 import argparse
+import datetime
 import signal
 import time
 
@@ -25,11 +26,13 @@ def stop_signal(name: str) -> str:
 
 
 class Preemption:
-    """Listens for SIGTERM and `signal_name`. With `agree_on` (the collectives' device) the ranks agree
-    on the step: one that stopped alone would leave the others waiting in the next collective."""
+    """Listens for SIGTERM and `signal_name`. With `ranks_agree_within` (the collectives' timeout) the
+    ranks agree on the step to stop at: one that stopped alone would leave the others waiting."""
 
-    def __init__(self, signal_name: str = "SIGTERM", agree_on: torch.device | None = None):
-        self.agree_on = agree_on
+    def __init__(self, signal_name: str = "SIGTERM", ranks_agree_within: datetime.timedelta | None = None):
+        # a CPU (gloo) group of its own, whatever the training backend: agreeing never waits for a GPU
+        agree = ranks_agree_within is not None
+        self.group = dist.new_group(backend="gloo", timeout=ranks_agree_within) if agree else None
         self.received: str | None = None  # the first stop signal's name
         self._received_at = 0.0
         self._stop_now = signal.getsignal(signal.SIGINT)  # run_main's StopNow, if any
@@ -49,17 +52,15 @@ class Preemption:
 
     def requested(self) -> bool:
         """Whether the run should save this step and stop; the same answer on every rank."""
-        if self.agree_on is None:
+        if self.group is None:
             return self.received is not None
-        # One number per step, little next to DDP's gradients; reading it back makes the host wait
-        # for the step's end on the GPU, which idles while the next step's first kernels are queued.
-        flag = torch.tensor(float(self.received is not None), device=self.agree_on)
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM)  # SUM works on every backend
+        flag = torch.tensor(float(self.received is not None))  # one number per step, on the CPU
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
         return flag.item() > 0
 
     def stop(self, step: int) -> None:
         """End the run after the checkpoint of `step` is written: raises Stopped for run_main."""
-        if self.agree_on is not None:
-            dist.barrier()  # rank 0 has written the checkpoint before any rank ends
-        speaks = self.agree_on is None or dist.get_rank() == 0
+        if self.group is not None:
+            dist.barrier(group=self.group)  # rank 0 has written the checkpoint before any rank ends
+        speaks = self.group is None or dist.get_rank() == 0
         raise Stopped(self.received or "another rank's stop signal", step, speaks)
