@@ -26,7 +26,9 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
+sys.path.insert(
+    0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), ""))
+)
 import math
 
 import torch
@@ -82,7 +84,9 @@ print(f"x[:, :4] {tuple(x[:, :4].shape)} -> logits {tuple(logits.shape)}")
 # with targets: the mean cross-entropy over all B*T positions; the (B, T, vocab) logits
 # are computed a few positions at a time and not kept (common/chunked_loss.py)
 _, loss = model(x, y)
-print(f"loss {loss.item():.4f}; ln(vocab) = ln({config.vocab_size}) = {math.log(config.vocab_size):.4f}")
+print(
+    f"loss {loss.item():.4f}; ln(vocab) = ln({config.vocab_size}) = {math.log(config.vocab_size):.4f}"
+)
 
 # %%
 from common.training import lr_at
@@ -146,9 +150,11 @@ print("step:", ckpt["iter_num"], "| first weights:", list(ckpt["model"])[:3])
 # %% [markdown]
 # ## Questions
 #
-# * Why is the first loss close to ln(50304) ≈ 10.83, and what would a much larger first loss tell you?
+# * Why is the first loss close to ln(50304) ≈ 10.83, and what would a much larger first loss tell
+# you?
 # * The loop calls `loss.item()` only at log intervals. Why does that matter on a GPU?
-# * The global batch here is 8 sequences of 32 tokens. What limits how large it can be on one device?
+# * The global batch here is 8 sequences of 32 tokens. What limits how large it can be on one
+# device?
 #   (Chapter 02's answer: it does not have to fit at once.)
 
 # %%

@@ -17,20 +17,34 @@ Every later chapter is this script with one idea added.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
+from common.data import (
+    batch_loader,
+    describe_global_batch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
+from common.training import (
+    build_model,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+    stop_if_diverged,
+)
 
 
 def main():
@@ -46,21 +60,26 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
+    data_folder = prepare(
+        args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column
+    )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # TODO 2/6: change the next 1 line(s) of code:
-    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
+    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
+    #     another.
     # One optimizer step sees `global_batch` sequences. Here that is one batch on one device.
     global_batch = args.batch_size
     tokens_per_step = global_batch * model_config.block_size
-    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    # the incomplete last batch of an epoch is dropped
+    steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0:
         raise CourseError(
             f"the training split has {len(train_set)} windows, fewer than one batch of "
             f"{global_batch}; lower --batch-size or use a larger corpus"
         )
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # The run folder: refused if it holds another run (unless this one continues it) or another
@@ -79,8 +98,11 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
-    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they
+    # were
+    iter_num = (
+        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    )
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
         model = torch.compile(model)
@@ -125,7 +147,8 @@ def main():
             scaler_state=scaler.state_dict(),
         )
 
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
+    # (common/support/preempt.py)
     preemption = Preemption(args.stop_signal)
 
     while iter_num < args.max_iters:
@@ -134,7 +157,9 @@ def main():
         # TODO 5/6: change the next 1 line(s) of code:
         #   micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch  # batches of this epoch a resumed run trained on
-        loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
+        loader = batch_loader(
+            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
+        )
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -146,7 +171,8 @@ def main():
             # TODO 6/6: change the next 5 line(s) of code into 9:
             #   the mean loss over the whole global batch
             #   backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-            #   loss by K turns that sum into the gradient of the mean over all K * B sequences
+            #   loss by K turns that sum into the gradient of the mean over all K * B
+            #   sequences
             #   this micro-batch's activations are freed here
             #   clipping, the optimizer step and the learning rate act once per global batch
             x, y = next(batches)  # (B, T) each, built in CPU memory
@@ -166,19 +192,30 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
+                # nan/inf?
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
-                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                    iter=iter_num,
+                    loss=loss_value,
+                    lr=lr,
+                    **figures,
+                    max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
+            progress.step(
+                iter_num, loss_value if log_now else None, figures if log_now else None, lr
+            )
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
+                val_loss = evaluate(
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
+                ).item()
+                stop_if_diverged(
+                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
+                )
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)

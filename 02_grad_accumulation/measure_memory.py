@@ -41,7 +41,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -56,9 +57,15 @@ MiB = 2**20
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
-    p.add_argument("--block-size", type=int, default=None, help="override the preset's context length")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset", choices=list(PRESETS), default="small", help="model size (default: small)"
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="override the preset's context length"
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -91,7 +98,9 @@ def parse_args() -> argparse.Namespace:
         raise CourseError("--batch-size and --steps must be positive")
     for micro in args.micro_batch_sizes:
         if micro < 1 or args.batch_size % micro:
-            raise CourseError(f"micro-batch size {micro} does not divide --batch-size {args.batch_size}")
+            raise CourseError(
+                f"micro-batch size {micro} does not divide --batch-size {args.batch_size}"
+            )
     return args
 
 
@@ -134,7 +143,10 @@ def native_stderr_hidden():
 
 def cpu_peak_added(step) -> int:
     """Peak bytes the CPU allocator held during step(), above what it held when step() began."""
-    with native_stderr_hidden(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        native_stderr_hidden(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         step()
     from torch._C._profiler import _EventType  # the profiler's record of each allocation
 
@@ -160,7 +172,9 @@ def main():
     G, T = args.batch_size, config.block_size
     order = epoch_permutation(len(train_set), args.seed, 0)
     if len(order) < (args.steps + 2) * G:
-        raise CourseError(f"the training split has {len(order)} windows, fewer than {(args.steps + 2) * G}")
+        raise CourseError(
+            f"the training split has {len(order)} windows, fewer than {(args.steps + 2) * G}"
+        )
 
     def batch(step: int, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Global batch number `step`, cut into micro-batches: K pairs of (micro, T) tensors."""
@@ -172,7 +186,9 @@ def main():
     for micro in args.micro_batch_sizes:
         torch.manual_seed(args.seed)  # the same initial weights for every configuration
         model = GPT(config).to(device)
-        optimizer = torch.optim.AdamW(model.optimizer_groups(0.1), lr=1e-3, fused=device.type == "cuda")
+        optimizer = torch.optim.AdamW(
+            model.optimizer_groups(0.1), lr=1e-3, fused=device.type == "cuda"
+        )
         first_loss = optimizer_step(model, optimizer, batch(0, micro), autocast).item()  # warm-up
 
         timed = [batch(1 + s, micro) for s in range(args.steps)]
@@ -211,7 +227,11 @@ def main():
     print(
         f"resting memory (weights + AdamW state): {rows[0][3] - rows[0][4]:,.0f} bytes = "
         f"{(rows[0][3] - rows[0][4]) / MiB:,.1f} MiB; memory measured with "
-        + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler (CPU allocator)")
+        + (
+            "torch.cuda.max_memory_allocated"
+            if device.type == "cuda"
+            else "torch.profiler (CPU allocator)"
+        )
     )
     print()
     on_cpu = device.type == "cpu"  # there the CPU time is the work done, even on a busy machine

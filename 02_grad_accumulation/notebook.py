@@ -23,10 +23,20 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
+sys.path.insert(
+    0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), ""))
+)
 import torch
 
-from tools.notebook import clean_up, compare, first_batch, plot_losses, show_setup, tiny_model, train
+from tools.notebook import (
+    clean_up,
+    compare,
+    first_batch,
+    plot_losses,
+    show_setup,
+    tiny_model,
+    train,
+)
 
 show_setup()
 

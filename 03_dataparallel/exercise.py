@@ -16,27 +16,47 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
 # TODO 1/16: the imports: remove (-) and add (+)
 #     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 #     + from torch import nn
-#     + from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
+#     + from common.device import (
+#     + autocast_context,
+#     + describe,
+#     + in_autocast,
+#     + pick_device,
+#     + pick_dtype,
+#     + setup_math,
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
+from common.data import (
+    batch_loader,
+    describe_global_batch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
+from common.training import (
+    build_model,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+    stop_if_diverged,
+)
 
 
-# TODO 2/16: add 20 line(s) of code here:
+# TODO 2/16: add 22 line(s) of code here:
 #   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
 #   replicas different shares, and the plain mean of their mean losses would count each row
 #   of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
@@ -51,29 +71,34 @@ def main():
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
-
-    # TODO 4/16: add 18 line(s) of code here:
+    # TODO 4/16: add 20 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     #   torch.compile works per thread, and the replicas run in threads it never enters
     #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
+
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
+    data_folder = prepare(
+        args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column
+    )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # TODO 5/16: change the next 1 line(s) of code:
-    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
+    #     another,
     #   each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
-    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    # the incomplete last batch of an epoch is dropped
+    steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0:
         raise CourseError(
             f"the training split has {len(train_set)} windows, fewer than one batch of "
             f"{global_batch}; lower --batch-size or use a larger corpus"
         )
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # The run folder: refused if it holds another run (unless this one continues it) or another
@@ -92,8 +117,11 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
-    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they
+    # were
+    iter_num = (
+        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    )
     # TODO 6/16: change the next 1 line(s) of code into 6:
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
     #   with "module.", so checkpoints save model.module's, which any chapter can load.
@@ -115,14 +143,17 @@ def main():
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
-    # TODO 8/16: add 7 line(s) of code here:
+    # TODO 8/16: add 9 line(s) of code here:
     #     if replicas > 1:
     #     print(
-    #     f"DataParallel: 1 process, {replicas} threads, one replica per GPU on cuda:0..{replicas - 1}; "
+    #     f"DataParallel: 1 process, {replicas} threads, one replica per GPU on cuda:0..{replicas -
+    #       1}; "
     #     f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
     #     )
     #     else:
-    #     print(f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's")
+    #     print(
+    #     f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
+    #     )
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -137,7 +168,7 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 2}
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
-    # TODO 10/16: change the next 1 line(s) of code:
+    # TODO 10/16: change the next 1 line(s) of code into 3:
     #   tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
@@ -157,16 +188,20 @@ def main():
             scaler_state=scaler.state_dict(),
         )
 
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
+    # (common/support/preempt.py)
     preemption = Preemption(args.stop_signal)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
-        skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
-        # TODO 12/16: change the next 1 line(s) of code:
-        #     loader = batch_loader(train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda")
-        loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(
+            # TODO 12/16: change the next 1 line(s) of code:
+            #     train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
+            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
+        )
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -183,11 +218,13 @@ def main():
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
                     # TODO 14/16: change the next 1 line(s) of code into 2:
-                    #   each replica returns its own mean loss: a vector of `replicas` losses on cuda:0.
-                    #   Every replica has B sequences, so their mean is the mean over the micro-batch.
+                    #   each replica returns its own mean loss: a vector of `replicas` losses on
+                    #   cuda:0. Every replica has B sequences, so their mean is the mean over the
+                    #   micro-batch.
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                     # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-                    # loss by K turns that sum into the gradient of the mean over all K * B sequences
+                    # loss by K turns that sum into the gradient of the mean over all K * B
+                    # sequences
                     micro_loss = micro_loss / args.grad_accum
                 scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
                 loss += micro_loss.detach()
@@ -204,22 +241,32 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
+                # nan/inf?
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
-                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                    iter=iter_num,
+                    loss=loss_value,
+                    lr=lr,
+                    **figures,
+                    max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
+            progress.step(
+                iter_num, loss_value if log_now else None, figures if log_now else None, lr
+            )
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 15/16: change the next 1 line(s) of code:
-                #     val_loss = evaluate(eval_model, val_set, val_windows, whole_batch, device,
-                #       autocast).item()
-                val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
+                val_loss = evaluate(
+                    # TODO 15/16: change the next 1 line(s) of code:
+                    #     eval_model, val_set, val_windows, whole_batch, device, autocast
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
+                ).item()
+                stop_if_diverged(
+                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
+                )
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
@@ -230,7 +277,7 @@ def main():
                 save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 16/16: add 3 line(s) of code here:
+    # TODO 16/16: add 6 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
 
     if args.sample_tokens:

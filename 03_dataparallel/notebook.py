@@ -23,7 +23,9 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
+sys.path.insert(
+    0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), ""))
+)
 import torch
 
 from tools.notebook import RUNS, clean_up, compare, first_batch, plot_losses, show_setup, train
@@ -67,7 +69,9 @@ from common.checkpoint import clean_state_dict
 fresh.load_state_dict(clean_state_dict(wrapped.state_dict()))
 print(
     "after stripping the prefix it loads; same weights:",
-    all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values())),
+    all(
+        torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values())
+    ),
 )
 
 # %% [markdown]
@@ -92,7 +96,9 @@ replica_losses = torch.stack([model(xc, yc)[1] for xc, yc in zip(x.chunk(2), y.c
 replica_losses.mean().backward()
 difference = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), full_grad))
 mean = replica_losses.mean().item()
-print(f"per-replica losses {replica_losses.tolist()} -> mean {mean:.6f}; full batch {full_loss.item():.6f}")
+print(
+    f"per-replica losses {replica_losses.tolist()} -> mean {mean:.6f}; full batch {full_loss.item():.6f}"
+)
 print(f"largest gradient difference: {difference:.2e}")
 assert difference < 1e-5
 
@@ -109,7 +115,9 @@ ref = train("01_single_gpu", "ch01", "--batch-size", "8")
 
 # %%
 ch03 = train("03_dataparallel", "ch03", "--batch-size", "8")
-plot_losses({"01: batch 8": ref, "03: DataParallel, batch 8": ch03}, "Chapter 03 matches chapter 01")
+plot_losses(
+    {"01: batch 8": ref, "03: DataParallel, batch 8": ch03}, "Chapter 03 matches chapter 01"
+)
 print(f"largest per-step loss difference: {compare(ref, ch03):.2e}")
 assert compare(ref, ch03) < 1e-4
 

@@ -12,7 +12,8 @@ run is chapter 02's.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch import nn
@@ -20,13 +21,33 @@ from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
+from common.data import (
+    batch_loader,
+    describe_global_batch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
+from common.device import (
+    autocast_context,
+    describe,
+    in_autocast,
+    pick_device,
+    pick_dtype,
+    setup_math,
+)
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
+from common.training import (
+    build_model,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+    stop_if_diverged,
+)
 
 
 class DataParallel(nn.DataParallel):
@@ -39,7 +60,9 @@ class DataParallel(nn.DataParallel):
     each replica enters autocast itself, inside its thread, with the format this run chose.
     """
 
-    def __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs):
+    def __init__(
+        self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs
+    ):
         super().__init__(module, **kwargs)
         self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
 
@@ -73,7 +96,9 @@ def main():
     visible_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     n_gpus = args.gpus or visible_gpus
     if args.gpus and args.gpus > visible_gpus:
-        raise CourseError(f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}")
+        raise CourseError(
+            f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}"
+        )
     if device.type == "cpu" and torch.cuda.is_available():
         raise CourseError(
             "DataParallel takes every visible GPU: "
@@ -93,20 +118,24 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
+    data_folder = prepare(
+        args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column
+    )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
-    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    # the incomplete last batch of an epoch is dropped
+    steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0:
         raise CourseError(
             f"the training split has {len(train_set)} windows, fewer than one batch of "
             f"{global_batch}; lower --batch-size or use a larger corpus"
         )
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # The run folder: refused if it holds another run (unless this one continues it) or another
@@ -125,14 +154,18 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
-    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they
+    # were
+    iter_num = (
+        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    )
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     gpu_ids = list(range(n_gpus)) if n_gpus > 1 else [device.index or 0]  # one GPU: the chosen one
     if n_gpus == 0:
         gpu_ids = None  # no CUDA GPU: DataParallel calls the model as it is
-    model = DataParallel(model, device, dtype, device_ids=gpu_ids)  # nn.DataParallel, see the class above
+    # nn.DataParallel, see the class above
+    model = DataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
@@ -152,7 +185,9 @@ def main():
             f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
         )
     else:
-        print(f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's")
+        print(
+            f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
+        )
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -166,7 +201,9 @@ def main():
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
-    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num)
+    speed = Throughput(
+        tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num
+    )
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
@@ -182,14 +219,18 @@ def main():
             scaler_state=scaler.state_dict(),
         )
 
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
+    # (common/support/preempt.py)
     preemption = Preemption(args.stop_signal)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         order.manual_seed(args.seed + epoch)
-        skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
-        loader = batch_loader(train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda")
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(
+            train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
+        )
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -203,12 +244,14 @@ def main():
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
-                    # each replica returns its own mean loss: a vector of `replicas` losses on cuda:0.
-                    # Every replica has B sequences, so their mean is the mean over the micro-batch.
+                    # each replica returns its own mean loss: a vector of `replicas` losses on
+                    # cuda:0. Every replica has B sequences, so their mean is the mean over the
+                    # micro-batch.
                     _, micro_loss = model(x, y)
                     micro_loss = micro_loss.mean()
                     # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-                    # loss by K turns that sum into the gradient of the mean over all K * B sequences
+                    # loss by K turns that sum into the gradient of the mean over all K * B
+                    # sequences
                     micro_loss = micro_loss / args.grad_accum
                 scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
                 loss += micro_loss.detach()
@@ -225,19 +268,30 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
+                # nan/inf?
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
-                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                    iter=iter_num,
+                    loss=loss_value,
+                    lr=lr,
+                    **figures,
+                    max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
+            progress.step(
+                iter_num, loss_value if log_now else None, figures if log_now else None, lr
+            )
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                val_loss = evaluate(eval_model, val_set, val_windows, whole_batch, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
+                val_loss = evaluate(
+                    eval_model, val_set, val_windows, whole_batch, device, autocast
+                ).item()
+                stop_if_diverged(
+                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
+                )
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
@@ -249,7 +303,10 @@ def main():
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
-        peaks = [f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB" for i in range(replicas)]
+        peaks = [
+            f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB"
+            for i in range(replicas)
+        ]
         print("peak memory per GPU: " + ", ".join(peaks))
 
     if args.sample_tokens:

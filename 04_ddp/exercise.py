@@ -18,7 +18,13 @@ run is chapter 02's.
 # TODO 1/22: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
-#     - from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
+#     - from common.device import (
+#     - autocast_context,
+#     - describe,
+#     - in_autocast,
+#     - pick_device,
+#     - pick_dtype,
+#     - setup_math,
 #     + import contextlib
 #     + import datetime
 #     + import os
@@ -27,11 +33,13 @@ run is chapter 02's.
 #     + from torch.nn.parallel import DistributedDataParallel as DDP
 #     + from torch.utils.data.distributed import DistributedSampler
 #     + from common.device import autocast_context, describe, pick_dtype, setup_math
-#     + from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
+#     + from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0,
+#         share_cpu_cores
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch import nn
@@ -39,19 +47,39 @@ from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
-from common.device import autocast_context, describe, in_autocast, pick_device, pick_dtype, setup_math
+from common.data import (
+    batch_loader,
+    describe_global_batch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
+from common.device import (
+    autocast_context,
+    describe,
+    in_autocast,
+    pick_device,
+    pick_dtype,
+    setup_math,
+)
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
+from common.training import (
+    build_model,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+    stop_if_diverged,
+)
 
 
-# TODO 2/22: change the next 24 line(s) of code into 21:
+# TODO 2/22: change the next 26 line(s) of code into 21:
 #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
-#   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place ----
-#   torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+#   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
+#   ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 #   this process among all of them: 0 .. world_size - 1
 #   this process among those on this machine: its GPU
 #   Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
@@ -67,7 +95,9 @@ class DataParallel(nn.DataParallel):
     each replica enters autocast itself, inside its thread, with the format this run chose.
     """
 
-    def __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs):
+    def __init__(
+        self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs
+    ):
         super().__init__(module, **kwargs)
         self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
 
@@ -97,22 +127,25 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 3/22: change the next 5 line(s) of code into 4:
-    #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it ----
-    #   NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    # TODO 3/22: change the next 3 line(s) of code into 4:
+    #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
+    #   ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     visible_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     n_gpus = args.gpus or visible_gpus
     if args.gpus and args.gpus > visible_gpus:
-        raise CourseError(f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}")
-    if device.type == "cpu" and torch.cuda.is_available():
         raise CourseError(
-            # TODO 4/22: change the next 12 line(s) of code into 15:
-            #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
-            #     hanging.
+            # TODO 4/22: change the next 16 line(s) of code into 19:
+            #   A collective that waits longer than the timeout for a peer (dead or stuck) fails
+            #     instead of
+            #   hanging.
             #   the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
             #   NCCL binds this rank to its GPU from the start
             #   plain `python`: a world of one needs no meeting point, an in-memory store will do
+            f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}"
+        )
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise CourseError(
             "DataParallel takes every visible GPU: "
             "to train on the CPU here, hide them with CUDA_VISIBLE_DEVICES="
         )
@@ -130,10 +163,13 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 5/22: change the next 1 line(s) of code into 4:
-    #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
+    # TODO 5/22: change the next 3 line(s) of code into 8:
+    #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
+    #     it
     #   (every rank calls one_rank_first), then find the files ready and prepare() does no work.
-    data_folder = prepare(args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column)
+    data_folder = prepare(
+        args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column
+    )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
@@ -142,13 +178,15 @@ def main():
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
-    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    # the incomplete last batch of an epoch is dropped
+    steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0:
         raise CourseError(
             f"the training split has {len(train_set)} windows, fewer than one batch of "
             f"{global_batch}; lower --batch-size or use a larger corpus"
         )
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # The run folder: refused if it holds another run (unless this one continues it) or another
@@ -167,10 +205,14 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
-    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they
+    # were
+    iter_num = (
+        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    )
     # TODO 7/22: change the next 4 line(s) of code into 1:
-    #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
+    #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
+    #     hooks
     #   into backward to average the gradients over ranks. The wrapper keeps the real model in
     #   model.module. Its state dict would prefix every name with "module.", so checkpoints save
     #   model.module's, which any chapter can load.
@@ -180,7 +222,8 @@ def main():
     gpu_ids = list(range(n_gpus)) if n_gpus > 1 else [device.index or 0]  # one GPU: the chosen one
     if n_gpus == 0:
         gpu_ids = None  # no CUDA GPU: DataParallel calls the model as it is
-    model = DataParallel(model, device, dtype, device_ids=gpu_ids)  # nn.DataParallel, see the class above
+    # nn.DataParallel, see the class above
+    model = DataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
     # TODO 8/22: remove the next 1 line(s) of code
     eval_model = model  # DataParallel, not compiled: see the evaluation below
@@ -195,12 +238,15 @@ def main():
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 10/22: change the next 9 line(s) of code into 5:
+    # TODO 10/22: change the next 11 line(s) of code into 7:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
     #     threads = f"; {cpu_threads}" if cpu_threads else ""
-    #     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}")
+    #     log(
+    #     f"DDP: {world_size} process(es), one model copy each, backend {backend};
+    #       {averaging}{threads}"
+    #     )
     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
     if replicas > 1:
@@ -209,15 +255,18 @@ def main():
             f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
         )
     else:
-        print(f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's")
+        print(
+            f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
+        )
     if iter_num:
         # TODO 11/22: change the next 1 line(s) of code:
         #     log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # TODO 12/22: change the next 5 line(s) of code into 8:
-    #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W, ...
+    # TODO 12/22: change the next 5 line(s) of code into 12:
+    #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
+    #     ...
     #   (W = world_size): the ranks' micro-batches of one step together are the G consecutive
     #   positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
     #   only rank 0 writes files and draws the progress bar
@@ -229,15 +278,18 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
-    # TODO 13/22: change the next 1 line(s) of code:
-    #   tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
     # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
-    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num)
+    speed = Throughput(
+        # TODO 13/22: change the next 1 line(s) of code:
+        #     tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
+        tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num
+    )
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
         # TODO 14/22: change the next 11 line(s) of code into 12:
-        #     """The checkpoint, at every evaluation and when the run is asked to stop; rank 0 writes it."""
+        #     """The checkpoint, at every evaluation and when the run is asked to stop; rank 0
+        #       writes it."""
         #     if is_rank0:
         #     save_checkpoint(
         #     out_dir,
@@ -261,9 +313,12 @@ def main():
             scaler_state=scaler.state_dict(),
         )
 
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
     # TODO 15/22: change the next 1 line(s) of code:
-    #   The ranks agree on the step to stop at: one all-reduce of a single number per step.
+    #   (common/support/preempt.py) The ranks agree on the step to stop at: one all-reduce of a
+    #     single
+    #   number per step.
+    # (common/support/preempt.py)
     preemption = Preemption(args.stop_signal)
 
     while iter_num < args.max_iters:
@@ -271,11 +326,13 @@ def main():
         # TODO 16/22: change the next 1 line(s) of code:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         order.manual_seed(args.seed + epoch)
-        skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
-        # TODO 17/22: change the next 1 line(s) of code:
-        #     loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type ==
-        #       "cuda")
-        loader = batch_loader(train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda")
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(
+            # TODO 17/22: change the next 1 line(s) of code:
+            #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
+            train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
+        )
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -284,26 +341,31 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 18/22: change the next 9 line(s) of code into 10:
+            # TODO 18/22: change the next 9 line(s) of code into 14:
             #   this rank's mean loss over its share of the global batch
-            #   DDP averages the gradients over ranks inside backward(). Before the last micro-step
-            #   that traffic would be wasted: no_sync() lets this rank's gradients add up locally,
-            #   and the last backward averages the sums once.
+            #   DDP averages the gradients over ranks inside backward(). Before the last
+            #   micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
+            #   up locally, and the last backward averages the sums once.
             #   (B, T) each, built in CPU memory
             #   mean cross-entropy over B * T predictions
+            #   backward() adds into .grad, so K micro-steps sum K gradients; dividing
+            #   each loss by K turns that sum into the gradient of the mean over all K * B
             #   the last micro-step's backward all-reduces bucket after bucket of gradients
-            #   while it is still computing the rest; when it returns, every rank holds the average
+            #   while it is still computing the rest; when it returns, every rank holds the
+            #   average
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
-                    # each replica returns its own mean loss: a vector of `replicas` losses on cuda:0.
-                    # Every replica has B sequences, so their mean is the mean over the micro-batch.
+                    # each replica returns its own mean loss: a vector of `replicas` losses on
+                    # cuda:0. Every replica has B sequences, so their mean is the mean over the
+                    # micro-batch.
                     _, micro_loss = model(x, y)
                     micro_loss = micro_loss.mean()
                     # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-                    # loss by K turns that sum into the gradient of the mean over all K * B sequences
+                    # loss by K turns that sum into the gradient of the mean over all K * B
+                    # sequences
                     micro_loss = micro_loss / args.grad_accum
                 scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
                 loss += micro_loss.detach()
@@ -320,26 +382,39 @@ def main():
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
                 # TODO 19/22: change the next 1 line(s) of code into 2:
-                #   the mean over all ranks: a collective, so every rank calls it (SUM works on every backend)
+                #   the mean over all ranks: a collective, so every rank calls it (SUM works on
+                #     every
+                #   backend)
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
+                # nan/inf?
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
-                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                    iter=iter_num,
+                    loss=loss_value,
+                    lr=lr,
+                    **figures,
+                    max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
+            progress.step(
+                iter_num, loss_value if log_now else None, figures if log_now else None, lr
+            )
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # TODO 20/22: change the next 1 line(s) of code into 6:
-                #   Each rank evaluates every world_size-th window (with raw_model: no gradients, nothing
-                #   for DDP to do); the loss sums and window counts are added over ranks, so every rank
-                #   gets the mean over all the windows.
+                # TODO 20/22: change the next 3 line(s) of code into 8:
+                #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
+                #   nothing for DDP to do); the loss sums and window counts are added over ranks, so
+                #   every rank gets the mean over all the windows.
                 #   the sum of my losses, their count
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                val_loss = evaluate(eval_model, val_set, val_windows, whole_batch, device, autocast).item()
-                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
+                val_loss = evaluate(
+                    eval_model, val_set, val_windows, whole_batch, device, autocast
+                ).item()
+                stop_if_diverged(
+                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
+                )
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
@@ -350,11 +425,15 @@ def main():
                 save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 21/22: change the next 5 line(s) of code:
-    #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
+    # TODO 21/22: change the next 8 line(s) of code into 5:
+    #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
+    #     it
     #   bit for bit against rank 0's copy.
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
-        peaks = [f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB" for i in range(replicas)]
+        peaks = [
+            f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB"
+            for i in range(replicas)
+        ]
         print("peak memory per GPU: " + ", ".join(peaks))
 
     if args.sample_tokens:

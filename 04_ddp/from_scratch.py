@@ -50,7 +50,8 @@ class _DataParallelBase(nn.Module):
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
         super().__init__()
-        self.module = module  # as in DDP: the wrapped model is `.module`, state_dict keys get "module."
+        # as in DDP: the wrapped model is `.module`, state_dict keys get "module."
+        self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         # `parameters()` yields each Parameter object once. That matters: the GPT ties
@@ -137,7 +138,9 @@ class _Bucket:
         # The flat buffer is allocated once and reused every step. Gradients are copied into it,
         # reduced there, and copied back out (DDP's gradient_as_bucket_view=True avoids both
         # copies by making each .grad a view into this buffer).
-        self.buffer = torch.empty(buffer_numel or self.numel, dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.empty(
+            buffer_numel or self.numel, dtype=params[0].dtype, device=params[0].device
+        )
         self.ready = 0  # how many of `params` have their final gradient in this backward
         self.work: dist.Work | None = None  # the handle of the asynchronous all-reduce
 
@@ -146,7 +149,10 @@ class BucketedDataParallel(_DataParallelBase):
     """All-reduce gradients in buckets, asynchronously, while backward is still running."""
 
     def __init__(
-        self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ):
         super().__init__(module, process_group)
         self.buckets = self._make_buckets(bucket_cap_mb)
@@ -158,7 +164,9 @@ class BucketedDataParallel(_DataParallelBase):
                 # backward's gradient into p.grad: then p.grad is final for this backward. It fires
                 # once per parameter per backward, however many times the parameter was used in
                 # the forward (the tied wte/lm_head matrix included): autograd sums all uses first.
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(self._make_hook(index))
+                )
 
     def _make_buckets(self, bucket_cap_mb: float) -> list[_Bucket]:
         # Backward computes gradients roughly in the reverse of the order the layers were
@@ -169,7 +177,9 @@ class BucketedDataParallel(_DataParallelBase):
         buckets, current, current_bytes = [], [], 0
         for p in reversed(self.params):
             nbytes = p.numel() * p.element_size()
-            same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
+            same_kind = not current or (
+                p.dtype == current[0].dtype and p.device == current[0].device
+            )
             if current and (current_bytes + nbytes > cap_bytes or not same_kind):
                 buckets.append(self._new_bucket(current))
                 current, current_bytes = [], 0
@@ -224,7 +234,8 @@ class BucketedDataParallel(_DataParallelBase):
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
         # Flatten the bucket's gradients into its buffer: one big all-reduce instead of many small
-        # ones. Divide first (by a power of two with 2 ranks, exact), so the sum is already the mean.
+        # ones. Divide first (by a power of two with 2 ranks, exact), so the sum is already the
+        # mean.
         self._pack(bucket)
         bucket.buffer.div_(self.world_size)
         # async_op=True returns at once with a handle; the reduction runs in the background (gloo's
@@ -242,7 +253,9 @@ class BucketedDataParallel(_DataParallelBase):
             # Some hook never fired: a parameter got no gradient in this backward (unused in the
             # forward). DDP's find_unused_parameters=True exists for exactly this case.
             missing = [i for i, b in enumerate(self.buckets) if b.ready < len(b.params)]
-            raise RuntimeError(f"buckets {missing} never became ready: some parameters received no gradient")
+            raise RuntimeError(
+                f"buckets {missing} never became ready: some parameters received no gradient"
+            )
         for bucket in self.buckets:
             bucket.work.wait()  # the averaged values are in bucket.buffer from here on
             bucket.work = None

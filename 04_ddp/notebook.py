@@ -28,10 +28,22 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
+sys.path.insert(
+    0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), ""))
+)
 import torch
 
-from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, torchrun, train
+from tools.notebook import (
+    DATA_DIR,
+    RUNS,
+    TINY,
+    clean_up,
+    compare,
+    plot_losses,
+    show_setup,
+    torchrun,
+    train,
+)
 
 show_setup()
 
@@ -93,9 +105,12 @@ ref = train("01_single_gpu", "ch01", "--batch-size", "8")
 # %%
 from common.metrics import read_metrics
 
-output = torchrun("04_ddp/train.py", 2, *TINY, "--batch-size", "4", "--out-dir", RUNS / "ch04", show=3)
+output = torchrun(
+    "04_ddp/train.py", 2, *TINY, "--batch-size", "4", "--out-dir", RUNS / "ch04", show=3
+)
 print("\neach rank's own line:")
-# the ranks share one output pipe, so a line can start right after another rank's text: cut there too
+# the ranks share one output pipe, so a line can start right after another rank's text: cut there
+# too
 for line in output.replace("[rank ", "\n[rank ").splitlines():
     if line.startswith("[rank ") and " process " in line:
         print(" ", line)
@@ -104,11 +119,15 @@ ch04 = read_metrics(RUNS / "ch04" / "metrics.jsonl")
 
 # %%
 plot_losses(
-    {"01: 1 process, batch 8": ref, "04: 2 processes x batch 4": ch04}, "Chapter 04 matches chapter 01"
+    {"01: 1 process, batch 8": ref, "04: 2 processes x batch 4": ch04},
+    "Chapter 04 matches chapter 01",
 )
 print(f"largest per-step loss difference: {compare(ref, ch04):.2e}")
 assert compare(ref, ch04) < 1e-4
-print("files in the run folder (only rank 0 writes):", sorted(p.name for p in (RUNS / "ch04").iterdir()))
+print(
+    "files in the run folder (only rank 0 writes):",
+    sorted(p.name for p in (RUNS / "ch04").iterdir()),
+)
 
 # %% [markdown]
 # ## Questions

@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -34,7 +35,8 @@ def main() -> None:
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by torchrun
     local_rank, node = int(os.environ["LOCAL_RANK"]), int(os.environ["GROUP_RANK"])
-    dist.init_process_group("gloo")  # meet the other ranks at MASTER_ADDR:MASTER_PORT (torchrun sets both)
+    # meet the other ranks at MASTER_ADDR:MASTER_PORT (torchrun sets both)
+    dist.init_process_group("gloo")
 
     config = model_config("tiny", dropout=0.0)
     train_set, _ = load_splits(prepare("shakespeare", args.data_dir), config.block_size)
@@ -45,19 +47,24 @@ def main() -> None:
     sampler.set_epoch(0)
     mine = list(sampler)[: 8 // world_size]
 
-    torch.manual_seed(1337)  # every rank builds the same model (DDP would broadcast rank 0's anyway)
+    # every rank builds the same model (DDP would broadcast rank 0's anyway)
+    torch.manual_seed(1337)
     model = GPT(config)
     x = torch.stack([train_set[i][0] for i in mine])
     y = torch.stack([train_set[i][1] for i in mine])
     _, loss = model(x, y)
     loss.backward()
-    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # this rank's gradient, flattened
+    # this rank's gradient, flattened
+    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     own_norm = grad.norm().item()
-    dist.all_reduce(grad)  # the sum over all ranks: what DDP does inside backward(), bucket by bucket
+    # the sum over all ranks: what DDP does inside backward(), bucket by bucket
+    dist.all_reduce(grad)
     grad /= world_size  # ... and the average
     if rank == 0 and args.save_grad:
         torch.save(grad, args.save_grad)
-    ranks = dict(rank=rank, local_rank=local_rank, node=node, world_size=world_size, pid=os.getpid())
+    ranks = dict(
+        rank=rank, local_rank=local_rank, node=node, world_size=world_size, pid=os.getpid()
+    )
     numbers = dict(loss=loss.item(), own_grad_norm=own_norm, averaged_grad_norm=grad.norm().item())
     print("RESULT " + json.dumps(dict(**ranks, windows=mine, **numbers)), flush=True)
     dist.destroy_process_group()

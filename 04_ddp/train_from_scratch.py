@@ -58,15 +58,26 @@ def parse_args() -> argparse.Namespace:
         "zero_redundancy (ZeroRedundancyOptimizer): each taking turns with ddp",
     )
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
-    p.add_argument("--batch-size", type=int, default=4, help="micro-batch: sequences per rank per forward")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (K)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MB (bucketed and ddp)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean step time")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this; 0: off")
     p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's block size)"
+        "--batch-size", type=int, default=4, help="micro-batch: sequences per rank per forward"
+    )
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (K)")
+    p.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="bucket size in MB (bucketed and ddp)"
+    )
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="first steps left out of the mean step time"
+    )
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument(
+        "--grad-clip", type=float, default=0.0, help="clip the gradient norm to this; 0: off"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the preset's block size)",
     )
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
@@ -77,7 +88,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    rank, world, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world, local_rank = (
+        int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    )
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{local_rank}")  # LOCAL_RANK: the GPU on this node
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL uses the right GPU
@@ -104,14 +117,17 @@ def wrap(impl: str, args, rank: int, local_rank: int, device: torch.device, conf
     if impl == "zero1":
         return ZeroOneDataParallel(model, bucket_cap_mb=args.bucket_mb)
     return DistributedDataParallel(
-        model, device_ids=[local_rank] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb
+        model,
+        device_ids=[local_rank] if device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_mb,
     )
 
 
 def make_optimizer(impl: str, model, args):
     groups = model.module.optimizer_groups(weight_decay=0.1)  # decay on matrices only
     if impl == "zero1":
-        return ShardedOptimizer(model, groups, torch.optim.AdamW, lr=args.lr)  # AdamW on this rank's slice
+        # AdamW on this rank's slice
+        return ShardedOptimizer(model, groups, torch.optim.AdamW, lr=args.lr)
     if impl == "zero_redundancy":
         # torch's ZeRO-1: whole tensors per rank
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=args.lr)
@@ -119,14 +135,22 @@ def make_optimizer(impl: str, model, args):
 
 
 def state_bytes(impl: str, optimizer) -> int:
-    """Bytes of the optimizer-state tensors this rank holds (AdamW: two moments and the step counts)."""
+    """Bytes of the optimizer-state tensors this rank holds (AdamW: two moments and the step
+    counts)."""
     if impl == "zero1":
         return optimizer.state_bytes()
     state = optimizer.optim.state if impl == "zero_redundancy" else optimizer.state
-    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+    return sum(
+        t.numel() * t.element_size()
+        for s in state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
 
 
-def train_step(impl: str, model, optimizer, x, y, B: int, K: int, clip: float) -> tuple[torch.Tensor, int]:
+def train_step(
+    impl: str, model, optimizer, x, y, B: int, K: int, clip: float
+) -> tuple[torch.Tensor, int]:
     loss_sum = torch.zeros((), device=x.device)
     for micro in range(K):
         # all micro-steps but the last only accumulate into .grad; the last one communicates
@@ -137,14 +161,17 @@ def train_step(impl: str, model, optimizer, x, y, B: int, K: int, clip: float) -
         loss_sum += loss.detach() / K
     # every rank holds a full .grad of every parameter here (ZeRO-2 would not)
     grad_bytes = sum(
-        p.grad.numel() * p.grad.element_size() for p in model.module.parameters() if p.grad is not None
+        p.grad.numel() * p.grad.element_size()
+        for p in model.module.parameters()
+        if p.grad is not None
     )
     if impl not in ("ddp", "zero_redundancy"):
         model.finish_gradient_sync()  # wait for the all-reduces; DDP does this inside backward
     if clip > 0 and impl == "zero1":
         optimizer.clip_grad_norm_(clip)  # the norm of the whole gradient, from every rank's slice
     elif clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # every rank holds the whole gradient
+        # every rank holds the whole gradient
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_bytes
@@ -167,7 +194,9 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
             f"{args.preset}, {n_params / 1e6:.2f}M parameters | global batch {G} sequences = {G * T} tokens "
             f"(batch {B} x grad_accum {K} x {world} ranks)"
         )
-        param_bytes = sum(p.numel() * p.element_size() for p in models[impls[0]].module.parameters())
+        param_bytes = sum(
+            p.numel() * p.element_size() for p in models[impls[0]].module.parameters()
+        )
         print(
             f"per rank: parameters {param_bytes:,} bytes"
             + (f" | gradient clipping at {args.grad_clip}" if args.grad_clip > 0 else "")
@@ -178,8 +207,10 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
     losses, grad_bytes = {}, {}
     for step in range(args.steps):
         data = torch.randint(0, config.vocab_size, (G, T + 1), generator=gen)
-        x, y = data[rank::world, :-1].to(device), data[rank::world, 1:].to(device)  # this rank's rows
-        for impl in impls[step % len(impls) :] + impls[: step % len(impls)]:  # rotate who goes first
+        # this rank's rows
+        x, y = data[rank::world, :-1].to(device), data[rank::world, 1:].to(device)
+        # rotate who goes first
+        for impl in impls[step % len(impls) :] + impls[: step % len(impls)]:
             with timer.group(kind=impl, keep=step >= args.warmup):
                 losses[impl], grad_bytes[impl] = train_step(
                     impl, models[impl], optimizers[impl], x, y, B, K, args.grad_clip
@@ -189,10 +220,12 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
         dist.all_reduce(losses[impl], op=dist.ReduceOp.SUM)  # the last step's loss, global batch
         per_rank = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(
-            per_rank, torch.tensor(state_bytes(impl, optimizers[impl]), dtype=torch.int64, device=device)
+            per_rank,
+            torch.tensor(state_bytes(impl, optimizers[impl]), dtype=torch.int64, device=device),
         )
         if rank == 0:
-            mean_ms, median_ms = timer.mean(impl), timer.median(impl)  # the median: robust to a busy machine
+            # the median: robust to a busy machine
+            mean_ms, median_ms = timer.mean(impl), timer.median(impl)
             kind = "reduce-scatters" if impl == "zero1" else "all-reduces"
             calls = (
                 f" | {models[impl].comm_calls / args.steps:.0f} {kind}/step"

@@ -61,7 +61,9 @@ class _ShardedBucket(_Bucket):
         self.lo = rank * self.shard_numel  # this rank owns [lo, hi) of the flat layout
         self.hi = min(self.lo + self.shard_numel, self.numel)
         # The reduce-scatter writes this rank's slice of the averaged gradient here.
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
+        self.grad_shard = torch.zeros(
+            self.shard_numel, dtype=params[0].dtype, device=params[0].device
+        )
         # (param, start, end, at): the pieces of parameters that fall in [lo, hi): values start..end
         # of the flattened parameter, which sit at position `at` of this rank's slice.
         self.pieces: list[tuple[nn.Parameter, int, int, int]] = []
@@ -77,7 +79,10 @@ class ZeroOneDataParallel(BucketedDataParallel):
     """BucketedDataParallel whose buckets are REDUCE-SCATTERED: each rank gets only its slice."""
 
     def __init__(
-        self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group: dist.ProcessGroup | None = None
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None,
     ):
         self.rank = dist.get_rank(process_group)
         super().__init__(module, bucket_cap_mb, process_group)
@@ -96,7 +101,11 @@ class ZeroOneDataParallel(BucketedDataParallel):
         # nothing else. Half the traffic of an all-reduce (which is a reduce-scatter followed by an
         # all-gather of the sums).
         bucket.work = reduce_scatter_single(
-            bucket.grad_shard, bucket.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+            bucket.grad_shard,
+            bucket.buffer,
+            op=dist.ReduceOp.SUM,
+            group=self.process_group,
+            async_op=True,
         )
         self.comm_calls += 1
 
@@ -141,9 +150,11 @@ class ShardedOptimizer:
         group_of = {id(p): i for i, group in enumerate(param_groups) for p in group["params"]}
         if sorted(map(id, self.global_params)) != sorted(map(id, model.params)):
             raise ValueError("param_groups must hold each of the model's parameters exactly once")
-        local_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in param_groups]
-        # piece = (param, start, end, bucket, offset in the slice). Its optimizer tensor is a VIEW of
-        # the live parameter, so AdamW updates the model in place, and its gradient a view of the
+        local_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in param_groups
+        ]
+        # piece = (param, start, end, bucket, offset in the slice). Its optimizer tensor is a VIEW
+        # of the live parameter, so AdamW updates the model in place, and its gradient a view of the
         # bucket's grad_shard, refilled by every reduce-scatter.
         self.pieces = []
         for bucket in model.buckets:
@@ -152,8 +163,9 @@ class ShardedOptimizer:
                 view.grad = bucket.grad_shard[at : at + end - start]
                 local_groups[group_of[id(p)]]["params"].append(view)
                 self.pieces.append((p, start, end, bucket, at, view))
-        # A group may be empty on some rank (it owns no bias at all): torch accepts that, and keeping
-        # every group on every rank keeps their indices, and the LR schedule's loop, the same.
+        # A group may be empty on some rank (it owns no bias at all): torch accepts that, and
+        # keeping every group on every rank keeps their indices, and the LR schedule's loop, the
+        # same.
         self.optimizer = optimizer_class(local_groups, **defaults)
 
     @property
@@ -207,7 +219,9 @@ class ShardedOptimizer:
             mine = bucket.buffer.new_zeros(bucket.shard_numel)
             for p, start, end, at in bucket.pieces:
                 mine[at : at + end - start].copy_(p.detach().view(-1)[start:end])
-            works.append(all_gather_single(bucket.buffer, mine, group=self.process_group, async_op=True))
+            works.append(
+                all_gather_single(bucket.buffer, mine, group=self.process_group, async_op=True)
+            )
         for bucket, work in zip(self.model.buckets, works):
             work.wait()
             offset = 0
@@ -216,7 +230,8 @@ class ShardedOptimizer:
                 offset += p.numel()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (AdamW: two moments of its slice, and the steps)."""
+        """Bytes of optimizer state this rank holds (AdamW: two moments of its slice, and the
+        steps)."""
         return sum(
             t.numel() * t.element_size()
             for s in self.optimizer.state.values()
@@ -231,7 +246,9 @@ class ShardedOptimizer:
         """Gather the whole optimizer state on rank `to`, as a plain optimizer over all parameters
         would have it; other ranks get None. Every rank must call it (it is a collective)."""
         state = self.optimizer.state
-        keys = sorted({k for s in state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+        keys = sorted(
+            {k for s in state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
+        )
         gathered: dict[str, list[torch.Tensor]] = {}
         for key in keys:  # exp_avg, exp_avg_sq: one gather per bucket and per kind of state
             for bucket in self.model.buckets:
@@ -263,8 +280,8 @@ class ShardedOptimizer:
                         entry[key] = bucket_state[offset : offset + p.numel()].view_as(p).clone()
                     full[index[id(p)]] = entry
                     offset += p.numel()
-        # The hyperparameters of each group (the LR the schedule set last, betas, weight decay), with
-        # the parameters numbered as a plain optimizer numbers them: in group order, from 0.
+        # The hyperparameters of each group (the LR the schedule set last, betas, weight decay),
+        # with the parameters numbered as a plain optimizer numbers them: in group order, from 0.
         groups, first = [], 0
         for group, size in zip(self.optimizer.param_groups, self.group_sizes):
             hyperparameters = {k: v for k, v in group.items() if k != "params"}
@@ -292,7 +309,9 @@ class ShardedOptimizer:
                     # and a tensor shared with the caller's dict would change the caller's copy
                     local_state[i] = {k: _own_part(v, start, end) for k, v in saved.items()}
             hyperparameters = {k: v for k, v in saved_group.items() if k != "params"}
-            groups.append({**hyperparameters, "params": list(range(first, first + len(group["params"])))})
+            groups.append(
+                {**hyperparameters, "params": list(range(first, first + len(group["params"])))}
+            )
             first += len(group["params"])
         self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 

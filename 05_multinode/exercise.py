@@ -17,9 +17,14 @@ Started with plain `python`, the script runs as a world of one process and says 
 """
 
 # TODO 1/14: the imports: remove (-) and add (+)
-#     - from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
-#     + from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, restart_store,
+#     - from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0,
 #         share_cpu_cores
+#     + from common.distributed import (
+#     + one_rank_first,
+#     + rank_device,
+#     + ranks_unlike_rank0,
+#     + restart_store,
+#     + share_cpu_cores,
 import contextlib
 import datetime
 import os
@@ -27,7 +32,8 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -36,14 +42,27 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
-from common.data import batch_loader, describe_global_batch, load_splits, prepare, validation_windows
+from common.data import (
+    batch_loader,
+    describe_global_batch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_resume, evaluate, lr_at, sample_text, stop_if_diverged
+from common.training import (
+    build_model,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+    stop_if_diverged,
+)
 
 
 def main():
@@ -53,16 +72,18 @@ def main():
     # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
     torch.manual_seed(args.seed)
 
-    # ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place ----
-    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    # ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
+    # ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     launched = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))  # this process among all of them: 0 .. world_size - 1
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # this process among those on this machine: its GPU
+    # this process among those on this machine: its GPU
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # TODO 3/14: add 3 line(s) of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
-    #   launchers call it NODE_RANK). Training does not depend on it, but every line names it: "which
+    #   launchers call it NODE_RANK). Training does not depend on it, but every line names it:
+    #     "which
     #   machine?" is the first question when a job of many machines goes wrong.
     #   How often torchrun (--max-restarts) has restarted this node's processes after a failure.
     is_rank0 = rank == 0
@@ -90,8 +111,8 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it ----
-    # NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
+    # ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -99,19 +120,25 @@ def main():
         raise CourseError(
             "--backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
         )
-    # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of hanging.
+    # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
+    # hanging.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     if launched:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
         # TODO 5/14: add 1 line(s) of code here:
-        #   its own meeting point for every attempt: torchrun's store outlives a restart (--max-restarts)
-        gpu = device if device.type == "cuda" else None  # NCCL binds this rank to its GPU from the start
-        # TODO 6/14: change the next 1 line(s) of code into 3:
-        #     dist.init_process_group(
-        #     backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
-        #     )
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu)
+        #   its own meeting point for every attempt: torchrun's store outlives a restart
+        #   (--max-restarts)
+        # NCCL binds this rank to its GPU from the start
+        gpu = device if device.type == "cuda" else None
+        dist.init_process_group(
+            # TODO 6/14: change the next 1 line(s) of code:
+            #     backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+            #       device_id=gpu
+            backend, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
+        )
     else:  # plain `python`: a world of one needs no meeting point, an in-memory store will do
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     # TODO 7/14: change the next 1 line(s) of code into 2:
     #     place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
     #     place += f", node {node_rank} of {n_nodes}"
@@ -131,12 +158,17 @@ def main():
     #   One-time work: the token files. On node-local disks every machine needs its own copy, so
     #   local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
     #   several machines writing the same files at once would corrupt them: global rank 0 alone
-    #   prepares. The others wait for it (every rank calls one_rank_first), then find the files ready.
+    #   prepares. The others wait for it (every rank calls one_rank_first), then find the files
+    #     ready.
     # Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
     # (every rank calls one_rank_first), then find the files ready and prepare() does no work.
     with one_rank_first(local_rank == 0):
         data_folder = prepare(
-            args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column, log=say
+            args.dataset,
+            args.data_dir,
+            num_proc=args.num_proc,
+            text_column=args.text_column,
+            log=say,
         )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
@@ -144,22 +176,25 @@ def main():
     # on each of world_size ranks at the same time, each of `batch_size` sequences.
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
-    steps_per_epoch = len(train_set) // global_batch  # the incomplete last batch of an epoch is dropped
+    # the incomplete last batch of an epoch is dropped
+    steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0:
         raise CourseError(
             f"the training split has {len(train_set)} windows, fewer than one batch of "
             f"{global_batch}; lower --batch-size or use a larger corpus"
         )
-    val_windows = validation_windows(val_set, args.eval_batches, global_batch)  # the same in every chapter
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # TODO 10/14: add 9 line(s) of code here:
-    #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of them
-    #   again. The restart count is kept per node (with c10d, a node whose peers failed rejoins without
-    #   counting one), so the ranks take the largest. A restarted run continues from the checkpoint
-    #   written before the failure, if there is one yet.
-    #   Only global rank 0 writes checkpoints, but every rank reads one to resume: across machines
-    #   --out-dir must be on a file system all nodes see. So every rank says what it sees.
+    #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
+    #     them
+    #   again. The restart count is kept per node (with c10d, a node whose peers failed rejoins
+    #   without counting one), so the ranks take the largest. A restarted run continues from the
+    #   checkpoint written before the failure, if there is one yet. Only global rank 0 writes
+    #   checkpoints, but every rank reads one to resume: across machines --out-dir must be on a file
+    #   system all nodes see. So every rank says what it sees.
     #   (restart count, checkpoint visible) of every rank
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # TODO 11/14: change the next 2 line(s) of code:
@@ -179,13 +214,17 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they were
-    iter_num = restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    # resuming: the optimizer's averages, the loss scale and the random state continue where they
+    # were
+    iter_num = (
+        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
+    )
     # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     # into backward to average the gradients over ranks. The wrapper keeps the real model in
     # model.module. Its state dict would prefix every name with "module.", so checkpoints save
     # model.module's, which any chapter can load.
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # cuda:LOCAL_RANK
+    # cuda:LOCAL_RANK
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     raw_model = model.module
     if args.compile:
         model = torch.compile(model)
@@ -200,7 +239,9 @@ def main():
     log(f"global batch: {split} = {per_step}")
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}")
+    log(
+        f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
+    )
     # TODO 12/14: add 1 line(s) of code here:
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:
@@ -223,13 +264,19 @@ def main():
         out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num if checkpoint else None
     )
     progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
-    # TODO 14/14: change the next 1 line(s) of code:
-    #     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size, "chapter": 5}
-    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size, "chapter": 4}
+    train_config = vars(args) | {
+        "global_batch": global_batch,
+        "world_size": world_size,
+        # TODO 14/14: change the next 1 line(s) of code:
+        #     "chapter": 5,
+        "chapter": 4,
+    }
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     # tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
-    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num)
+    speed = Throughput(
+        tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
+    )
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
@@ -246,15 +293,20 @@ def main():
                 scaler_state=scaler.state_dict(),
             )
 
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop (common/support/preempt.py)
-    # The ranks agree on the step to stop at: one all-reduce of a single number per step.
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
+    # (common/support/preempt.py) The ranks agree on the step to stop at: one all-reduce of a single
+    # number per step.
     preemption = Preemption(args.stop_signal, ranks_agree_within=timeout)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        sampler.set_epoch(epoch)  # the permutation of seed + epoch; without this every epoch repeats epoch 0
-        skip = step_in_epoch * args.grad_accum  # micro-batches of this epoch a resumed run trained on
-        loader = batch_loader(train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda")
+        # the permutation of seed + epoch; without this every epoch repeats epoch 0
+        sampler.set_epoch(epoch)
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(
+            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
+        )
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -263,23 +315,31 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss = torch.zeros((), device=device)  # this rank's mean loss over its share of the global batch
+            # this rank's mean loss over its share of the global batch
+            loss = torch.zeros((), device=device)
             for micro_step in range(args.grad_accum):
-                # DDP averages the gradients over ranks inside backward(). Before the last micro-step
-                # that traffic would be wasted: no_sync() lets this rank's gradients add up locally,
-                # and the last backward averages the sums once.
-                sync = model.no_sync() if micro_step < args.grad_accum - 1 else contextlib.nullcontext()
+                # DDP averages the gradients over ranks inside backward(). Before the last
+                # micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
+                # up locally, and the last backward averages the sums once.
+                sync = (
+                    model.no_sync()
+                    if micro_step < args.grad_accum - 1
+                    else contextlib.nullcontext()
+                )
                 with sync:
                     x, y = next(batches)  # (B, T) each, built in CPU memory
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     with autocast:
                         _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
-                        # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-                        # loss by K turns that sum into the gradient of the mean over all K * B sequences
+                        # backward() adds into .grad, so K micro-steps sum K gradients; dividing
+                        # each loss by K turns that sum into the gradient of the mean over all K * B
+                        # sequences
                         micro_loss = micro_loss / args.grad_accum
                     # the last micro-step's backward all-reduces bucket after bucket of gradients
-                    # while it is still computing the rest; when it returns, every rank holds the average
-                    scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
+                    # while it is still computing the rest; when it returns, every rank holds the
+                    # average
+                    # this micro-batch's activations are freed here
+                    scaler.scale(micro_loss).backward()
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
             if args.grad_clip > 0:
@@ -293,28 +353,41 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
-                # the mean over all ranks: a collective, so every rank calls it (SUM works on every backend)
+                # the mean over all ranks: a collective, so every rank calls it (SUM works on every
+                # backend)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)  # nan/inf?
+                # nan/inf?
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
                 figures = speed.measure(iter_num)  # since the last log line
                 metrics.write(
-                    iter=iter_num, loss=loss_value, lr=lr, **figures, max_mem_mb=max_memory_mb(device)
+                    iter=iter_num,
+                    loss=loss_value,
+                    lr=lr,
+                    **figures,
+                    max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(iter_num, loss_value if log_now else None, figures if log_now else None, lr)
+            progress.step(
+                iter_num, loss_value if log_now else None, figures if log_now else None, lr
+            )
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # Each rank evaluates every world_size-th window (with raw_model: no gradients, nothing
-                # for DDP to do); the loss sums and window counts are added over ranks, so every rank
-                # gets the mean over all the windows.
+                # Each rank evaluates every world_size-th window (with raw_model: no gradients,
+                # nothing for DDP to do); the loss sums and window counts are added over ranks, so
+                # every rank gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
-                my_loss = evaluate(raw_model, val_set, my_windows, args.batch_size, device, autocast)
+                my_loss = evaluate(
+                    raw_model, val_set, my_windows, args.batch_size, device, autocast
+                )
                 my_count = torch.tensor(float(len(my_windows)), device=device)
-                val_stats = torch.stack([my_loss * my_count, my_count])  # the sum of my losses, their count
+                # the sum of my losses, their count
+                val_stats = torch.stack([my_loss * my_count, my_count])
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
-                stop_if_diverged(iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss")
+                stop_if_diverged(
+                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
+                )
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)

@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,14 @@ VAL_WINDOWS = 5  # validation examples: 3 for rank 0 and 2 for rank 1, as rank r
 
 def parse_args() -> argparse.Namespace:
     raw = argparse.RawDescriptionHelpFormatter  # the docstring's line breaks kept
-    p = argparse.ArgumentParser(prog="05_multinode/hangs.py", description=__doc__, formatter_class=raw)
+    p = argparse.ArgumentParser(
+        prog="05_multinode/hangs.py", description=__doc__, formatter_class=raw
+    )
     p.add_argument(
-        "--case", choices=CASES + ["all"], required=True, help="all: every case in turn (with --fixed)"
+        "--case",
+        choices=CASES + ["all"],
+        required=True,
+        help="all: every case in turn (with --fixed)",
     )
     p.add_argument("--fixed", action="store_true", help="run the case with its mistake corrected")
     p.add_argument(
@@ -78,7 +84,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-# ---- the pieces of a training loop where the classic mistakes live ---------------------------------
+# ---- the pieces of a training loop where the classic mistakes live
+# ---------------------------------
 
 
 def validation_losses(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
@@ -102,7 +109,8 @@ def case_eval_on_rank0(args, model, rank, world, step):
         val = evaluate(model, rank, world)
         if rank == 0:
             print(f"[rank {rank}] step {step}: val loss {val:.4f}", flush=True)
-    elif rank == 0:  # the mistake: rank 0 alone enters evaluate(), and its all-reduce waits for rank 1
+    # the mistake: rank 0 alone enters evaluate(), and its all-reduce waits for rank 1
+    elif rank == 0:
         print(f"[rank {rank}] step {step}: val loss {evaluate(model, rank, world):.4f}", flush=True)
 
 
@@ -122,7 +130,10 @@ def case_order(args, model, rank, world, step, loss):
         dist.broadcast(stop, src=0)
         logged = mean_loss()
     if rank == 0:
-        print(f"[rank {rank}] step {step}: mean loss {logged:.4f}, stop {bool(stop.item())}", flush=True)
+        print(
+            f"[rank {rank}] step {step}: mean loss {logged:.4f}, stop {bool(stop.item())}",
+            flush=True,
+        )
 
 
 def case_shape(args, model, rank, world, step):
@@ -147,7 +158,8 @@ def case_stuck(args, model, rank, world, step, flag: Path):
         dist.barrier()
         return
     if rank == 0:
-        evaluate(model, rank, world)  # the checkpoint records the validation loss: all ranks must join
+        # the checkpoint records the validation loss: all ranks must join
+        evaluate(model, rank, world)
         flag.write_text(f"step {step}\n")
     else:  # the mistake: rank 1 waits in Python for the file before joining the all-reduce
         while not flag.exists():
@@ -162,7 +174,8 @@ def case_dies(args, model, rank, world, step):
         raise RuntimeError(f"rank {rank}: simulated fault at step {step}")
 
 
-# ---- the training loop -------------------------------------------------------------------------------
+# ---- the training loop
+# -------------------------------------------------------------------------------
 
 
 def average_gradients(model: torch.nn.Module, world: int) -> None:
@@ -222,7 +235,9 @@ def dump_flight_recorder(out_dir: str, rank: int) -> None:
     entries = pickle.loads(path.read_bytes())["entries"]
     if entries:
         last = entries[-1]
-        caller = next((f for f in last["frames"] if f["filename"] == __file__), {"name": "?", "line": "?"})
+        caller = next(
+            (f for f in last["frames"] if f["filename"] == __file__), {"name": "?", "line": "?"}
+        )
         collective = f"#{last['collective_seq_id']} {last['profiling_name']}"
         print(
             f"[rank {rank}] flight recorder: last collective {collective} "
@@ -241,7 +256,8 @@ def main() -> None:
             "05_multinode/hangs.py --case eval-on-rank0"
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: print the Python stack
+    # kill -USR1 PID: print the Python stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     fixed = " (fixed)" if args.fixed else ""
     debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
     print(

@@ -27,10 +27,22 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), "")))
+sys.path.insert(
+    0, str(next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "common").is_dir()), ""))
+)
 import torch
 
-from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, compare, plot_losses, show_setup, train, two_nodes
+from tools.notebook import (
+    DATA_DIR,
+    RUNS,
+    TINY,
+    clean_up,
+    compare,
+    plot_losses,
+    show_setup,
+    train,
+    two_nodes,
+)
 
 show_setup()
 
@@ -49,7 +61,9 @@ prepare("shakespeare", DATA_DIR)  # both "nodes" use this folder (--shared-fs be
 grad_file = RUNS / "averaged_grad.pt"  # rank 0 saves the averaged gradient here
 outputs = two_nodes(2, WORKER, "--data-dir", DATA_DIR, "--save-grad", grad_file, show=0)
 ranks = results("\n".join(outputs))
-print(f"{'node':>4} {'RANK':>4} {'LOCAL_RANK':>10}   device   cuda:RANK would be                   windows")
+print(
+    f"{'node':>4} {'RANK':>4} {'LOCAL_RANK':>10}   device   cuda:RANK would be                   windows"
+)
 for r in ranks:
     wrong = f"cuda:{r['rank']}" + (" (no such GPU on a 2-GPU node)" if r["rank"] >= 2 else "")
     ranks_of = f"{r['node']:>4} {r['rank']:>4} {r['local_rank']:>10}"
@@ -60,7 +74,9 @@ interleaved = [w for group in zip(*(r["windows"] for r in ranks)) for w in group
 assert interleaved == order, (interleaved, order)
 averaged = torch.load(grad_file, weights_only=True)
 print(f"\nthe 4 ranks on 2 nodes read chapter 01's first batch {order};")
-print(f"their averaged gradient differs from the whole-batch gradient by {(averaged - full).abs().max():.2e}")
+print(
+    f"their averaged gradient differs from the whole-batch gradient by {(averaged - full).abs().max():.2e}"
+)
 assert torch.allclose(averaged, full, atol=1e-6)
 
 # %% [markdown]
@@ -79,7 +95,15 @@ ref = train("01_single_gpu", "ch01", "--batch-size", "8")
 from common.metrics import read_metrics
 
 outputs = two_nodes(
-    1, "05_multinode/train.py", *TINY, "--batch-size", "4", "--shared-fs", "--out-dir", RUNS / "ch05", show=3
+    1,
+    "05_multinode/train.py",
+    *TINY,
+    "--batch-size",
+    "4",
+    "--shared-fs",
+    "--out-dir",
+    RUNS / "ch05",
+    show=3,
 )
 print("\nevery process's first line, from each node's output:")
 for node, out in enumerate(outputs):

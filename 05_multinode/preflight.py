@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lets `import common` work from anywhere
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,9 @@ WATCHED_VARIABLES = [
 
 def parse_args() -> argparse.Namespace:
     raw = argparse.RawDescriptionHelpFormatter  # the docstring's line breaks kept
-    p = argparse.ArgumentParser(prog="05_multinode/preflight.py", description=__doc__, formatter_class=raw)
+    p = argparse.ArgumentParser(
+        prog="05_multinode/preflight.py", description=__doc__, formatter_class=raw
+    )
     p.add_argument(
         "--backend",
         choices=["auto", "nccl", "gloo"],
@@ -104,7 +107,12 @@ def torchrun_ranks() -> tuple[int, int, int, int]:
         )
     # torchrun calls the node's rank GROUP_RANK; SLURM-style launchers often export NODE_RANK
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
-    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), node_rank, int(os.environ["WORLD_SIZE"])
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["LOCAL_RANK"]),
+        node_rank,
+        int(os.environ["WORLD_SIZE"]),
+    )
 
 
 def versions(device: torch.device) -> str:
@@ -124,7 +132,9 @@ def timed_all_reduce(tensor: torch.Tensor, iters: int, device: torch.device) -> 
         dist.all_reduce(tensor)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # NCCL calls return at once; the work is queued on the GPU
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
+    elapsed = torch.tensor(
+        [(time.perf_counter() - start) / iters], dtype=torch.float64, device=device
+    )
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective is as fast as its slowest rank
     return elapsed.item()
 
@@ -138,7 +148,9 @@ def main():
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise CourseError("--backend nccl needs CUDA GPUs, and this PyTorch sees none; use --backend gloo")
+        raise CourseError(
+            "--backend nccl needs CUDA GPUs, and this PyTorch sees none; use --backend gloo"
+        )
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():
             raise CourseError(
@@ -190,12 +202,14 @@ def main():
         outcome = "; ".join(failures) if failures else f"OK (sum of rank+1 = {expected})"
         print(f"{prefix} all-reduce check: {outcome}", flush=True)
 
-        # every rank must run the same software: a torch or NCCL mismatch breaks or hangs collectives
+        # every rank must run the same software: a torch or NCCL mismatch breaks or hangs
+        # collectives
         everyone = [None] * world_size
         dist.all_gather_object(everyone, versions(device))
         if len(set(everyone)) > 1:
             failures.append(
-                "ranks run different software: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+                "ranks run different software: "
+                + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
             )
 
         # one verdict for the whole job: the number of ranks that failed a check
@@ -221,7 +235,9 @@ def main():
             print(f"{'size (MB)':>12} {'time (ms)':>12} {'algbw (GB/s)':>14} {'busbw (GB/s)':>14}")
             for size, ms, algbw, busbw in rows:
                 print(f"{size:>12.2f} {ms:>12.3f} {algbw:>14.3f} {busbw:>14.3f}")
-            verdict = "PASSED" if failed_ranks.item() == 0 else f"FAILED on {failed_ranks.item()} rank(s)"
+            verdict = (
+                "PASSED" if failed_ranks.item() == 0 else f"FAILED on {failed_ranks.item()} rank(s)"
+            )
             nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             print(f"\npreflight {verdict}: {world_size} ranks on {nodes} node(s)", flush=True)
         for failure in failures:

@@ -1,4 +1,5 @@
-"""The bare training step: forward + backward + clip + optimizer step of the course model, nothing else.
+"""The bare training step: forward + backward + clip + optimizer step of the course model, nothing
+else.
 
     python bench/bare_step.py --preset small --batch-size 8 --iters 30 --warmup 5 --out bare.json
 
@@ -69,13 +70,21 @@ def main(argv=None) -> dict:
     setup_math(device)
     autocast = autocast_context(device, dtype)
     config = model_config(
-        args.preset, n_layer=args.n_layer, n_embd=args.n_embd, dropout=0.0, chunked_loss=args.chunked_loss
+        args.preset,
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        dropout=0.0,
+        chunked_loss=args.chunked_loss,
     )
 
     # chapter 01's first batches, all in device memory before timing starts
-    train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
+    train_set, _ = load_splits(
+        prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size
+    )
     order = torch.Generator().manual_seed(args.seed)
-    loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size))
+    loader = iter(
+        batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size)
+    )
     batches = []
     for _ in range(args.iters):
         try:
@@ -122,8 +131,11 @@ def main(argv=None) -> dict:
         "step_cpu_ms": timer.median(cpu=True),
         "group_cpu_ms": timer.groups(cpu=True),
         "final_loss": loss.item(),
-        "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
-        "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        # Linux: KiB
+        "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20
+        if device.type == "cuda"
+        else None,
     }
     bench_tools.write_result(args.out, result)
     groups = len(timer.groups())

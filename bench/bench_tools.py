@@ -1,4 +1,5 @@
-"""What the measuring scripts of bench/ share: their parser, chapter 01's optimizer and update, a result file.
+"""What the measuring scripts of bench/ share: their parser, chapter 01's optimizer and update, a
+result file.
 
 Imported after the script has put the repository on sys.path (for `common`).
 """
@@ -15,7 +16,8 @@ from common.model import PRESETS
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
-    """A script's parser, described by the first paragraph of its docstring, with --preset (the model)."""
+    """A script's parser, described by the first paragraph of its docstring, with --preset (the
+    model)."""
     p = argparse.ArgumentParser(
         description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

@@ -45,11 +45,19 @@ from tables import cell, percent, row
 from common.chapters import CHAPTERS
 from common.metrics import read_metrics
 from common.model import PRESETS
-from tools.launch import child_env, flags, launch_commands, measured_run_flags, run_together, shown_command
+from tools.launch import (
+    child_env,
+    flags,
+    launch_commands,
+    measured_run_flags,
+    run_together,
+    shown_command,
+)
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")  # as --setups names them, in the table's order
+# as --setups names them, in the table's order
+SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")
 
 
 @dataclass
@@ -85,8 +93,16 @@ def setups(args) -> list[Setup]:
         ),
         Setup("03", "03 DataParallel", script[3], "python", flags=dp_flags),
         Setup("04x1", "04 DDP, 1 rank", script[4], "torchrun", ranks=1, flags=["--batch-size", g]),
-        Setup("04x2", "04 DDP, 2 ranks", script[4], "torchrun", ranks=2, flags=["--batch-size", g // 2]),
-        # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone prepares
+        Setup(
+            "04x2",
+            "04 DDP, 2 ranks",
+            script[4],
+            "torchrun",
+            ranks=2,
+            flags=["--batch-size", g // 2],
+        ),
+        # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone
+        # prepares
         Setup(
             "05",
             "05 2 nodes x 1 rank",
@@ -102,7 +118,9 @@ def setups(args) -> list[Setup]:
 # Running processes
 
 
-def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple[int, str]:
+def run_commands(
+    commands: list[list[str]], env: dict, log_path: Path, timeout: float
+) -> tuple[int, str]:
     """Start the commands together (the nodes of one run), wait for all; (exit status, output tail).
 
     Each command writes to its own log, which starts with the command: log_path for one command,
@@ -128,7 +146,8 @@ def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: 
 def run_for_result(
     commands: list[list[str]], env: dict, out: Path, timeout: float
 ) -> tuple[dict | None, str]:
-    """Run a worker that writes its result as JSON to `out`: (the result, or None; the output's tail)."""
+    """Run a worker that writes its result as JSON to `out`: (the result, or None; the output's
+    tail)."""
     out.unlink(missing_ok=True)
     status, tail = run_commands(commands, env, out.with_suffix(".log"), timeout)
     if status != 0 or not out.exists():
@@ -138,8 +157,10 @@ def run_for_result(
 
 def run_env(args, threads: int | None) -> dict:
     """The environment of every run: `threads` torch threads a process (None: torch's own choice)."""
-    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # DataParallel would take them
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the caller's kept
+    # DataParallel would take them
+    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
+    # the caller's kept
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return child_env(threads, PYTHONPATH=path, **hide_gpus)
 
 
@@ -148,7 +169,8 @@ def run_env(args, threads: int | None) -> dict:
 
 
 def run_figures(out_dir: Path, log_path: Path) -> dict:
-    """Medians over the metrics lines after the first (warm-up) interval, and the threads the run printed."""
+    """Medians over the metrics lines after the first (warm-up) interval, and the threads the run
+    printed."""
     lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
     timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
     if not timed:
@@ -183,12 +205,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
     p.add_argument(
-        "--batch-size", type=int, default=8, help="global batch: sequences per optimizer step, in every setup"
+        "--batch-size",
+        type=int,
+        default=8,
+        help="global batch: sequences per optimizer step, in every setup",
     )
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step in chapter 02")
     p.add_argument("--iters", type=int, default=30, help="optimizer steps per run")
     p.add_argument(
-        "--log-interval", type=int, default=5, help="steps per metrics line; the first interval is warm-up"
+        "--log-interval",
+        type=int,
+        default=5,
+        help="steps per metrics line; the first interval is warm-up",
     )
     p.add_argument("--repeats", type=int, default=2, help="runs of each setup; the fastest counts")
     p.add_argument(
@@ -198,7 +226,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--compile", action="store_true", help="torch.compile in every setup and in the bare step")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile in every setup and in the bare step"
+    )
     p.add_argument(
         "--threads-per-rank",
         type=int,
@@ -208,7 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "so 2 ranks fill the machine and scaling compares like with like",
     )
     p.add_argument(
-        "--no-comm", action="store_true", help="skip the communication measurement (bench/ddp_worker.py)"
+        "--no-comm",
+        action="store_true",
+        help="skip the communication measurement (bench/ddp_worker.py)",
     )
     p.add_argument(
         "--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)"
@@ -216,14 +248,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--data-dir", default="data", help="where the prepared corpus is (prepared here if missing)"
     )
-    p.add_argument("--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl")
     p.add_argument(
-        "--results-dir", default=str(BENCH / "results"), help="benchmark.md and benchmark.json go here"
+        "--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl"
     )
-    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take before it is stopped")
+    p.add_argument(
+        "--results-dir",
+        default=str(BENCH / "results"),
+        help="benchmark.md and benchmark.json go here",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900, help="seconds one run may take before it is stopped"
+    )
     args = p.parse_args(argv)
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
-        p.error("--iters must be at least twice --log-interval: the first interval is dropped as warm-up")
+        p.error(
+            "--iters must be at least twice --log-interval: the first interval is dropped as warm-up"
+        )
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
         batch = f"--batch-size {args.batch_size}"
         p.error(f"{batch} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}")
@@ -239,9 +279,12 @@ def resolve_device(args) -> None:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but this PyTorch sees no CUDA GPU; use --device cpu")
+        raise SystemExit(
+            "error: --device cuda, but this PyTorch sees no CUDA GPU; use --device cpu"
+        )
     args.cuda_devices = torch.cuda.device_count() if args.device.startswith("cuda") else 0
-    args.dp_replicas = 1  # DataParallel over one device: the same work as chapter 01 through the wrapper
+    # DataParallel over one device: the same work as chapter 01 through the wrapper
+    args.dp_replicas = 1
     if args.threads_per_rank is None:
         args.threads_per_rank = max(1, (os.cpu_count() or 1) // 2)
     args.default_threads = torch.get_num_threads()
@@ -271,7 +314,10 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
     env = run_env(args, args.threads_per_rank)
     started = time.monotonic()
     status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
-    result = {"command": shown_command(commands[0]), "seconds": round(time.monotonic() - started, 1)}
+    result = {
+        "command": shown_command(commands[0]),
+        "seconds": round(time.monotonic() - started, 1),
+    }
     if status != 0:
         last_line = tail.splitlines()[-1] if tail else ""
         return result | {"status": "failed", "note": f"exit status {status}: {last_line}"[:300]}
@@ -282,8 +328,11 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
     return result | {"status": "ok"} | figures
 
 
-def worker_flags(args, batch_size: int, iters: int, group: int, device: str, out: Path) -> list[str]:
-    """What bench/bare_step.py and bench/ddp_worker.py time (after the warm-up interval), and where to."""
+def worker_flags(
+    args, batch_size: int, iters: int, group: int, device: str, out: Path
+) -> list[str]:
+    """What bench/bare_step.py and bench/ddp_worker.py time (after the warm-up interval), and where
+    to."""
     return flags(
         preset=args.preset,
         batch_size=batch_size,
@@ -298,9 +347,13 @@ def worker_flags(args, batch_size: int, iters: int, group: int, device: str, out
 
 
 def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
-    out = Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
+    out = (
+        Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
+    )
     worker = worker_flags(args, batch_size, args.iters, args.log_interval, args.device, out)
-    commands = launch_commands("python", BENCH / "bare_step.py", 1, worker + flags(compile=args.compile))
+    commands = launch_commands(
+        "python", BENCH / "bare_step.py", 1, worker + flags(compile=args.compile)
+    )
     result, tail = run_for_result(commands, run_env(args, threads), out, args.timeout)
     if result is None:
         print(f"  bare step (batch {batch_size}) failed: {tail[-200:]}", flush=True)
@@ -311,7 +364,8 @@ def run_comm(args, setup: Setup, repeat: int) -> dict | None:
     out = Path(args.work_dir) / f"comm_{setup.key}" / f"repeat{repeat}.json"
     # short groups of 2 steps, alternating sync / no_sync: many pairs, each pair under the same load
     group = min(2, args.log_interval)
-    iters = max(args.iters, args.log_interval + 4 * group)  # warm-up, then at least 2 groups of each kind
+    # warm-up, then at least 2 groups of each kind
+    iters = max(args.iters, args.log_interval + 4 * group)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     worker = worker_flags(args, args.batch_size // setup.ranks, iters, group, device, out)
     commands = launch_commands(setup.launch, BENCH / "ddp_worker.py", setup.ranks, worker)
@@ -357,7 +411,9 @@ def bare_key(args, s: Setup) -> tuple:
     return (args.batch_size // s.ranks, args.threads_per_rank)
 
 
-def build_report(args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, skipped: dict, argv) -> dict:
+def build_report(
+    args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, skipped: dict, argv
+) -> dict:
     """Rows of the table from every repeat of every run: the fastest repeat of each."""
     block = PRESETS[args.preset].block_size
     rows = []
@@ -375,7 +431,10 @@ def build_report(args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, 
         if s.key in skipped:
             rows.append(
                 row
-                | {"status": "missing" if "exist" in skipped[s.key] else "skipped", "note": skipped[s.key]}
+                | {
+                    "status": "missing" if "exist" in skipped[s.key] else "skipped",
+                    "note": skipped[s.key],
+                }
             )
             continue
         ok = best([r for r in runs[s.key] if r["status"] == "ok"], "step_ms")
@@ -404,7 +463,9 @@ def build_report(args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, 
         c = best(comm.get(s.key, []), "sync_ms")
         row["comm_share"] = c["comm_share"] if c else None
         row["comm"] = (
-            {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")} if c else None
+            {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")}
+            if c
+            else None
         )
         b = best(bare.get(bare_key(args, s), []), "step_ms")
         row["bare_step_ms"] = b["step_ms"] if b else None
@@ -443,7 +504,8 @@ def build_report(args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, 
             "python": platform.python_version(),
             "torch": __import__("torch").__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": "python bench/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python bench/benchmark.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
         },
         "setups": rows,
         "bare": [{"batch_size": k[0], "threads_env": k[1], "runs": v} for k, v in bare.items()],
@@ -471,14 +533,17 @@ def main(argv=None) -> int:
     )
 
     runs: dict[str, list[dict]] = {s.key: [] for s in chosen}
-    comm: dict[str, list] = {s.key: [] for s in chosen if s.ranks > 1}  # one rank has no one to talk to
+    # one rank has no one to talk to
+    comm: dict[str, list] = {s.key: [] for s in chosen if s.ranks > 1}
     bare: dict[tuple, list] = {}
     skipped: dict[str, str] = {}
     for s in chosen:
         if not (REPO / s.script).exists():
             skipped[s.key] = f"not run: {s.script} does not exist yet"
         elif gpu_short and s.ranks > args.cuda_devices:
-            skipped[s.key] = f"not run: {s.ranks} ranks need {s.ranks} GPUs, {args.cuda_devices} visible"
+            skipped[s.key] = (
+                f"not run: {s.ranks} ranks need {s.ranks} GPUs, {args.cuda_devices} visible"
+            )
 
     for repeat in range(args.repeats):
         for s in chosen:
@@ -488,7 +553,9 @@ def main(argv=None) -> int:
             r = run_setup(args, s, repeat)
             runs[s.key].append(r)
             print(
-                f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"] + ": " + r["note"],
+                f"{r['step_ms']:.1f} ms/step"
+                if r["status"] == "ok"
+                else r["status"] + ": " + r["note"],
                 f"({r['seconds']} s)",
                 flush=True,
             )
@@ -573,12 +640,14 @@ def markdown(report: dict) -> str:
     for key, sc in report["scaling"].items():
         lines.append("")
         speedup = f"{sc['speedup']:.2f}x the tokens/s of one rank"
-        efficiency = (
-            f"efficiency {100 * sc['efficiency']:.0f}% (tokens/s of 2 ranks / (2 x tokens/s of 1 rank))"
+        efficiency = f"efficiency {100 * sc['efficiency']:.0f}%"
+        efficiency += " (tokens/s of 2 ranks / (2 x tokens/s of 1 rank))"
+        lines.append(
+            f"Scaling, {key} against 04x1 (same threads per rank): {speedup}, {efficiency}."
         )
-        lines.append(f"Scaling, {key} against 04x1 (same threads per rank): {speedup}, {efficiency}.")
     bare = [
-        (b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms")) for b in report["bare"]
+        (b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms"))
+        for b in report["bare"]
     ]
     if any(b for _, b, _ in bare):
         lines.append("")

@@ -48,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--group", type=int, default=5, help="steps per timed group; groups alternate sync/no_sync"
     )
-    p.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK where CUDA is present, else cpu")
+    p.add_argument(
+        "--device", default="auto", help="auto: cuda:LOCAL_RANK where CUDA is present, else cpu"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     p.add_argument("--grad-clip", type=float, default=1.0)
@@ -57,7 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.iters < args.warmup + 2 * args.group:
-        p.error("--iters must leave room for at least one sync and one no_sync group after --warmup")
+        p.error(
+            "--iters must leave room for at least one sync and one no_sync group after --warmup"
+        )
     return args
 
 
@@ -94,19 +98,25 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
     autocast = autocast_context(device, dtype)
     torch.manual_seed(args.seed)
     config = model_config(args.preset, dropout=0.0)
-    train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
+    train_set, _ = load_splits(
+        prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size
+    )
     sampler = DistributedSampler(
         train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
     model = GPT(config).to(device)
     optimizer = bench_tools.adamw(model, 1e-3, device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
 
     def batches():
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
-            yield from batch_loader(train_set, sampler, args.batch_size, pin_memory=device.type == "cuda")
+            yield from batch_loader(
+                train_set, sampler, args.batch_size, pin_memory=device.type == "cuda"
+            )
             epoch += 1
 
     data = batches()

@@ -65,7 +65,11 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
             if r["status"] != "ok":
                 lines.append(f"| {name} | | | | | | {r['status']}: {r.get('note', '')} |")
                 continue
-            step = [cell(r["peak_mem_mb"]), cell(r["step_ms"], "{:.1f}"), cell(r["bare_ratio"], "{:.3f}")]
+            step = [
+                cell(r["peak_mem_mb"]),
+                cell(r["step_ms"], "{:.1f}"),
+                cell(r["bare_ratio"], "{:.3f}"),
+            ]
             lines.append(row([name, cell(r["tokens_per_sec"]), percent(r["mfu"]), *step, "ok"]))
     text = [f"# GPU check: {device or 'no benchmark results'}", ""]
     if rows is not None:
@@ -77,7 +81,9 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
     else:
         sides = f"{check['test']} against {check['reference']}, {check['steps']} steps"
         verdict = "PASS" if check["passed"] else "FAIL"
-        difference = f"largest relative loss difference {check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
+        difference = (
+            f"largest relative loss difference {check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
+        )
         text.append(f"- bf16 vs float32 check ({sides}): {verdict}, {difference}")
     replica = _load(detail / "replica_dtype.json")
     if replica is None:
@@ -110,17 +116,24 @@ def steps_table(rows: list[dict]) -> str:
     """One line per step, the last try of each; the steps that did not pass, and how to rerun them."""
     last = {r["step"]: r for r in rows}
     lines = ["| Step | Status | Seconds | Limit (s) |", "|---|---|---:|---:|"]
-    lines += [row([r["step"], r["status"], str(r["seconds"]), str(r["limit"])]) for r in last.values()]
+    lines += [
+        row([r["step"], r["status"], str(r["seconds"]), str(r["limit"])]) for r in last.values()
+    ]
     again = [name for name, r in last.items() if r["status"] != "passed"]
     if again:
-        lines += ["", f"Not passed: rerun them alone with `STEPS={','.join(again)} bash bench/gpu_check.sh`."]
+        lines += [
+            "",
+            f"Not passed: rerun them alone with `STEPS={','.join(again)} bash bench/gpu_check.sh`.",
+        ]
     return "\n".join(lines)
 
 
 def _lines(path: Path, marker: str) -> list[str]:
     """The lines of a step's log that hold `marker`, without the torchrun rank prefix."""
     try:
-        return [line.strip() for line in path.read_text(errors="replace").splitlines() if marker in line]
+        return [
+            line.strip() for line in path.read_text(errors="replace").splitlines() if marker in line
+        ]
     except OSError:
         return []
 
@@ -157,7 +170,9 @@ def main(argv: list[str]) -> None:
         print(summary(Path(argv[0] if argv else "bench/results/gpu")), end="")
         return
     p = argparse.ArgumentParser(prog="gpu_summary.py record")
-    p.add_argument("--out", type=Path, required=True, help="the folder that comes back (at most 8 files)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="the folder that comes back (at most 8 files)"
+    )
     p.add_argument("--detail", type=Path, required=True, help="the steps' logs and results files")
     p.add_argument("--step", required=True)
     p.add_argument("--status", required=True, choices=["passed", "failed", "stopped", "skipped"])

@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train_losses(model: GPT, batches, device: torch.device, dtype: torch.dtype, args) -> list[float]:
+def train_losses(
+    model: GPT, batches, device: torch.device, dtype: torch.dtype, args
+) -> list[float]:
     """The loss of every step of a short run of `model` (a copy is trained; the original is kept)."""
     setup_math(device)
     model = copy.deepcopy(model).to(device)
@@ -76,9 +78,15 @@ def train_losses(model: GPT, batches, device: torch.device, dtype: torch.dtype, 
 def main(argv=None) -> int:
     args = parse_args(argv)
     ref_device, test_device = pick_device(args.ref_device), pick_device(args.test_device)
-    ref_dtype, test_dtype = pick_dtype(args.ref_dtype, ref_device), pick_dtype(args.test_dtype, test_device)
-    config = model_config(args.preset, dropout=0.0)  # no dropout: both sides compute the same function
-    train_set, _ = load_splits(prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size)
+    ref_dtype, test_dtype = (
+        pick_dtype(args.ref_dtype, ref_device),
+        pick_dtype(args.test_dtype, test_device),
+    )
+    # no dropout: both sides compute the same function
+    config = model_config(args.preset, dropout=0.0)
+    train_set, _ = load_splits(
+        prepare("shakespeare", args.data_dir, log=lambda *a: None), config.block_size
+    )
     if len(train_set) < args.steps * args.batch_size:
         raise CourseError(
             f"{args.steps} steps of {args.batch_size} need {args.steps * args.batch_size} windows; "

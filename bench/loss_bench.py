@@ -64,16 +64,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("steps", help="bare step and chapter 01, plain vs chunked")
-    s.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["tiny", "small", "4x128"])
+    s.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=["tiny", "small", "4x128"]
+    )
     s.add_argument("--programs", nargs="+", choices=["bare", "01"], default=["bare", "01"])
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--iters", type=int, default=20, help="steps per run")
-    s.add_argument("--log-interval", type=int, default=5, help="steps per timed group; the first is warm-up")
+    s.add_argument(
+        "--log-interval", type=int, default=5, help="steps per timed group; the first is warm-up"
+    )
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run")
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
-    s.add_argument("--compile", action="store_true", help="bare steps compiled too (eager and compiled rows)")
+    s.add_argument(
+        "--compile", action="store_true", help="bare steps compiled too (eager and compiled rows)"
+    )
     s.add_argument("--data-dir", default="data")
     s.add_argument("--work-dir", default=str(BENCH / "out" / "loss_steps"))
     s.add_argument("--timeout", type=float, default=900)
@@ -86,7 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="for bench/gpu_check.sh: `steps` of bare steps, then `loss` at the model's width and batch",
     )
     c.add_argument(
-        "--chunks", type=int, nargs="+", default=[0, 256, 1024, 4096], help="for the loss alone; 0: plain"
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[0, 256, 1024, 4096],
+        help="for the loss alone; 0: plain",
     )
     m = sub.add_parser("loss", help="the loss alone: time and peak memory, plain vs chunk sizes")
     m.add_argument("--width", type=int, default=768, help="n_embd (768: GPT-2 small)")
@@ -94,9 +104,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--positions", type=int, nargs=2, default=[1024, 2048], help="two batch sizes in positions"
     )
     m.add_argument(
-        "--chunks", type=int, nargs="+", default=[0, 128, 1024], help="positions per chunk; 0: plain"
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[0, 128, 1024],
+        help="positions per chunk; 0: plain",
     )
-    m.add_argument("--extrapolate-to", type=int, default=32 * 1024, help="positions of the computed peak")
+    m.add_argument(
+        "--extrapolate-to", type=int, default=32 * 1024, help="positions of the computed peak"
+    )
     m.add_argument("--repeats", type=int, default=3, help="timed runs of each, alternating")
     m.add_argument("--device", default="cpu")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -113,7 +129,9 @@ def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict
     run_dir = Path(args.work_dir) / name
     model = [
         *CONFIGS[config],
-        *flags(device=args.device, dtype=args.dtype, data_dir=args.data_dir, batch_size=args.batch_size),
+        *flags(
+            device=args.device, dtype=args.dtype, data_dir=args.data_dir, batch_size=args.batch_size
+        ),
         *flags(no_chunked_loss=not chunked),
     ]
     env = run_env(args, args.threads)
@@ -121,7 +139,9 @@ def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict
         out = run_dir / "bare.json"
         timing = flags(iters=args.iters, warmup=args.log_interval, group=args.log_interval, out=out)
         compiled = flags(compile=program == "bare_compiled")
-        commands = launch_commands("python", BENCH / "bare_step.py", 1, [*model, *timing, *compiled])
+        commands = launch_commands(
+            "python", BENCH / "bare_step.py", 1, [*model, *timing, *compiled]
+        )
         r, tail = run_for_result(commands, env, out, args.timeout)
         if r is None:
             return {"status": "failed", "note": tail[-300:]}
@@ -153,14 +173,19 @@ def run_one(args, config: str, program: str, chunked: bool, repeat: int) -> dict
 
 def steps(args) -> dict:
     programs = list(args.programs) + (["bare_compiled"] if args.compile else [])
-    runs = {(c, p, chunked): [] for c in args.configs for p in programs for chunked in (False, True)}
+    runs = {
+        (c, p, chunked): [] for c in args.configs for p in programs for chunked in (False, True)
+    }
     for repeat in range(args.repeats):
         # every other repeat runs the chunked side of each pair first
         order = list(runs) if repeat % 2 == 0 else [(c, p, not chunked) for c, p, chunked in runs]
         for key in order:
             result = run_one(args, *key, repeat)
             runs[key].append(result)
-            print(f"  repeat {repeat}: {key[0]} {key[1]} {side_name(key[2])}: {outcome(result)}", flush=True)
+            print(
+                f"  repeat {repeat}: {key[0]} {key[1]} {side_name(key[2])}: {outcome(result)}",
+                flush=True,
+            )
     rows = []
     for c in args.configs:
         for p in programs:
@@ -171,7 +196,9 @@ def steps(args) -> dict:
                 continue
             ratio = [a["step_ms"] / b["step_ms"] for a, b in pairs]
             cpu_ratio = [
-                a["step_cpu_ms"] / b["step_cpu_ms"] for a, b in pairs if a["step_cpu_ms"] and b["step_cpu_ms"]
+                a["step_cpu_ms"] / b["step_cpu_ms"]
+                for a, b in pairs
+                if a["step_cpu_ms"] and b["step_cpu_ms"]
             ]
             rows.append(
                 {
@@ -186,7 +213,8 @@ def steps(args) -> dict:
                     "speedup": statistics.median(ratio),
                     "speedup_cpu": statistics.median(cpu_ratio) if cpu_ratio else None,
                     "plain_peak_mb": max((a["peak_mb"] or 0 for a, _ in pairs), default=0) or None,
-                    "chunked_peak_mb": max((b["peak_mb"] or 0 for _, b in pairs), default=0) or None,
+                    "chunked_peak_mb": max((b["peak_mb"] or 0 for _, b in pairs), default=0)
+                    or None,
                     "plain_tokens_per_sec": median_of(pairs, 0, "tokens_per_sec"),
                     "chunked_tokens_per_sec": median_of(pairs, 1, "tokens_per_sec"),
                 }
@@ -219,7 +247,9 @@ def median_of(pairs: list[tuple[dict, dict]], side: int, key: str) -> float | No
 def steps_table(report: dict) -> str:
     mem = "peak memory (MB)" if report["settings"]["device"].startswith("cuda") else "peak RSS (MB)"
     step_columns = "step plain (ms) | step chunked (ms) | speed-up | CPU ms plain | CPU ms chunked"
-    rate_columns = f"speed-up (CPU time) | tokens/s plain | tokens/s chunked | {mem} plain | {mem} chunked"
+    rate_columns = (
+        f"speed-up (CPU time) | tokens/s plain | tokens/s chunked | {mem} plain | {mem} chunked"
+    )
     lines = [
         f"| config | program | {step_columns} | {rate_columns} |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -230,7 +260,11 @@ def steps_table(report: dict) -> str:
             continue
         ms, ratio = "{:,.1f}", "{:.2f}x"
         steps = [cell(r["plain_ms"], ms), cell(r["chunked_ms"], ms), cell(r["speedup"], ratio)]
-        cpu = [cell(r["plain_cpu_ms"], ms), cell(r["chunked_cpu_ms"], ms), cell(r["speedup_cpu"], ratio)]
+        cpu = [
+            cell(r["plain_cpu_ms"], ms),
+            cell(r["chunked_cpu_ms"], ms),
+            cell(r["speedup_cpu"], ratio),
+        ]
         rates = [cell(r["plain_tokens_per_sec"]), cell(r["chunked_tokens_per_sec"])]
         peaks = [cell(r["plain_peak_mb"]), cell(r["chunked_peak_mb"])]
         lines.append(row([r["config"], r["program"], *steps, *cpu, *rates, *peaks]))
@@ -246,7 +280,8 @@ def loss_alone(args) -> dict:
     dtype = getattr(torch, args.dtype)
     vocab = PRESETS["gpt2"].vocab_size
     gen = torch.Generator().manual_seed(0)
-    weight = (0.02 * torch.randn(vocab, args.width, generator=gen)).to(device).requires_grad_()  # a parameter
+    # a parameter
+    weight = (0.02 * torch.randn(vocab, args.width, generator=gen)).to(device).requires_grad_()
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def make(n):
@@ -326,7 +361,9 @@ def loss_table(report: dict) -> str:
     for r in report["rows"]:
         name = "plain" if r["chunk"] == 0 else f"chunked, {r['chunk']} positions per chunk"
         less = (
-            f"{plain['extrapolated_mib'] / r['extrapolated_mib']:.1f}x less" if plain and r["chunk"] else "1"
+            f"{plain['extrapolated_mib'] / r['extrapolated_mib']:.1f}x less"
+            if plain and r["chunk"]
+            else "1"
         )
         peaks = [r["peak_mib"][k] for k in sorted(r["peak_mib"], key=int)]
         lines.append(
@@ -360,11 +397,15 @@ def main(argv=None) -> None:
         )
         loss_args = parse_args(["loss", *sizes, *more])
         report["loss"] = loss_alone(loss_args)
-        text += "\n\nThe output layer + loss alone, forward and backward:\n\n" + loss_table(report["loss"])
+        text += "\n\nThe output layer + loss alone, forward and backward:\n\n" + loss_table(
+            report["loss"]
+        )
     else:
         report = loss_alone(args)
         text = loss_table(report)
-    report["command"] = "python bench/loss_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["command"] = "python bench/loss_bench.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

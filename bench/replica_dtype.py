@@ -52,9 +52,12 @@ class DtypeProbe(nn.Module):
 def through_threads(replicas, inputs, device: torch.device) -> None:
     """Call each replica in a thread of its own, as DataParallel does."""
     if device.type == "cuda":
-        torch.nn.parallel.parallel_apply(replicas, inputs, devices=[device.index or 0] * len(replicas))
+        torch.nn.parallel.parallel_apply(
+            replicas, inputs, devices=[device.index or 0] * len(replicas)
+        )
         return
-    enabled = torch.is_autocast_enabled("cpu")  # read in the caller's thread, as parallel_apply does
+    # read in the caller's thread, as parallel_apply does
+    enabled = torch.is_autocast_enabled("cpu")
 
     def worker(replica, x):
         with torch.amp.autocast("cpu", enabled=enabled):
@@ -88,14 +91,17 @@ def main(argv=None) -> int:
         through_threads([wrapped, wrapped], [x, x], device)
         result["chapter03"] = probe.seen
         if device.type == "cuda" and torch.cuda.device_count() >= 2:
-            spec = importlib.util.spec_from_file_location("chapter03", REPO / "03_dataparallel" / "train.py")
+            spec = importlib.util.spec_from_file_location(
+                "chapter03", REPO / "03_dataparallel" / "train.py"
+            )
             chapter03 = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(chapter03)
             probe = DtypeProbe().to("cuda:0")
             chapter03.DataParallel(probe, device, dtype, device_ids=[0, 1])(
                 torch.randn(8, 64, device="cuda:0")
             )
-            result["chapter03_two_gpus"] = probe.seen  # the replicas are copies: they note into the same list
+            # the replicas are copies: they note into the same list
+            result["chapter03_two_gpus"] = probe.seen
         else:
             result["chapter03_two_gpus"] = "not run: needs 2 GPUs"
     result["passed"] = result["chapter03"] == [args.dtype] * 2

@@ -1,8 +1,10 @@
-"""The course's measured figures: one results file, bench/results/results.json, rendered to bench/RESULTS.md.
+"""The course's measured figures: one results file, bench/results/results.json, rendered to
+bench/RESULTS.md.
 
 Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is the `value` of one
 entry here, written exactly as the texts quote it, with the machine, torch version, command and
-date of the run that gave it. tests/test_results.py fails when a text quotes a figure no entry holds.
+date of the run that gave it. tests/test_results.py fails when a text quotes a figure no entry
+holds.
 
     python bench/results.py                       # render bench/RESULTS.md from results.json
     python bench/results.py --check               # exit 1 if bench/RESULTS.md is out of step
@@ -47,7 +49,9 @@ FIGURE_PATTERNS = {
     "loss": r"\b\d{1,2}\.\d{3,4}\b",
     "memory": rf"\b(?:{_NUM}) ?[KMGT]i?B\b(?!/)",
 }
-_FIGURE = re.compile("|".join(f"(?P<{k.replace('-', '_')}>{p})" for k, p in FIGURE_PATTERNS.items()))
+_FIGURE = re.compile(
+    "|".join(f"(?P<{k.replace('-', '_')}>{p})" for k, p in FIGURE_PATTERNS.items())
+)
 # A percentage is a measured figure when it is an efficiency, an MFU or a share of a step.
 _PERCENT_CONTEXT = re.compile(r"efficien|MFU|scaling|share|communication|all-reduce", re.IGNORECASE)
 
@@ -102,7 +106,11 @@ def figures_in(text: str, every_percentage: bool = False) -> list[tuple[int, str
             continue
         # Inline code is a flag, a setting or an error message, not a figure the text quotes.
         for m in _FIGURE.finditer(re.sub(r"`[^`]*`", lambda c: " " * len(c.group()), line)):
-            if m.lastgroup == "percentage" and not every_percentage and not _PERCENT_CONTEXT.search(line):
+            if (
+                m.lastgroup == "percentage"
+                and not every_percentage
+                and not _PERCENT_CONTEXT.search(line)
+            ):
                 continue
             found.append((line_no, normal(m.group())))
     return found
@@ -173,7 +181,11 @@ def render(results: dict) -> str:
         if entry["section"] != section:
             section = entry["section"]
             out += [f"## {section}", ""]
-        out.append(f"**{entry['name']}**: {entry['value']}" if entry.get("value") else f"**{entry['name']}**")
+        out.append(
+            f"**{entry['name']}**: {entry['value']}"
+            if entry.get("value")
+            else f"**{entry['name']}**"
+        )
         out.append("")
         if entry.get("what"):
             out += [entry["what"], ""]
@@ -256,15 +268,21 @@ def record(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if bench/RESULTS.md is out of step")
-    p.add_argument("--scan", action="store_true", help="list the texts' figures the results do not hold")
+    p.add_argument(
+        "--scan", action="store_true", help="list the texts' figures the results do not hold"
+    )
     sub = p.add_subparsers(dest="verb")
     r = sub.add_parser("record", help="run a command, time it, store an entry")
     r.add_argument("name")
     r.add_argument("--what", required=True, help="what the figure is, in one sentence")
     r.add_argument("--section", default="Runs", help="the section of RESULTS.md")
-    r.add_argument("--from", dest="pattern", help="regex whose first group is the value (default: wall time)")
+    r.add_argument(
+        "--from", dest="pattern", help="regex whose first group is the value (default: wall time)"
+    )
     r.add_argument("--keep-output", action="store_true", help="store the printed lines")
-    r.add_argument("--note", action="append", default=[], help="a note under the entry (repeatable)")
+    r.add_argument(
+        "--note", action="append", default=[], help="a note under the entry (repeatable)"
+    )
     argv = sys.argv[1:]
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -272,7 +290,9 @@ def main() -> None:
     if args.verb == "record":
         if not command:
             sys.exit("error: give the command to run after --")
-        entry = record(results, args.name, args.what, args.section, command, args.pattern, args.keep_output)
+        entry = record(
+            results, args.name, args.what, args.section, command, args.pattern, args.keep_output
+        )
         if args.note:
             entry["notes"] = args.note
         RESULTS_JSON.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")

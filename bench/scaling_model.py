@@ -1,4 +1,5 @@
-"""A plain model of one data-parallel training step on W devices, predicted and compared with measurements.
+"""A plain model of one data-parallel training step on W devices, predicted and compared with
+measurements.
 
     python bench/scaling_model.py                      # the on-paper tables for GPT-2 124M on H100s
     python bench/scaling_model.py --plot docs/figures/scaling_efficiency.png
@@ -49,14 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BUCKET_CAP_BYTES = (
     25 * 2**20
 )  # DistributedDataParallel(bucket_cap_mb=25), its default (first bucket: 1 MiB, ignored)
-BACKWARD_SHARE = 2 / 3  # of a step's compute: backward does twice the matrix multiplications of forward
-GRAD_BYTES_PER_PARAM = 4  # float32 gradients: autocast computes in bf16 but keeps weights and grads in fp32
+# of a step's compute: backward does twice the matrix multiplications of forward
+BACKWARD_SHARE = 2 / 3
+# float32 gradients: autocast computes in bf16 but keeps weights and grads in fp32
+GRAD_BYTES_PER_PARAM = 4
 
 # Links, as all-reduce bus bandwidth per GPU in bytes/s. Sources (bench/README.md cites them too):
 #   NVLink: H100 SXM data sheet, NVLink 900 GB/s per GPU in both directions (450 GB/s each way);
 #           nccl-tests all_reduce_perf on 8 x H100 SXM reaches 460-480 GB/s busbw (NVLink SHARP).
 #   InfiniBand: DGX H100 User Guide, 8 single-port ConnectX-7 at 400 Gb/s = 50 GB/s per GPU; a
-#           ring across nodes then carries 8 x 50 = 400 GB/s per node, which is the ceiling of busbw.
+# ring across nodes then carries 8 x 50 = 400 GB/s per node, which is the ceiling of busbw.
 #   400 Gb/s per node (one NIC for 8 GPUs): 50 GB/s; Ethernet, 100 Gb/s per node: 12.5 GB/s.
 # Line rates are ceilings: measured busbw is lower, so these predictions are optimistic.
 HARDWARE = {
@@ -70,7 +73,8 @@ HARDWARE = {
         "Ethernet 100 Gb/s per node": 12.5e9,
     },
 }
-JAX_TOKENS_PER_GPU = 2200  # the JAX scaling book, GPU chapter: 990e12 FLOP/s / 450e9 B/s within an H100 node
+# the JAX scaling book, GPU chapter: 990e12 FLOP/s / 450e9 B/s within an H100 node
+JAX_TOKENS_PER_GPU = 2200
 
 
 def ring_allreduce_seconds(nbytes: float, world: int, busbw: float) -> float:
@@ -114,7 +118,9 @@ def gradient_layout(preset: str) -> dict:
     }
 
 
-def predict(compute_s: float, grad_bytes: float, last_bucket_bytes: float, busbw: float, world: int) -> dict:
+def predict(
+    compute_s: float, grad_bytes: float, last_bucket_bytes: float, busbw: float, world: int
+) -> dict:
     """The model above, for one step: every time in seconds."""
     backward = BACKWARD_SHARE * compute_s
     last = ring_allreduce_seconds(last_bucket_bytes, world, busbw)
@@ -133,21 +139,26 @@ def predict(compute_s: float, grad_bytes: float, last_bucket_bytes: float, busbw
     }
 
 
-# ---- against the benchmark's measurements (bench/benchmark.py) -------------------------------------
+# ---- against the benchmark's measurements (bench/benchmark.py)
+# -------------------------------------
 
 
 def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | None:
-    """Predict 04 DDP with 2 ranks from the run's measured inputs and set it beside what was measured."""
+    """Predict 04 DDP with 2 ranks from the run's measured inputs and set it beside what was
+    measured."""
     rows = {r["setup"]: r for r in report["setups"]}
     two, one = rows.get("04x2", {}), rows.get("04x1", {})
     bare = {
-        b["batch_size"]: min((r["step_ms"] for r in b["runs"] if r), default=None) for b in report["bare"]
+        b["batch_size"]: min((r["step_ms"] for r in b["runs"] if r), default=None)
+        for b in report["bare"]
     }
     g = report["settings"]["global_batch"]
     if two.get("status") != "ok" or not two.get("comm") or bare.get(g // 2) is None:
         return None
     layout = gradient_layout(report["settings"]["preset"])
-    p = predict(bare[g // 2] / 1000, layout["grad_bytes"], layout["last_bucket_bytes"], busbw_gbs * 1e9, 2)
+    p = predict(
+        bare[g // 2] / 1000, layout["grad_bytes"], layout["last_bucket_bytes"], busbw_gbs * 1e9, 2
+    )
     predicted = {
         "step_ms": 1000 * p["step_s"],
         "comm_ms": 1000 * p["exposed_s"],
@@ -174,7 +185,10 @@ def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | 
         },
         "predicted": predicted,
         "measured": measured,
-        "ratio": {k: predicted[k] / measured[k] if predicted[k] and measured[k] else None for k in predicted},
+        "ratio": {
+            k: predicted[k] / measured[k] if predicted[k] and measured[k] else None
+            for k in predicted
+        },
     }
 
 
@@ -182,7 +196,12 @@ def markdown_lines(prediction: dict | None) -> list[str]:
     """The benchmark table's companion: predicted against measured, 04 DDP with 2 ranks."""
     if not prediction:
         return []
-    i, pr, me, ra = prediction["inputs"], prediction["predicted"], prediction["measured"], prediction["ratio"]
+    i, pr, me, ra = (
+        prediction["inputs"],
+        prediction["predicted"],
+        prediction["measured"],
+        prediction["ratio"],
+    )
 
     def fmt(value, kind):
         if value is None:
@@ -216,7 +235,8 @@ def markdown_lines(prediction: dict | None) -> list[str]:
     return lines
 
 
-# ---- on paper: GPT-2 124M on H100s ----------------------------------------------------------------
+# ---- on paper: GPT-2 124M on H100s
+# ----------------------------------------------------------------
 
 
 def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
@@ -253,7 +273,9 @@ def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
 def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dict) -> dict:
     """Per-GPU tokens from which backward hides every bucket but the last, and for 90% efficiency."""
     last = ring_allreduce_seconds(layout["last_bucket_bytes"], world, busbw)
-    others = ring_allreduce_seconds(layout["grad_bytes"] - layout["last_bucket_bytes"], world, busbw)
+    others = ring_allreduce_seconds(
+        layout["grad_bytes"] - layout["last_bucket_bytes"], world, busbw
+    )
     hide = others / (BACKWARD_SHARE * seconds_per_token)
     # from `hide` on only the last bucket is exposed: efficiency 0.9 needs t_c >= 9 x its all-reduce
     return {"tokens_to_hide": hide, "tokens_for_90": max(hide, 9 * last / seconds_per_token)}
@@ -327,10 +349,16 @@ def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None, hw: dict 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--tokens-per-gpu", type=int, default=16 * 1024, help="per-GPU batch in tokens (default: 16 x 1024)"
+        "--tokens-per-gpu",
+        type=int,
+        default=16 * 1024,
+        help="per-GPU batch in tokens (default: 16 x 1024)",
     )
     p.add_argument(
-        "--mfu", type=float, default=HARDWARE["mfu"], help="the GPU's share of its peak FLOP/s (default: 0.4)"
+        "--mfu",
+        type=float,
+        default=HARDWARE["mfu"],
+        help="the GPU's share of its peak FLOP/s (default: 0.4)",
     )
     p.add_argument("--plot", type=Path, default=None, help="write the efficiency plot here (PNG)")
     p.add_argument(

@@ -1,4 +1,5 @@
-"""The one way the course's measuring scripts time training steps: wall and CPU time per step, in groups.
+"""The one way the course's measuring scripts time training steps: wall and CPU time per step, in
+groups.
 
     timer = StepTimer(device)
     for steps, keep in schedule(iters=30, warmup=5, group=5):   # (5, False), (5, True), ...
@@ -25,7 +26,8 @@ import torch
 
 
 def schedule(iters: int, warmup: int, group: int) -> list[tuple[int, bool]]:
-    """(steps, keep) for each group of `iters` steps: the warm-up first (not kept), then groups of `group`."""
+    """(steps, keep) for each group of `iters` steps: the warm-up first (not kept), then groups of
+    `group`."""
     groups = [(warmup, False)] if warmup > 0 else []
     done = warmup
     while done < iters:

@@ -1,4 +1,5 @@
-"""ckpt.pt: written atomically, read without unpickling code, holding all a resumed run needs to go on."""
+"""ckpt.pt: written atomically, read without unpickling code, holding all a resumed run needs to go
+on."""
 
 import os
 import re
@@ -14,7 +15,8 @@ CKPT_NAME = "ckpt.pt"
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names without the prefixes wrappers add: "module." (DataParallel, DDP), "_orig_mod." (compile)."""
+    """Names without the prefixes wrappers add: "module." (DataParallel, DDP), "_orig_mod."
+    (compile)."""
     return {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}
 
 
@@ -29,7 +31,8 @@ def save_checkpoint(
     best_val_loss: float | None = None,
     scaler_state: dict | None = None,
 ) -> None:
-    """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one intact."""
+    """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one
+    intact."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     tmp, cuda = Path(out_dir, f".{CKPT_NAME}.tmp.{os.getpid()}"), torch.cuda.is_initialized()
     plain = {k: v for k, v in train_config.items() if v is None or isinstance(v, (int, float, str))}
@@ -43,7 +46,8 @@ def save_checkpoint(
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state() if cuda else None,  # GPU dropout draws from it
         "rng_cuda_all": torch.cuda.get_rng_state_all() if cuda else None,  # chapter 03: every GPU's
-        "scaler": scaler_state or {},  # float16's loss scale: a resumed run must not restart at 65,536
+        # float16's loss scale: a resumed run must not restart at 65,536
+        "scaler": scaler_state or {},
     }
     with open(tmp, "wb") as f:
         torch.save(checkpoint, f)
@@ -69,7 +73,10 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
             f"checkpoint {path} is unreadable, truncated or corrupted ({reason}); "
             "delete it to start over, or restore a good copy"
         ) from None
-    if not isinstance(checkpoint, dict) or not {"model", "model_config", "iter_num"} <= checkpoint.keys():
+    if (
+        not isinstance(checkpoint, dict)
+        or not {"model", "model_config", "iter_num"} <= checkpoint.keys()
+    ):
         raise CourseError(
             f"{path} is not a checkpoint of this course (it lacks model, model_config or iter_num)"
         )
@@ -77,20 +84,25 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
 
 
 def restore_training_state(checkpoint: dict, optimizer: torch.optim.Optimizer, scaler) -> int:
-    """Put the optimizer, the loss scaler and the random generators back; returns the step to go on from."""
+    """Put the optimizer, the loss scaler and the random generators back; returns the step to go on
+    from."""
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
         scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng_cpu"])
     if torch.cuda.is_available():
-        for index, state in gpu_rng_plan(checkpoint, torch.cuda.device_count(), torch.cuda.current_device()):
+        for index, state in gpu_rng_plan(
+            checkpoint, torch.cuda.device_count(), torch.cuda.current_device()
+        ):
             torch.cuda.set_rng_state(state, index)
     return checkpoint["iter_num"]
 
 
 def gpu_rng_plan(checkpoint: dict, gpus: int, current: int) -> list[tuple[int, torch.Tensor]]:
-    """(GPU, saved state) to set in order: each GPU its own (chapter 03), then the current GPU the saver's."""
-    # DDP: rank 0 alone saved its GPU's state, and every rank's GPU has drawn as often from the same seed
+    """(GPU, saved state) to set in order: each GPU its own (chapter 03), then the current GPU the
+    saver's."""
+    # DDP: rank 0 alone saved its GPU's state, and every rank's GPU has drawn as often from the same
+    # seed
     saver = [(current, checkpoint["rng_cuda"])] if checkpoint.get("rng_cuda") is not None else []
     return list(enumerate(checkpoint.get("rng_cuda_all") or []))[:gpus] + saver
 

@@ -6,11 +6,23 @@ from pathlib import Path
 from .chapters import CHAPTERS
 from .model import PRESETS, GPTConfig, model_config
 from .support.errors import CourseError
-from .support.flags import OneLineParser, fraction, non_negative_float, non_negative_int, positive_int
+from .support.flags import (
+    OneLineParser,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from .support.preempt import stop_signal
 
-# flag -> (its first chapter, its last); other chapters hide it from --help and refuse it in one line
-CHAPTER_FLAGS = {"--grad-accum": (2, 5), "--gpus": (3, 3), "--backend": (4, 5), "--dist-timeout": (4, 5)}
+# flag -> (its first chapter, its last); other chapters hide it from --help and refuse it in one
+# line
+CHAPTER_FLAGS = {
+    "--grad-accum": (2, 5),
+    "--gpus": (3, 3),
+    "--backend": (4, 5),
+    "--dist-timeout": (4, 5),
+}
 CHAPTER_FLAGS["--shared-fs"] = (5, 5)
 
 
@@ -19,7 +31,8 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
 
     def flag(name: str, **kwargs):
         first, last = CHAPTER_FLAGS.get(name, (1, 5))
-        if not first <= chapter <= last:  # another chapter's flag: hidden from --help, refused when used
+        # another chapter's flag: hidden from --help, refused when used
+        if not first <= chapter <= last:
             kwargs = {"default": None, "help": argparse.SUPPRESS, "action": kwargs.get("action")}
         group.add_argument(name, **kwargs)
 
@@ -47,15 +60,21 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     chunked = "the output layer and the loss a few positions at a time (common/chunked_loss.py); "
     chunked += "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory"
     flag("--chunked-loss", action=argparse.BooleanOptionalAction, default=True, help=chunked)
-    flag("--init-from", choices=["scratch", "gpt2"], default="scratch", help="gpt2: OpenAI's weights")
+    flag(
+        "--init-from", choices=["scratch", "gpt2"], default="scratch", help="gpt2: OpenAI's weights"
+    )
     group = p.add_argument_group("data")
-    corpus = "'shakespeare' (offline), a .txt/.json/.jsonl/.parquet file, or a Hugging Face data set"
+    corpus = (
+        "'shakespeare' (offline), a .txt/.json/.jsonl/.parquet file, or a Hugging Face data set"
+    )
     flag("--dataset", default="shakespeare", help=corpus)
     flag("--text-column", default="text", help="the column holding the text in JSON/Parquet/Hub")
     flag("--data-dir", default="data", help="where prepared token files are kept")
     flag("--num-proc", type=positive_int, help="threads for tokenizing (default: CPUs, at most 8)")
     group = p.add_argument_group("evaluation, logging and checkpoints")
-    flag("--eval-interval", type=positive_int, default=100, help="evaluate every N steps, at the end")
+    flag(
+        "--eval-interval", type=positive_int, default=100, help="evaluate every N steps, at the end"
+    )
     flag("--eval-batches", type=positive_int, default=20, help="validation batches per evaluation")
     flag("--log-interval", type=positive_int, default=10, help="a metrics line every N steps")
     flag("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
@@ -63,18 +82,39 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     stop = "besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
     stop += "the step it is in and stop, to be resumed (exit status 75)"
     flag("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
-    flag("--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end")
+    flag(
+        "--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end"
+    )
     flag("--prompt", default="\n", help="text the final sample starts from (default: a newline)")
     group = p.add_argument_group("hardware")
     flag("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    dtype = "auto: bfloat16 on GPUs with bf16 tensor cores, float16 on older ones, float32 on the CPU; "
+    dtype = (
+        "auto: bfloat16 on GPUs with bf16 tensor cores, float16 on older ones, float32 on the CPU; "
+    )
     dtype += "float64: slow, to tell rounding from bugs"
-    flag("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto", help=dtype)
+    flag(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        default="auto",
+        help=dtype,
+    )
     flag("--compile", action="store_true", help="torch.compile the model")
     flag("--gpus", type=positive_int, help="GPUs DataParallel spreads over (default: all visible)")
-    flag("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="NCCL with CUDA, gloo without")
-    flag("--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait for a peer")
-    flag("--shared-fs", action="store_true", help="nodes share one file system: rank 0 prepares data")
+    flag(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="NCCL with CUDA, gloo without",
+    )
+    flag(
+        "--dist-timeout",
+        type=positive_int,
+        default=300,
+        help="seconds a collective may wait for a peer",
+    )
+    flag(
+        "--shared-fs", action="store_true", help="nodes share one file system: rank 0 prepares data"
+    )
     return p
 
 
@@ -105,7 +145,10 @@ def parse_args(chapter: int, description: str, argv: list[str] | None = None) ->
 
 
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
-    sizes = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")}
+    sizes = {
+        k: getattr(args, k)
+        for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
+    }
     cfg = model_config(args.preset, **sizes, chunked_loss=args.chunked_loss)
     if cfg.n_embd % cfg.n_head:
         raise CourseError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
@@ -116,5 +159,7 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
         )
     shape = (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias)
     if args.init_from == "gpt2" and shape != (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, True):
-        raise CourseError("--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without size overrides")
+        raise CourseError(
+            "--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without size overrides"
+        )
     return cfg

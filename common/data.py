@@ -1,6 +1,7 @@
 """From a corpus to batches: prepare once into token files (GPT-2 ids as uint16), then read windows.
 
-Window i holds tokens [i*T, i*T + T] (T = block_size, one more so targets are inputs shifted by one).
+Window i holds tokens [i*T, i*T + T] (T = block_size, one more so targets are inputs shifted by
+one).
 Which windows a step reads is the sampler's business: this module knows nothing about ranks."""
 
 import itertools
@@ -20,26 +21,39 @@ FORMAT_VERSION = 1  # bump when the way files are written changes, so old folder
 
 
 def prepare(
-    corpus=DEFAULT_CORPUS, data_root="data", val_fraction=0.1, num_proc=None, text_column="text", log=print
+    corpus=DEFAULT_CORPUS,
+    data_root="data",
+    val_fraction=0.1,
+    num_proc=None,
+    text_column="text",
+    log=print,
 ) -> Path:
-    """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json` once; return that folder."""
+    """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json` once; return that
+    folder."""
     kind, folder_name, fingerprint = corpus_source(corpus)
     folder = Path(data_root) / folder_name
     meta_path = folder / "meta.json"
     expected = {"fingerprint": fingerprint, "val_fraction": val_fraction, "format": FORMAT_VERSION}
-    if fingerprint is None:  # no source to compare with: a folder prepared elsewhere is used as it is
+    # no source to compare with: a folder prepared elsewhere is used as it is
+    if fingerprint is None:
         del expected["fingerprint"]
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
         meta = {}
-    if expected.items() <= meta.items() and (folder / "train.bin").exists() and (folder / "val.bin").exists():
+    if (
+        expected.items() <= meta.items()
+        and (folder / "train.bin").exists()
+        and (folder / "val.bin").exists()
+    ):
         return folder
     log(f"preparing corpus {corpus!r} into {folder} (once; later runs reuse it)")
     texts = read_corpus(kind, corpus, text_column)
     if not texts:
         raise CourseError(f"corpus {corpus!r} has no documents")
-    docs = get_tokenizer().encode_ordinary_batch(texts, num_threads=num_proc or min(os.cpu_count() or 1, 8))
+    docs = get_tokenizer().encode_ordinary_batch(
+        texts, num_threads=num_proc or min(os.cpu_count() or 1, 8)
+    )
     # every document ends with <|endoftext|>, so the model sees where one text stops
     ids = np.fromiter(itertools.chain.from_iterable(d + [eot_id()] for d in docs), dtype=np.uint16)
     if len(ids) <= len(texts):  # nothing but <|endoftext|> markers
@@ -50,10 +64,17 @@ def prepare(
         part.tofile(folder / f"{name}.tmp")
         os.replace(folder / f"{name}.tmp", folder / name)
     meta = {"corpus": corpus, "tokenizer": "gpt2", "dtype": "uint16", "documents": len(texts)}
-    meta |= expected | {"fingerprint": fingerprint, "train_tokens": split, "val_tokens": len(ids) - split}
+    meta |= expected | {
+        "fingerprint": fingerprint,
+        "train_tokens": split,
+        "val_tokens": len(ids) - split,
+    }
     (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(folder / "meta.json.tmp", meta_path)  # written last: its presence means the folder is complete
-    log(f"prepared {len(texts)} documents: {split:,} training and {len(ids) - split:,} validation tokens")
+    # written last: its presence means the folder is complete
+    os.replace(folder / "meta.json.tmp", meta_path)
+    log(
+        f"prepared {len(texts)} documents: {split:,} training and {len(ids) - split:,} validation tokens"
+    )
     return folder
 
 
@@ -80,7 +101,9 @@ class TokenWindows(Dataset):
 
 
 def load_splits(folder: Path, block_size: int) -> tuple[TokenWindows, TokenWindows]:
-    return TokenWindows(folder / "train.bin", block_size), TokenWindows(folder / "val.bin", block_size)
+    return TokenWindows(folder / "train.bin", block_size), TokenWindows(
+        folder / "val.bin", block_size
+    )
 
 
 def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
@@ -89,14 +112,24 @@ def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def batch_loader(
-    dataset: Dataset, sampler: Sampler, batch_size: int, skip_batches: int = 0, pin_memory: bool = False
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    skip_batches: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """Batches in the sampler's order, starting `skip_batches` in; an incomplete last batch is dropped."""
+    """Batches in the sampler's order, starting `skip_batches` in; an incomplete last batch is
+    dropped."""
     # its own generator: building a loader must not draw from the global random state that dropout
     # uses, so a resumed run draws the same dropout masks as an unbroken one
     order = list(sampler)[skip_batches * batch_size :]  # a resumed run starts mid-epoch
     return DataLoader(
-        dataset, batch_size, sampler=order, drop_last=True, pin_memory=pin_memory, generator=torch.Generator()
+        dataset,
+        batch_size,
+        sampler=order,
+        drop_last=True,
+        pin_memory=pin_memory,
+        generator=torch.Generator(),
     )
 
 

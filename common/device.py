@@ -1,4 +1,5 @@
-"""Which device and number format a run uses; GPU decisions take plain facts, so a CPU can test them."""
+"""Which device and number format a run uses; GPU decisions take plain facts, so a CPU can test
+them."""
 
 import contextlib
 
@@ -15,7 +16,8 @@ def pick_device(requested: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     device = parse_device(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if device.type == "cuda" and device.index is not None:
-        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be someone else's
+        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be someone
+        # else's
         torch.cuda.set_device(device)
     return device
 
@@ -34,12 +36,15 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= cuda_gpus:
         raise CourseError(f"--device {requested}: only {cuda_gpus} CUDA GPU(s) are visible")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise CourseError("--device mps asked for Apple's GPU, which is not available here; use --device cpu")
+        raise CourseError(
+            "--device mps asked for Apple's GPU, which is not available here; use --device cpu"
+        )
     return device
 
 
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones emulate it, slowly."""
+    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones emulate it,
+    slowly."""
     if device_type == "cuda" and capability is not None:
         return torch.bfloat16 if capability >= (8, 0) else torch.float16
     return torch.float32
@@ -51,7 +56,9 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
         if device.type == "cpu" and dtype == torch.float16:
             raise CourseError("--dtype float16 is for GPUs; on the CPU use float32 or bfloat16")
         if device.type == "mps" and dtype == torch.float64:
-            raise CourseError("--dtype float64: Apple's mps has no float64; use --device cpu for it")
+            raise CourseError(
+                "--dtype float64: Apple's mps has no float64; use --device cpu for it"
+            )
         return dtype
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return auto_dtype(device.type, capability)
@@ -60,11 +67,14 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 def autocast_context(device: torch.device, dtype: torch.dtype):
     """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32."""
     full = dtype in (torch.float32, torch.float64)
-    return contextlib.nullcontext() if full else torch.autocast(device_type=device.type, dtype=dtype)
+    return (
+        contextlib.nullcontext() if full else torch.autocast(device_type=device.type, dtype=dtype)
+    )
 
 
 def in_autocast(module, device: torch.device, dtype: torch.dtype):
-    """`module` called inside autocast: DataParallel's replica threads lose it (docs/deep/AUTOCAST_TRAP.md)"""
+    """`module` called inside autocast: DataParallel's replica threads lose it
+    (docs/deep/AUTOCAST_TRAP.md)"""
 
     def call(*args, **kwargs):
         with autocast_context(device, dtype):
@@ -74,7 +84,8 @@ def in_autocast(module, device: torch.device, dtype: torch.dtype):
 
 
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
-    """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors 1e-16, not 1e-7."""
+    """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors 1e-16, not
+    1e-7."""
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
     elif device.type == "cuda":

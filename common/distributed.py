@@ -38,25 +38,32 @@ def one_rank_first(is_first: bool):
 
 
 def ranks_unlike_rank0(model: torch.nn.Module) -> int:
-    """How many ranks hold parameters that differ from rank 0's, bit for bit (0 on every rank when DDP
+    """How many ranks hold parameters that differ from rank 0's, bit for bit (0 on every rank when
+    DDP
     kept its promise: the same start and the same averaged gradients keep every copy equal)."""
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rank0_params = params.clone()
     dist.broadcast(rank0_params, src=0)
-    differing = torch.tensor(0.0 if torch.equal(params, rank0_params) else 1.0, device=params.device)
+    differing = torch.tensor(
+        0.0 if torch.equal(params, rank0_params) else 1.0, device=params.device
+    )
     dist.all_reduce(differing, op=dist.ReduceOp.SUM)  # SUM works on every backend
     return int(differing.item())
 
 
-def restart_store(world_size: int, restart_count: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Where the ranks of this attempt meet; None: init_process_group connects to MASTER_ADDR itself.
+def restart_store(
+    world_size: int, restart_count: int, timeout: datetime.timedelta
+) -> dist.Store | None:
+    """Where the ranks of this attempt meet; None: init_process_group connects to MASTER_ADDR
+    itself.
 
     Under torchrun the meeting point can be torchrun's own key-value store
     (TORCHELASTIC_USE_AGENT_STORE=True), and that store outlives a restart (--max-restarts): the
     processes of a restarted group would meet where the failed group met, read their dead
     predecessors' addresses and wait for them. So every attempt meets under its own prefix, the
     restart count. (That count is per node: with the static rendezvous every node counts the same
-    failures; with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which launch_c10d.sh sets, gives every
+    failures; with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which launch_c10d.sh sets, gives
+    every
     attempt a new store instead, and this is not needed.)
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -66,7 +73,9 @@ def restart_store(world_size: int, restart_count: int, timeout: datetime.timedel
     return dist.PrefixStore(f"attempt_{restart_count}", agent_store)
 
 
-def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> torch.device:
+def rank_device(
+    requested: str, local_rank: int, local_world_size: int, cuda_gpus: int
+) -> torch.device:
     """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
 
     LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. A
@@ -81,7 +90,8 @@ def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpu
         raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
     if device.type != "cuda":
         return device
-    if device.index is not None:  # one GPU named by the reader: only for a single process per machine
+    # one GPU named by the reader: only for a single process per machine
+    if device.index is not None:
         if local_world_size > 1:
             raise CourseError(
                 f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
@@ -107,13 +117,16 @@ def rank_device(requested: str, local_rank: int, local_world_size: int, cuda_gpu
 def cpu_threads_per_rank(
     local_world_size: int, cpu_count: int, omp_num_threads: str | None
 ) -> tuple[int | None, str]:
-    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's choice).
+    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's
+    choice).
 
     Unset, torch gives every rank all the cores; torchrun's OMP_NUM_THREADS=1 leaves a big CPU idle.
     So then each rank gets an equal share; any other OMP_NUM_THREADS is the reader's choice.
     """
     if local_world_size > 1 and omp_num_threads in (None, "1"):
-        return max(1, cpu_count // local_world_size), f"{cpu_count} cores / {local_world_size} rank(s)"
+        return max(
+            1, cpu_count // local_world_size
+        ), f"{cpu_count} cores / {local_world_size} rank(s)"
     return None, "OMP_NUM_THREADS" if omp_num_threads is not None else "torch's default"
 
 

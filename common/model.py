@@ -1,4 +1,5 @@
-"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT. Token ids in, logits
+"""The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT. Token ids in,
+logits
 out, or a loss when targets are given; it knows nothing about devices, ranks or data."""
 
 import math
@@ -16,19 +17,23 @@ GPT2_VOCAB_SIZE = 50257  # tiktoken's GPT-2 encoding: 50,256 BPE tokens + <|endo
 @dataclass(frozen=True)
 class GPTConfig:
     block_size: int = 256  # longest sequence the model can see (learned positions)
-    vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64: friendlier matmul shapes
+    # GPT-2's 50,257 rounded up to a multiple of 64: friendlier matmul shapes
+    vocab_size: int = 50304
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
-    chunked_loss: bool = True  # the loss without the full logits (chunked_loss.py); False: the plain way
+    # the loss without the full logits (chunked_loss.py); False: the plain way
+    chunked_loss: bool = True
 
 
 PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),  # for tests: milliseconds a step
+    # for tests: milliseconds a step
+    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
     "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),  # the CPU default
-    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),  # GPT-2 small, 124M: for GPUs
+    # GPT-2 small, 124M: for GPUs
+    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
 }
 
 
@@ -43,14 +48,17 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.dropout = config.n_head, config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        # q, k, v at once
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, time, channels (n_embd)
         # q, k, v: (B, T, C) -> (B, n_head, T, head_size)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        q, k, v = (
+            t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, 2)
+        )
         # flash attention where the device has it; the causal mask is built in
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
@@ -118,16 +126,21 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
         if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+            raise ValueError(
+                f"sequence of length {T} is longer than block_size {self.config.block_size}"
+            )
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
         if targets is None:  # generating: only the last position's prediction is needed
             return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab_size)
         if self.config.chunked_loss:  # the same loss; the (B, T, vocab_size) logits are never held
-            return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
+            return None, chunked_cross_entropy(
+                x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1)
+            )
         logits = self.lm_head(x)  # (B, T, vocab_size)
         # float32 for the softmax even under bf16 autocast; float64 stays float64
         wide = logits.view(B * T, -1).to(torch.promote_types(logits.dtype, torch.float32))
@@ -147,7 +160,9 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature=1.0, top_k=None, generator=None):
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature=1.0, top_k=None, generator=None
+    ):
         """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])  # the context the model can see
@@ -155,18 +170,26 @@ class GPT(nn.Module):
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits[logits < kth] = -float("inf")
-            next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+            next_id = torch.multinomial(
+                F.softmax(logits, dim=-1), num_samples=1, generator=generator
+            )
             idx = torch.cat((idx, next_id.to(idx.device)), dim=1)
         return idx
 
 
 # Hugging Face's GPT-2 stores these as Conv1D, whose weight is the transpose of a Linear's.
-_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_HF_TRANSPOSED = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
 _HF_VOCAB = ("wte.weight", "lm_head.weight")
 
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and width)."""
+    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and
+    width)."""
     ours = model.state_dict()  # detached: copying into it needs no no_grad()
     for name, value in hf_state.items():
         name = name.removeprefix("transformer.")

@@ -16,16 +16,26 @@ from .training import sample_text
 
 
 def main() -> None:
-    parser = OneLineParser(prog="python -m common.sample", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--out-dir", default="out/01_single_gpu", help="a run's folder (or a ckpt.pt file)")
+    parser = OneLineParser(
+        prog="python -m common.sample", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--out-dir", default="out/01_single_gpu", help="a run's folder (or a ckpt.pt file)"
+    )
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--tokens", type=positive_int, default=200, help="how many tokens to generate")
+    parser.add_argument(
+        "--tokens", type=positive_int, default=200, help="how many tokens to generate"
+    )
     parser.add_argument("--num-samples", type=positive_int, default=1, help="texts to write")
     parser.add_argument(
         "--temperature", type=float, default=0.8, help="below 1: safer choices; above 1: wilder"
     )
-    parser.add_argument("--top-k", type=int, default=200, help="sample only among the k likeliest tokens")
-    parser.add_argument("--seed", type=int, default=1337, help="the first text's seed; the next add 1")
+    parser.add_argument(
+        "--top-k", type=int, default=200, help="sample only among the k likeliest tokens"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1337, help="the first text's seed; the next add 1"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     args = parser.parse_args()
 
@@ -39,7 +49,13 @@ def main() -> None:
     for i in range(args.num_samples):
         print(
             sample_text(
-                model, args.prompt, args.tokens, device, args.temperature, args.top_k, seed=args.seed + i
+                model,
+                args.prompt,
+                args.tokens,
+                device,
+                args.temperature,
+                args.top_k,
+                seed=args.seed + i,
             )
         )
         print("---")

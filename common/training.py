@@ -1,4 +1,5 @@
-"""The pieces of a run around the loop, which each chapter writes out: model, schedule, guards, evaluation."""
+"""The pieces of a run around the loop, which each chapter writes out: model, schedule, guards,
+evaluation."""
 
 import argparse
 import math
@@ -12,7 +13,9 @@ from .support.errors import CourseError
 from .tokenizer import decode, encode
 
 
-def build_model(config: GPTConfig, init_from: str = "scratch", checkpoint: dict | None = None) -> GPT:
+def build_model(
+    config: GPTConfig, init_from: str = "scratch", checkpoint: dict | None = None
+) -> GPT:
     """A fresh model, GPT-2's weights, or a checkpoint's weights (same shape required)."""
     model = GPT(config)
     if checkpoint is not None:
@@ -50,8 +53,11 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def is_divergence(loss: float, grad_norm: float | None = None, skips_inf_steps: bool = False) -> bool:
-    """A non-finite loss, or gradient norm (unless float16's GradScaler skips such a step on purpose)."""
+def is_divergence(
+    loss: float, grad_norm: float | None = None, skips_inf_steps: bool = False
+) -> bool:
+    """A non-finite loss, or gradient norm (unless float16's GradScaler skips such a step on
+    purpose)."""
     bad_norm = grad_norm is not None and not math.isfinite(grad_norm) and not skips_inf_steps
     return not math.isfinite(loss) or bad_norm
 
@@ -59,8 +65,10 @@ def is_divergence(loss: float, grad_norm: float | None = None, skips_inf_steps: 
 def stop_if_diverged(
     step, loss, grad_norm=None, scaler=None, grad_clip=None, dtype=None, what="training loss"
 ):
-    """Stop with one line when `loss` (a float) or `grad_norm` is not finite, advising what would change."""
-    norm = None if grad_norm is None else float(grad_norm)  # called where the device is idle: no stall
+    """Stop with one line when `loss` (a float) or `grad_norm` is not finite, advising what would
+    change."""
+    # called where the device is idle: no stall
+    norm = None if grad_norm is None else float(grad_norm)
     if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
         norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
         tries = ["a lower --lr"]
@@ -76,7 +84,12 @@ def stop_if_diverged(
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, dataset, windows: list[int], batch_size: int, device: torch.device, autocast
+    model: torch.nn.Module,
+    dataset,
+    windows: list[int],
+    batch_size: int,
+    device: torch.device,
+    autocast,
 ) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
     was_training = model.training
@@ -86,17 +99,26 @@ def evaluate(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
-        total += loss.mean().to(total.dtype) * len(x)  # mean(): DataParallel returns one loss per GPU
+        # mean(): DataParallel returns one loss per GPU
+        total += loss.mean().to(total.dtype) * len(x)
     model.train(was_training)
     return total / max(len(windows), 1)
 
 
 def sample_text(
-    model: GPT, prompt: str, max_new_tokens: int, device: torch.device, temperature=0.8, top_k=200, seed=1337
+    model: GPT,
+    prompt: str,
+    max_new_tokens: int,
+    device: torch.device,
+    temperature=0.8,
+    top_k=200,
+    seed=1337,
 ) -> str:
     """Text the model writes after `prompt` (seeded, so the same weights give the same text)."""
     context = torch.tensor([encode(prompt) or [50256]], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()  # no dropout; its callers train no more after it
-    out = model.generate(context, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    out = model.generate(
+        context, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+    )
     return decode(out[0].tolist())

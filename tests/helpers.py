@@ -1,4 +1,5 @@
-"""Plain helpers the tests share: the flags of a tiny run, a snapshot of a run folder, launches whose
+"""Plain helpers the tests share: the flags of a tiny run, a snapshot of a run folder, launches
+whose
 output is read as it comes, and edits of a script's statements (for the broken copies that show a
 check can fail)."""
 
@@ -22,11 +23,19 @@ def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -
     Extra flags are given as keyword arguments: batch_size=4 -> --batch-size 4; True -> a bare flag.
     They come last, so one of them also overrides a flag of the tiny run (eval_interval=5).
     """
-    tiny = {"preset": "tiny", "device": "cpu", "dtype": "float32", "data_dir": data_dir, "out_dir": out_dir}
+    tiny = {
+        "preset": "tiny",
+        "device": "cpu",
+        "dtype": "float32",
+        "data_dir": data_dir,
+        "out_dir": out_dir,
+    }
     return measured_run_flags(max_iters, log_interval=1, eval_batches=2, **tiny) + flags(**extra)
 
 
-def start(cmd: list, stderr=subprocess.STDOUT, new_session: bool = True, **env: str) -> subprocess.Popen:
+def start(
+    cmd: list, stderr=subprocess.STDOUT, new_session: bool = True, **env: str
+) -> subprocess.Popen:
     """Start a command from the repository root, one thread a process, its output in a text pipe
     (stderr merged into it unless given). In a session of its own (new_session), as a launcher is
     started, so that stop_launchers can end it and every process it started."""
@@ -63,7 +72,11 @@ def statement_lines(source: str, statement: str, script: str) -> range:
     message naming the script that changed.
     """
     wanted = ast.unparse(ast.parse(statement))
-    found = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt) and ast.unparse(n) == wanted]
+    found = [
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.stmt) and ast.unparse(n) == wanted
+    ]
     if len(found) != 1:
         raise AssertionError(f"{script} changed: {len(found)} statements `{wanted}`, not one")
     node, lines = found[0], source.splitlines()
@@ -75,7 +88,8 @@ def statement_lines(source: str, statement: str, script: str) -> range:
 
 
 def replace_statement(source: str, old: str, new: str, script: str) -> str:
-    """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`, at
+    """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`,
+    at
     that statement's indentation (its comment goes with it); an empty `new` removes the statement."""
     lines = source.splitlines(keepends=True)
     where = statement_lines(source, old, script)

@@ -1,7 +1,8 @@
 """The benchmark command (bench/benchmark.py) and the CPU-runnable parts of the GPU check.
 
 One short benchmark run of the tiny model over every setup (a chapter launched one way) that exists;
-the tests check the shape of what it writes (the table's columns, the JSON's keys and types, a row per
+the tests check the shape of what it writes (the table's columns, the JSON's keys and types, a row
+per
 setup), never timings.
 """
 
@@ -22,7 +23,13 @@ import benchmark
 import gpu_summary
 import gpu_vs_cpu
 
-ROW_NUMBERS = ["tokens_per_sec", "tokens_per_sec_per_device", "step_ms", "bare_step_ms", "bare_ratio"]
+ROW_NUMBERS = [
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "step_ms",
+    "bare_step_ms",
+    "bare_ratio",
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +105,13 @@ def test_json_has_a_complete_row_per_setup(bench_run):
         )  # the same global batch everywhere
         if setup.ranks == 1:
             assert row["comm_share"] is None
-        else:  # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
+        # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
+        else:
             assert isinstance(row["comm_share"], float) and row["comm"]["backend"] == "gloo"
             assert row["comm"]["threads"] == row["threads_per_rank"]
     if rows["04x2"]["status"] == "ok":
-        assert rows["04x1"]["threads_per_rank"] == rows["04x2"]["threads_per_rank"]  # like with like
+        # like with like
+        assert rows["04x1"]["threads_per_rank"] == rows["04x2"]["threads_per_rank"]
         assert isinstance(report["scaling"]["04x2"]["efficiency"], float)
     assert "| 01 one device |" in proc.stdout  # the table is printed too
 
@@ -127,11 +136,13 @@ def test_markdown_table_is_well_formed(bench_run):
 
 
 def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
-    """bench/scaling_model.py's 2-rank prediction: computed from this run's measurements, by the formula."""
+    """bench/scaling_model.py's 2-rank prediction: computed from this run's measurements, by the
+    formula."""
     _, report, table, tmp = bench_run
     pred = report["prediction"]
     inputs, predicted, measured = pred["inputs"], pred["predicted"], pred["measured"]
-    # the inputs are the run's own measurements: the bare step of one rank's share (batch 2 of 4) ...
+    # the inputs are the run's own measurements: the bare step of one rank's share (batch 2 of 4)
+    # ...
     bare = {b["batch_size"]: min(r["step_ms"] for r in b["runs"] if r) for b in report["bare"]}
     assert inputs["bare_step_ms"] == bare[2] and inputs["bare_step_ms_whole_batch"] == bare[4]
     # ... the bus bandwidth of preflight.py's table, for an all-reduce of all the gradients ...
@@ -140,7 +151,9 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
         (tmp / "work" / "preflight.log").read_text(),
         re.MULTILINE,
     )[-1]
-    assert inputs["busbw_gbs"] == float(busbw) and abs(float(size) - inputs["grad_bytes"] / 1e6) < 0.01
+    assert (
+        inputs["busbw_gbs"] == float(busbw) and abs(float(size) - inputs["grad_bytes"] / 1e6) < 0.01
+    )
     # ... and the tiny model's float32 gradients, all in one bucket, the tied embedding's
     from common.model import GPT, model_config
 
@@ -204,7 +217,8 @@ def test_bad_benchmark_flags_are_refused():
         benchmark.parse_args(["--setups", "01,06"])
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["--iters", "5", "--log-interval", "5"])  # nothing left after the warm-up
+        # nothing left after the warm-up
+        benchmark.parse_args(["--iters", "5", "--log-interval", "5"])
 
 
 def compare_on_the_cpu(data_dir, steps: int, dtype: str, *more: str) -> int:
@@ -252,5 +266,6 @@ def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):
     )
     text = gpu_summary.summary(tmp_path)
     assert "| 01 one device (eager) |" in text and "PASS" in text
-    assert "| compile | | | | | | no results" in text  # a step that wrote nothing is named, not skipped
+    # a step that wrote nothing is named, not skipped
+    assert "| compile | | | | | | no results" in text
     assert "DataParallel replica dtype: no results" in text

@@ -55,7 +55,9 @@ def test_metrics_lines(full_run):
     for m in lines:
         assert TRAIN_KEYS <= m.keys(), m
         assert m["tokens_seen"] == m["iter"] * 8 * 32
-        assert math.isfinite(m["loss"]) and m["lr"] > 0 and m["dt_ms"] > 0 and m["tokens_per_sec"] > 0
+        assert (
+            math.isfinite(m["loss"]) and m["lr"] > 0 and m["dt_ms"] > 0 and m["tokens_per_sec"] > 0
+        )
         assert "mfu" not in m  # no peak is known for a CPU, so no MFU is claimed
     assert abs(lines[0]["loss"] - math.log(50304)) < 0.2  # the first loss: a uniform guess
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3  # it learns
@@ -75,7 +77,9 @@ def test_checkpoint_file(full_run):
     GPT(config).load_state_dict(ckpt["model"])  # strict: every weight has its place
     assert ckpt["optimizer"]["state"]  # AdamW's moments, to continue exactly
     assert ckpt["train_config"]["chapter"] == 1 and ckpt["train_config"]["global_batch"] == 8
-    assert ckpt["best_val_loss"] == pytest.approx(min(m["val_loss"] for m in eval_lines(out_dir)), abs=1e-6)
+    assert ckpt["best_val_loss"] == pytest.approx(
+        min(m["val_loss"] for m in eval_lines(out_dir)), abs=1e-6
+    )
     assert not list(out_dir.glob(".*tmp*")), "no temporary checkpoint left behind"
 
 
@@ -91,9 +95,12 @@ def test_final_sample_printed(full_run):
 
 
 def test_sampling_command(full_run):
-    """`python -m common.sample` reads the checkpoint and, with the same settings, writes the same text."""
+    """`python -m common.sample` reads the checkpoint and, with the same settings, writes the same
+    text."""
     out_dir, proc = full_run
-    sample = run_python(["-m", "common.sample", "--out-dir", out_dir, "--tokens", 12, "--device", "cpu"])
+    sample = run_python(
+        ["-m", "common.sample", "--out-dir", out_dir, "--tokens", 12, "--device", "cpu"]
+    )
     assert "# checkpoint of chapter 1 at step 20" in sample.stdout
     text = sample.stdout.split("\n", 1)[1].rsplit("---", 1)[0]
     assert text.strip()
@@ -136,7 +143,14 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, data_dir, tmp_path):
     with open(out_dir / "metrics.jsonl", "a") as f:
         f.write(
             json.dumps(
-                {"iter": 11, "loss": 99.0, "lr": 0.1, "tokens_seen": 0, "dt_ms": 1.0, "tokens_per_sec": 1.0}
+                {
+                    "iter": 11,
+                    "loss": 99.0,
+                    "lr": 0.1,
+                    "tokens_seen": 0,
+                    "dt_ms": 1.0,
+                    "tokens_per_sec": 1.0,
+                }
             )
             + "\n"
         )

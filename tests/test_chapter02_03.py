@@ -32,7 +32,8 @@ RESUMED_ITERS = 14
 SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": RESUMED_ITERS}
 LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
-# CPU runs everywhere: chapter 03 on a machine with GPUs would otherwise (rightly) refuse --device cpu
+# CPU runs everywhere: chapter 03 on a machine with GPUs would otherwise (rightly) refuse --device
+# cpu
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BROKEN_FLAGS = {"batch_size": 2, "grad_accum": 4}
 
@@ -70,8 +71,12 @@ def assert_same_run(reference_dir: Path, other_dir: Path) -> None:
     ref, other = train_losses(reference_dir), train_losses(other_dir)
     assert len(ref) >= ITERS, f"only {len(ref)} logged steps in {reference_dir}"
     mismatch = loss_mismatch(ref, other)
-    assert mismatch <= LOSS_RTOL, f"losses differ by up to {mismatch:.2e} (relative)\n{ref}\n{other}"
-    assert params_match(model_state(reference_dir), model_state(other_dir)), "final parameters differ"
+    assert mismatch <= LOSS_RTOL, (
+        f"losses differ by up to {mismatch:.2e} (relative)\n{ref}\n{other}"
+    )
+    assert params_match(model_state(reference_dir), model_state(other_dir)), (
+        "final parameters differ"
+    )
 
 
 # ---- the runs, made once per module -------------------------------------------------------------
@@ -93,7 +98,9 @@ def runs(data_dir, tmp_path_factory) -> dict:
         out = root / name
         return name, (
             out,
-            run_python([script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY),
+            run_python(
+                [script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY
+            ),
         )
 
     return dict(in_parallel(*[lambda n=n: run(n) for n in plan]))
@@ -108,7 +115,10 @@ def test_same_losses_and_parameters_as_chapter_01(runs, name):
 
 
 def test_global_batch_is_printed(runs):
-    assert "4 micro-batches x 2 = 8 sequences x 32 tokens = 256 tokens per step" in runs["02_b2x4"][1].stdout
+    assert (
+        "4 micro-batches x 2 = 8 sequences x 32 tokens = 256 tokens per step"
+        in runs["02_b2x4"][1].stdout
+    )
     assert "1 micro-batches x 1 replica(s) x 8 = 8 sequences" in runs["03_b8"][1].stdout
 
 
@@ -116,7 +126,8 @@ def test_dataparallel_on_the_cpu_says_it_has_nothing_to_split(runs):
     assert "DataParallel has nothing to split" in runs["03_b8"][1].stdout
 
 
-# ---- the comparison can fail: broken copies of chapter 02 -----------------------------------------
+# ---- the comparison can fail: broken copies of chapter 02
+# -----------------------------------------
 
 # Statements of the micro-step loop and the optimizer step, found as code whatever their layout
 # (tests/helpers.py statement_lines)
@@ -134,16 +145,23 @@ def loss_not_scaled(src: str) -> str:
 
 def gradient_not_scaled(src: str) -> str:
     """The logged loss is divided by K, the gradient is not (backward of K times the loss)."""
-    return replace_statement(src, BACKWARD, "scaler.scale(micro_loss * args.grad_accum).backward()", SCRIPT)
+    return replace_statement(
+        src, BACKWARD, "scaler.scale(micro_loss * args.grad_accum).backward()", SCRIPT
+    )
 
 
 def step_every_micro_batch(src: str) -> str:
     """The clipping, optimizer step and zero_grad moved into the micro-step loop: every line after
     the loop's last statement, to zero_grad's last line, indented to the loop's body."""
     lines = src.splitlines(keepends=True)
-    loop_end, step_end = statement_lines(src, ACCUMULATE, SCRIPT), statement_lines(src, STEP_END, SCRIPT)
+    loop_end, step_end = (
+        statement_lines(src, ACCUMULATE, SCRIPT),
+        statement_lines(src, STEP_END, SCRIPT),
+    )
     block = lines[loop_end.stop : step_end.stop]
-    assert "scaler.step(optimizer)" in "".join(block), f"{SCRIPT} changed: no optimizer step after the loop"
+    assert "scaler.step(optimizer)" in "".join(block), (
+        f"{SCRIPT} changed: no optimizer step after the loop"
+    )
     deeper = len(indentation(lines[loop_end.start])) - len(indentation(lines[step_end.start]))
     assert deeper > 0, f"{SCRIPT} changed: zero_grad is not after the micro-step loop"
     moved = [" " * deeper + line if line.strip() else line for line in block]
@@ -186,7 +204,8 @@ def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
     with pytest.raises(AssertionError):
         assert_same_run(reference, broken_runs[name])
     ref_losses, broken_losses = train_losses(reference), train_losses(broken_runs[name])
-    if name == "loss_not_scaled":  # the logged loss is the sum over the micro-steps: K times too big
+    # the logged loss is the sum over the micro-steps: K times too big
+    if name == "loss_not_scaled":
         assert loss_mismatch(ref_losses, broken_losses) > 1.0
     else:  # the parameters, and with them the losses after the first step, go elsewhere
         assert loss_mismatch(ref_losses, broken_losses) > LOSS_RTOL
@@ -198,7 +217,8 @@ def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
     assert (first_off > LOSS_RTOL) == (name == "step_every_micro_batch")
 
 
-# ---- checkpoints load across chapters -------------------------------------------------------------
+# ---- checkpoints load across chapters
+# -------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +237,10 @@ def resumed(runs, data_dir, tmp_path_factory) -> dict:
         shutil.copytree(runs[source[frm]][0], out)
         script, extra = flags[to]
         proc = run_python(
-            [script, *tiny_run_args(data_dir, out, RESUMED_ITERS, resume=True, **extra, **SCHEDULE)],
+            [
+                script,
+                *tiny_run_args(data_dir, out, RESUMED_ITERS, resume=True, **extra, **SCHEDULE),
+            ],
             **CPU_ONLY,
         )
         return (frm, to), (out, proc)
@@ -245,11 +268,14 @@ def test_no_module_prefix_in_any_checkpoint(runs, resumed):
         assert keys == reference, out
 
 
-# ---- mistakes the reader can make -------------------------------------------------------------------
+# ---- mistakes the reader can make
+# -------------------------------------------------------------------
 
 
 def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
-    proc = run_python([CH01, *tiny_run_args(data_dir, tmp_path, 2, grad_accum=4)], check=False, **CPU_ONLY)
+    proc = run_python(
+        [CH01, *tiny_run_args(data_dir, tmp_path, 2, grad_accum=4)], check=False, **CPU_ONLY
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -257,14 +283,17 @@ def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
 
 
 def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
-    proc = run_python([CH03, *tiny_run_args(data_dir, tmp_path, 2, gpus=2)], check=False, **CPU_ONLY)
+    proc = run_python(
+        [CH03, *tiny_run_args(data_dir, tmp_path, 2, gpus=2)], check=False, **CPU_ONLY
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("error: --gpus 2") and "0 CUDA GPU" in lines[0], lines[0]
 
 
-# ---- the memory measurement of chapter 02 ------------------------------------------------------------
+# ---- the memory measurement of chapter 02
+# ------------------------------------------------------------
 
 
 def test_measure_memory_prints_a_table(data_dir):
@@ -291,13 +320,17 @@ def test_measure_memory_prints_a_table(data_dir):
     assert len(rows) == 2 + 2, proc.stdout  # header, rule, one row per configuration
     full, micro = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:])
     assert full[0] == "4 x 1" and micro[0] == "1 x 4"
-    # both rows train on the same 4 sequences: the same loss; one sequence at a time needs less memory
+    # both rows train on the same 4 sequences: the same loss; one sequence at a time needs less
+    # memory
     assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)
     assert float(full[3].replace(",", "")) > float(micro[3].replace(",", ""))
-    assert "profiler_start" not in proc.stderr + proc.stdout  # the profiler library's own lines are hidden
+    # the profiler library's own lines are hidden
+    assert "profiler_start" not in proc.stderr + proc.stdout
 
 
-def test_chapter03_validation_loss_counts_every_row_once_when_the_batch_splits_unevenly(monkeypatch):
+def test_chapter03_validation_loss_counts_every_row_once_when_the_batch_splits_unevenly(
+    monkeypatch,
+):
     """A last validation batch of 5 rows on 2 GPUs splits 3 + 2 (torch.chunk's split, which
     DataParallel's scatter uses). nn.DataParallel.parallel_apply needs GPUs; here the replicas run
     one after another on the CPU, and the loss that evaluate() takes the mean of must be the mean
@@ -322,7 +355,9 @@ def test_chapter03_validation_loss_counts_every_row_once_when_the_batch_splits_u
     assert rows == [3, 2]
     split = list(zip(x.split(rows), y.split(rows)))
     dp = chapter03.DataParallel(model, torch.device("cpu"), torch.float32)
-    losses = torch.stack([loss for _, loss in dp.parallel_apply([loss_of, loss_of], split, [{}, {}])])
+    losses = torch.stack(
+        [loss for _, loss in dp.parallel_apply([loss_of, loss_of], split, [{}, {}])]
+    )
     _, whole = loss_of(x, y)
     torch.testing.assert_close(losses.mean(), whole)
     unweighted = torch.stack([loss_of(*part)[1] for part in split]).mean()

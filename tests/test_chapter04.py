@@ -46,13 +46,17 @@ def train_losses(out_dir: Path) -> dict[int, float]:
 
 
 def val_losses(out_dir: Path) -> dict[int, float]:
-    return {m["iter"]: m["val_loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "val_loss" in m}
+    return {
+        m["iter"]: m["val_loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "val_loss" in m
+    }
 
 
 def assert_same_losses(run: dict[int, float], reference: dict[int, float]) -> None:
     assert run.keys() <= reference.keys() and run, (sorted(run), sorted(reference))
     for it, loss in run.items():
-        assert loss == pytest.approx(reference[it], rel=REL), f"iteration {it}: {loss} vs {reference[it]}"
+        assert loss == pytest.approx(reference[it], rel=REL), (
+            f"iteration {it}: {loss} vs {reference[it]}"
+        )
 
 
 def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
@@ -66,14 +70,21 @@ def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pair(data_dir, tmp_path_factory) -> dict[str, Path]:
-    """Chapter 01 and two ranks of chapter 04 with the same global batch (the quick check needs no more)."""
+    """Chapter 01 and two ranks of chapter 04 with the same global batch (the quick check needs no
+    more)."""
     root = tmp_path_factory.mktemp("chapter04_pair")
     out = {name: root / name for name in ("ch01", "ddp")}
-    run_python([CHAPTER01, *tiny_run_args(data_dir, out["ch01"], ITERS, batch_size=8, lr_decay_iters=ITERS)])
+    run_python(
+        [
+            CHAPTER01,
+            *tiny_run_args(data_dir, out["ch01"], ITERS, batch_size=8, lr_decay_iters=ITERS),
+        ]
+    )
     ddp = run_torchrun(
         SCRIPT, 2, tiny_run_args(data_dir, out["ddp"], ITERS, batch_size=4, lr_decay_iters=ITERS)
     )
-    (out["ddp"] / "stdout.txt").write_text(ddp.stdout)  # after the run: the folder held only its files
+    # after the run: the folder held only its files
+    (out["ddp"] / "stdout.txt").write_text(ddp.stdout)
     return out
 
 
@@ -88,10 +99,17 @@ def runs(pair, data_dir, tmp_path_factory) -> dict[str, Path]:
     run_torchrun(
         SCRIPT,
         2,
-        tiny_run_args(data_dir, out["ddp_accum"], ITERS, batch_size=2, grad_accum=2, resume=True, **common),
+        tiny_run_args(
+            data_dir, out["ddp_accum"], ITERS, batch_size=2, grad_accum=2, resume=True, **common
+        ),
     )
     run_python(
-        [CHAPTER01, *tiny_run_args(data_dir, out["ch01_resumed"], ITERS, batch_size=8, resume=True, **common)]
+        [
+            CHAPTER01,
+            *tiny_run_args(
+                data_dir, out["ch01_resumed"], ITERS, batch_size=8, resume=True, **common
+            ),
+        ]
     )
     return out
 
@@ -136,7 +154,9 @@ def test_only_rank0_writes_and_all_ranks_agree(runs):
     # the middle of another's: start a new line at every rank prefix found mid-line
     stdout = re.sub(r"(?<=[^\n])(\[rank \d+\] )", r"\n\1", stdout)
     # every rank announces itself; after that only rank 0 speaks, and every line says who speaks
-    assert re.search(r"^\[rank 1\] process \d+ on .*rank 1 of 2, local rank 1", stdout, re.M), stdout
+    assert re.search(r"^\[rank 1\] process \d+ on .*rank 1 of 2, local rank 1", stdout, re.M), (
+        stdout
+    )
     ours = [line for line in stdout.splitlines() if line and not line.startswith("*")]
     assert all(line.startswith("[rank ") for line in ours), stdout
     assert sum(line.startswith("[rank 1]") for line in ours) == 1, stdout
@@ -168,18 +188,24 @@ def test_ranks_share_each_global_batch_as_chapter01_does(tmp_path):
             assert used == set(range(N)) - set(order[steps * G :])
     for r in ranks:
         assert r["epoch0"] != r["epoch1"], "set_epoch must give every epoch its own order"
-        assert r["epoch0_skip2"] == r["epoch0"][2 * B :], "a resumed epoch continues where it stopped"
+        assert r["epoch0_skip2"] == r["epoch0"][2 * B :], (
+            "a resumed epoch continues where it stopped"
+        )
 
 
 def test_plain_python_runs_a_world_of_one(runs, data_dir, tmp_path):
-    proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 5, batch_size=8, lr_decay_iters=ITERS)])
+    proc = run_python(
+        [SCRIPT, *tiny_run_args(data_dir, tmp_path, 5, batch_size=8, lr_decay_iters=ITERS)]
+    )
     assert "[rank 0] not started by torchrun, so this is a world of one process" in proc.stdout
     assert "torchrun --standalone --nproc_per_node=N 04_ddp/train.py" in proc.stdout
     assert_same_losses(train_losses(tmp_path), train_losses(runs["ch01"]))
 
 
 def test_nccl_without_cuda_is_one_clear_error(data_dir, tmp_path):
-    proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 2), "--backend", "nccl"], check=False)
+    proc = run_python(
+        [SCRIPT, *tiny_run_args(data_dir, tmp_path, 2), "--backend", "nccl"], check=False
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"

@@ -82,17 +82,23 @@ def stop(proc: subprocess.Popen, run_dir: Path) -> None:
             proc.wait()
     for pid in {int(m[3]) for log in node_logs(run_dir) for m in START.findall(log)}:
         try:
-            if "05_multinode/train.py" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            if "05_multinode/train.py" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+                errors="replace"
+            ):
                 os.kill(pid, signal.SIGKILL)
         except (FileNotFoundError, ProcessLookupError):
             pass
 
 
-def simulate(run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout: float = 240, **env: str):
-    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, as the chapter runs it: 2 nodes x 2 processes.
+def simulate(
+    run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout: float = 240, **env: str
+):
+    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, as the chapter runs it: 2 nodes x 2
+    processes.
 
     With kill_rank: once a checkpoint exists and a step after it is done, that global rank's process
-    is killed (SIGKILL), mid-run. Returns (the script's output, both node logs, the step of the kill).
+    is killed (SIGKILL), mid-run. Returns (the script's output, both node logs, the step of the
+    kill).
     """
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
@@ -108,9 +114,13 @@ def simulate(run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout:
     try:
         if kill_rank is not None:
             deadline = time.monotonic() + timeout
-            while not ((run_dir / "ckpt.pt").exists() and max(losses(run_dir), default=0) > EVAL_EVERY):
+            while not (
+                (run_dir / "ckpt.pt").exists() and max(losses(run_dir), default=0) > EVAL_EVERY
+            ):
                 assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
-                assert proc.poll() is None, "the simulation ended before the kill:\n" + output.read_text()
+                assert proc.poll() is None, (
+                    "the simulation ended before the kill:\n" + output.read_text()
+                )
                 time.sleep(0.02)
             victim = next(
                 int(pid)
@@ -131,14 +141,16 @@ def simulate(run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout:
 def assert_two_nodes_of_two(logs: list[str]) -> None:
     """Global ranks 0-3 once each, local ranks 0 and 1 on each node, node ranks 0 and 1.
 
-    Only each node's first two start lines count: processes restarted by torchrun print theirs again.
+    Only each node's first two start lines count: processes restarted by torchrun print theirs
+    again.
     """
     # (node, global rank, local rank) of each start line
     per_node = [[tuple(map(int, m[:3])) for m in START.findall(log)[:2]] for log in logs]
     starts = per_node[0] + per_node[1]
     assert sorted(rank for _, rank, _ in starts) == [0, 1, 2, 3], starts
     assert sorted(node for node, _, _ in starts) == [0, 0, 1, 1], starts
-    for lines in per_node:  # the processes of one torchrun are on one node, with local ranks 0 and 1
+    # the processes of one torchrun are on one node, with local ranks 0 and 1
+    for lines in per_node:
         assert len({node for node, _, _ in lines}) == 1, lines
         assert sorted(local for _, _, local in lines) == [0, 1], lines
     # ranks are numbered node by node: global = node * processes per node + local
@@ -194,7 +206,9 @@ def killed_run(request, corpus, tmp_path_factory):
     return run_dir, out, logs
 
 
-def test_simulation_static_rendezvous_ranks_node_local_preparation_and_losses(static_run, chapter01):
+def test_simulation_static_rendezvous_ranks_node_local_preparation_and_losses(
+    static_run, chapter01
+):
     run_dir, out, logs = static_run
     assert f"node logs:       {run_dir}/node0.log  {run_dir}/node1.log" in out
     assert_two_nodes_of_two(logs)
@@ -222,7 +236,9 @@ def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_the_uninterrup
     resumed = re.findall(
         r"restarted by torchrun \(restart 1\): resuming from \S+ at step (\d+)\n", "".join(logs)
     )
-    assert len(resumed) == 1 and int(resumed[0]) in range(EVAL_EVERY, ITERS, EVAL_EVERY), "".join(logs)
+    assert len(resumed) == 1 and int(resumed[0]) in range(EVAL_EVERY, ITERS, EVAL_EVERY), "".join(
+        logs
+    )
     # every step logged once, with the uninterrupted run's losses, and its final model. Not bit for
     # bit: the restarted processes' DDP lays out its gradient buckets afresh, which can change the
     # order in which the all-reduce adds 4 ranks' gradients (float rounding, ~1e-7 here; a step on
@@ -230,7 +246,9 @@ def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_the_uninterrup
     # are identical.
     reference = static_run[0]
     assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-6)
-    final, uninterrupted = (torch.load(d / "ckpt.pt", weights_only=True) for d in (run_dir, reference))
+    final, uninterrupted = (
+        torch.load(d / "ckpt.pt", weights_only=True) for d in (run_dir, reference)
+    )
     assert final["iter_num"] == uninterrupted["iter_num"] == ITERS
     assert final["model"].keys() == uninterrupted["model"].keys()
     for name, tensor in uninterrupted["model"].items():
@@ -242,7 +260,9 @@ def test_launch_scripts_and_slurm_script_parse_and_name_existing_files():
         script = CHAPTER / name
         subprocess.run(["bash", "-n", str(script)], check=True)
         # every repository path the script names exists (paths are relative to the repository root)
-        named = set(re.findall(r"(?<![\w/$.-])((?:0\d_\w+|common|tests)/[\w./-]+)", script.read_text()))
+        named = set(
+            re.findall(r"(?<![\w/$.-])((?:0\d_\w+|common|tests)/[\w./-]+)", script.read_text())
+        )
         assert named, name
         missing = [p for p in named if not (REPO / p).exists()]
         assert not missing, f"{name} names files that do not exist: {missing}"
@@ -250,9 +270,12 @@ def test_launch_scripts_and_slurm_script_parse_and_name_existing_files():
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in slurm
     assert "#SBATCH --ntasks-per-node=1" in slurm and "srun" in slurm
     assert "05_multinode/train.py" in slurm and "05_multinode/preflight.py" in slurm
-    # the c10d recipes give every restarted group a fresh store (the killed-worker test relies on it)
+    # the c10d recipes give every restarted group a fresh store (the killed-worker test relies on
+    # it)
     for name in ("slurm.sbatch", "launch_c10d.sh"):
-        assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in (CHAPTER / name).read_text(), name
+        assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in (CHAPTER / name).read_text(), (
+            name
+        )
 
 
 def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, corpus, tmp_path):
@@ -276,4 +299,5 @@ def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, 
             f"[rank {rank}] error: ranks [1] cannot see {out_dirs[rank] / 'ckpt.pt'}, which rank 0 wrote: "
             "put --out-dir on a file system that every node shares\n"
         ) in out, out
-        assert f"[rank{rank}]: Traceback" not in out  # the process's own (torchrun adds one of its own)
+        # the process's own (torchrun adds one of its own)
+        assert f"[rank{rank}]: Traceback" not in out

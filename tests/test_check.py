@@ -1,5 +1,7 @@
-"""tools/check.py: the chapter scripts are chapter 01's run, the exercises as given are not, and every
-mistake of the catalogue (tools/mistakes.py), planted in a copy of a chapter script, is caught and named.
+"""tools/check.py: the chapter scripts are chapter 01's run, the exercises as given are not, and
+every
+mistake of the catalogue (tools/mistakes.py), planted in a copy of a chapter script, is caught and
+named.
 
 Every check runs real processes (torchrun with 2 ranks for chapter 04) on the tiny model, 8 steps
 in float64. Chapter 01's reference run is made once per test process and reused by every check (the
@@ -42,7 +44,9 @@ def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
     code, out = run_check(capsys, out_root, exercise, *nproc)
     assert code == 2, out
-    assert out.startswith("could not run the script: ") and f"one sets chapter={chapter}" in out, out
+    assert out.startswith("could not run the script: ") and f"one sets chapter={chapter}" in out, (
+        out
+    )
     assert len(out.splitlines()) == 1, out
 
 
@@ -57,11 +61,14 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
 
 
 def test_chapter_04_with_two_ranks_is_the_same_run_and_resumes(capsys, out_root):
-    code, out = run_check(capsys, out_root, REPO / CHAPTERS[4] / "train.py", "--nproc-per-node", "2")
+    code, out = run_check(
+        capsys, out_root, REPO / CHAPTERS[4] / "train.py", "--nproc-per-node", "2"
+    )
     assert code == 0, out
     assert "on all 2 ranks; stopped at step 5 and resumed: the same end" in out, out
     png = re.search(r"^plot: (.*\.png)$", out, re.M)
-    assert png and (REPO / png.group(1)).is_file(), out  # a path relative to the course, or absolute
+    # a path relative to the course, or absolute
+    assert png and (REPO / png.group(1)).is_file(), out
 
 
 def planted_copy(folder: Path, mistake) -> Path:
@@ -76,7 +83,9 @@ def planted_copy(folder: Path, mistake) -> Path:
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
 def test_every_planted_mistake_is_caught_and_named(capsys, out_root, tmp_path, mistake):
     script = planted_copy(tmp_path / "copy", mistake)
-    code, out = run_check(capsys, out_root, script, "--nproc-per-node", str(mistake.plant_ranks), "--no-plot")
+    code, out = run_check(
+        capsys, out_root, script, "--nproc-per-node", str(mistake.plant_ranks), "--no-plot"
+    )
     assert code == 1, out
     assert "not the same run:" in out, out
     assert f"diagnosis: {mistake.name}: " in out, out
@@ -96,7 +105,9 @@ def test_a_script_that_fails_is_one_line_without_a_traceback(capsys, out_root, t
     code, out = run_check(capsys, out_root, tmp_path / "train.py", "--no-plot")
     assert code == 2, out
     last = out.splitlines()[-1]
-    assert last.startswith("could not run the script: AttributeError: ") and "grad_acum" in last, out
+    assert last.startswith("could not run the script: AttributeError: ") and "grad_acum" in last, (
+        out
+    )
     assert "Traceback" not in out
 
 

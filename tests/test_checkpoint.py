@@ -39,7 +39,8 @@ def save_tiny(out_dir: Path, iter_num: int, model: GPT | None = None, **train_co
 
 
 def test_round_trip_with_weights_only(tmp_path):
-    # only plain values of the training configuration are kept: a Path or an object would need pickled code
+    # only plain values of the training configuration are kept: a Path or an object would need
+    # pickled code
     model = save_tiny(tmp_path, 7, data_dir="data", lr=0.5, a_path=tmp_path, an_object=object())
     raw = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert raw["iter_num"] == 7
@@ -55,8 +56,16 @@ def test_round_trip_with_weights_only(tmp_path):
 
 
 def test_wrapper_prefixes_removed():
-    state = {"module.lm_head.weight": 1, "_orig_mod.module.ln_f.bias": 2, "transformer.h.0.ln_1.weight": 3}
-    assert clean_state_dict(state) == {"lm_head.weight": 1, "ln_f.bias": 2, "transformer.h.0.ln_1.weight": 3}
+    state = {
+        "module.lm_head.weight": 1,
+        "_orig_mod.module.ln_f.bias": 2,
+        "transformer.h.0.ln_1.weight": 3,
+    }
+    assert clean_state_dict(state) == {
+        "lm_head.weight": 1,
+        "ln_f.bias": 2,
+        "transformer.h.0.ln_1.weight": 3,
+    }
 
 
 def test_missing_truncated_and_foreign_checkpoints(tmp_path):
@@ -85,7 +94,8 @@ def test_shape_check_names_the_difference(tmp_path):
         check_same_shape(ckpt, model_config("tiny", block_size=64))
 
 
-# A process that saves a good checkpoint, then is SIGKILLed by itself halfway through writing the next.
+# A process that saves a good checkpoint, then is SIGKILLed by itself halfway through writing the
+# next.
 KILLED_MID_WRITE = r"""
 import os, signal, sys
 import torch
@@ -121,7 +131,8 @@ def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "not reached" not in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
-    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the half-written temporary file
+    # the half-written temporary file
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0
     ckpt = load_checkpoint(tmp_path)
     assert ckpt["iter_num"] == 1  # the previous one, whole
     GPT(GPTConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])
@@ -149,9 +160,13 @@ while True:
 
 
 def test_killed_from_outside_keeps_a_loadable_checkpoint(tmp_path):
-    proc = start([sys.executable, "-c", WRITES_FOREVER, tmp_path], stderr=subprocess.PIPE, new_session=False)
+    proc = start(
+        [sys.executable, "-c", WRITES_FOREVER, tmp_path], stderr=subprocess.PIPE, new_session=False
+    )
     try:
-        assert proc.stdout.readline().strip() == "1", proc.stderr.read() if proc.poll() is not None else ""
+        assert proc.stdout.readline().strip() == "1", (
+            proc.stderr.read() if proc.poll() is not None else ""
+        )
         time.sleep(0.7)  # somewhere in a later write
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -93,7 +93,9 @@ def tiny_pair(**overrides) -> tuple[GPT, GPT]:
 def batch(size: int = 8, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     shape = (size, PRESETS["tiny"].block_size)  # 8 x 32 = 256 positions: 2 chunks of CPU_CHUNK
-    return torch.randint(0, 50257, shape, generator=gen), torch.randint(0, 50257, shape, generator=gen)
+    return torch.randint(0, 50257, shape, generator=gen), torch.randint(
+        0, 50257, shape, generator=gen
+    )
 
 
 def test_the_model_trains_on_the_same_loss_and_gradients():
@@ -122,17 +124,22 @@ def test_tied_weight_gradient_arrives_once():
         fired = {name: 0 for name, _ in model.named_parameters()}
         for name, p in model.named_parameters():
             # the defaults bind this model's counts and this parameter's name to the hook
-            p.register_post_accumulate_grad_hook(lambda _, n=name, f=fired: f.__setitem__(n, f[n] + 1))
+            p.register_post_accumulate_grad_hook(
+                lambda _, n=name, f=fired: f.__setitem__(n, f[n] + 1)
+            )
         x, y = batch()
         model(x, y)[1].backward()
-        assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired  # one tensor, one name
+        # one tensor, one name
+        assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired
         assert set(fired.values()) == {1}, fired
 
 
 def count_matmuls(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
+    return sum(
+        e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_")
+    )
 
 
 def test_no_grad_does_no_gradient_work():
@@ -141,7 +148,8 @@ def test_no_grad_does_no_gradient_work():
     weight = torch.randn(VOCAB, 16, generator=gen, requires_grad=True)
     targets = torch.randint(0, VOCAB, (3 * CPU_CHUNK,), generator=gen)
     with torch.no_grad():
-        assert count_matmuls(lambda: chunked_cross_entropy(h, weight, targets)) == 3  # the logits of 3 chunks
+        # the logits of 3 chunks
+        assert count_matmuls(lambda: chunked_cross_entropy(h, weight, targets)) == 3
         loss = chunked_cross_entropy(h, weight, targets)
     assert loss.grad_fn is None
     # with gradients: 3 products per chunk (the logits, then d/dh and d/dW computed right away)
@@ -155,7 +163,8 @@ def test_bfloat16_autocast_on_the_cpu():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = chunked(x, y)[1]
         ref_loss = plain_model(x, y)[1]
-    assert loss.dtype == ref_loss.dtype == torch.float32  # the softmax runs in float32 on both paths
+    # the softmax runs in float32 on both paths
+    assert loss.dtype == ref_loss.dtype == torch.float32
     loss.backward()
     ref_loss.backward()
     assert rel_diff(loss, ref_loss) <= 1e-3  # both from bf16 products; only their rounding differs
@@ -173,7 +182,8 @@ def test_in_replica_threads_as_dataparallel_runs_it():
 
     def replica(i, xs, ys):
         try:
-            with torch.autocast("cpu", enabled=False):  # DataParallel sets each thread's autocast state
+            # DataParallel sets each thread's autocast state
+            with torch.autocast("cpu", enabled=False):
                 losses[i] = chunked(xs, ys)[1]
         except Exception as err:  # any error: reported below, in the test's thread
             errors.append(err)

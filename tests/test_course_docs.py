@@ -27,7 +27,8 @@ def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 
 def test_published_diffs_are_current():
-    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the train.py files."""
+    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the train.py
+    files."""
     proc = tool("tools/publish_diffs.py", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -48,7 +49,8 @@ def copy_course(tmp_path: Path) -> Path:
 
 def test_diff_check_fails_when_the_code_changes(tmp_path):
     root = copy_course(tmp_path)
-    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode != 0  # nothing published yet
+    # nothing published yet
+    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode != 0
     assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
     assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
 
@@ -80,7 +82,9 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
 def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp_path):
     root = copy_course(tmp_path)
     readme = root / FOLDERS[3] / "README.md"
-    text = re.sub(r"<!-- diff:begin[^>]*-->", '<!-- diff:begin keep="no_sync" -->', readme.read_text())
+    text = re.sub(
+        r"<!-- diff:begin[^>]*-->", '<!-- diff:begin keep="no_sync" -->', readme.read_text()
+    )
     readme.write_text(text)
     assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
     assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
@@ -88,7 +92,8 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     shown = readme.read_text().split("```diff\n")[1].split("```")[0]
     hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
     assert hunks and all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
-    assert all("no_sync" in hunk for hunk in hunks) and len(shown) < len(full)  # ... only the chosen ones
+    # ... only the chosen ones
+    assert all("no_sync" in hunk for hunk in hunks) and len(shown) < len(full)
     assert f"docs/diffs/{FOLDERS[3]}.diff" in readme.read_text()  # and a link to the whole diff
 
     # a key that no hunk changes (the code moved on) is reported, in --check and when publishing
@@ -104,7 +109,9 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     script = root / FOLDERS[3] / "train.py"
     script.write_text(script.read_text().replace("no_sync()", "no_sync( )", 1))
     proc = tool("tools/publish_diffs.py", "--check", "--root", root)
-    assert proc.returncode != 0 and f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
+    assert (
+        proc.returncode != 0 and f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
+    )
 
 
 def test_diffs_are_unified_diffs_of_neighbouring_chapters():
@@ -120,7 +127,9 @@ def test_diffs_are_unified_diffs_of_neighbouring_chapters():
 def assert_png(path: Path) -> None:
     assert path.exists(), f"{path} was not written"
     data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real figure ({len(data)} bytes)"
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, (
+        f"{path} is not a real figure ({len(data)} bytes)"
+    )
 
 
 def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
@@ -141,16 +150,24 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_png(figures / "parity_loss.png")
-    assert not (figures / "tokens_per_sec.png").exists()  # throughput comes from the benchmark, not from here
+    # throughput comes from the benchmark, not from here
+    assert not (figures / "tokens_per_sec.png").exists()
     assert not (figures / "memory_per_device.png").exists()  # no GPU run, no memory figure
     captions = (figures / "CAPTIONS.md").read_text()
     import torch
 
-    assert f"torch {torch.__version__}" in captions and "cores" in captions and "preset tiny" in captions
+    assert (
+        f"torch {torch.__version__}" in captions
+        and "cores" in captions
+        and "preset tiny" in captions
+    )
     assert "02 gradient accumulation" in captions
     # the float64 control: chapter 01 again in float64 (04 was not asked for), with its own command
     assert "--dtype float64" in captions and "01 one device in float64" in captions
-    assert "1 process, 4 micro-batches of 2" in (runs / "02_grad_accumulation" / "run.json").read_text()
+    assert (
+        "1 process, 4 micro-batches of 2"
+        in (runs / "02_grad_accumulation" / "run.json").read_text()
+    )
 
     # ... and from runs already made, without running anything
     again = tmp_path / "again"
@@ -192,9 +209,12 @@ DEEP_DIVES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "de
 MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in FOLDERS)]
 
 
-@pytest.mark.parametrize("page", ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *DEEP_DIVES])
+@pytest.mark.parametrize(
+    "page", ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *DEEP_DIVES]
+)
 def test_docs_name_files_that_exist(page):
-    """Every repository path a page names (`01_single_gpu/train.py`, `tools/make_plots.py`, ...) exists."""
+    """Every repository path a page names (`01_single_gpu/train.py`, `tools/make_plots.py`, ...)
+    exists."""
     text = (REPO / page).read_text()
     paths = set(
         re.findall(
@@ -232,7 +252,9 @@ def test_every_chapter_readme_has_the_five_parts_in_order(chapter):
         assert f"python tools/check.py {chapter}/exercise.py" in check
 
 
-@pytest.mark.parametrize("page", [*MAIN_PATH, *DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"])
+@pytest.mark.parametrize(
+    "page", [*MAIN_PATH, *DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"]
+)
 def test_links_between_pages_resolve(page):
     path = REPO / page
     missing = [
@@ -247,17 +269,21 @@ def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
     linked = set()
     for page in MAIN_PATH:
         linked |= {
-            (REPO / page).parent.joinpath(t).resolve() for t in LINK.findall((REPO / page).read_text())
+            (REPO / page).parent.joinpath(t).resolve()
+            for t in LINK.findall((REPO / page).read_text())
         }
     assert len(DEEP_DIVES) >= 5
     for page in [*DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"]:
         assert (REPO / page).resolve() in linked, f"no README links to {page}"
         first = (REPO / page).read_text().split("\n\n")[1]
-        assert not first.startswith(("#", "```", "|", "-")), f"{page} does not open with a paragraph"
+        assert not first.startswith(("#", "```", "|", "-")), (
+            f"{page} does not open with a paragraph"
+        )
 
 
 def test_the_readme_keeps_its_commands():
     text = (REPO / "README.md").read_text()
-    assert "python -m pytest -q " in text and "python -m pytest -m quick" in text  # CI runs the first
+    # CI runs the first
+    assert "python -m pytest -q " in text and "python -m pytest -m quick" in text
     assert "## Reading map" in text
     assert "jupyter execute" in text and "--output=" in text  # a command that saves the notebook

@@ -40,7 +40,10 @@ def quiet(*_):
 
 def all_tokens(folder: Path) -> np.ndarray:
     return np.concatenate(
-        [np.fromfile(folder / "train.bin", dtype=np.uint16), np.fromfile(folder / "val.bin", dtype=np.uint16)]
+        [
+            np.fromfile(folder / "train.bin", dtype=np.uint16),
+            np.fromfile(folder / "val.bin", dtype=np.uint16),
+        ]
     )
 
 
@@ -48,7 +51,8 @@ def expected_tokens(docs: list[str]) -> list[int]:
     return [t for doc in docs for t in encode(doc) + [eot_id()]]
 
 
-# ---- the default corpus ---------------------------------------------------------------------------
+# ---- the default corpus
+# ---------------------------------------------------------------------------
 
 
 def test_shakespeare_is_clean_play_text():
@@ -76,7 +80,8 @@ def test_shakespeare_prepared_files(data_dir):
     assert abs(len(val) / (len(train) + len(val)) - 0.1) < 0.001  # the last tenth is held out
     assert meta["documents"] == 38
     assert train.max() < 50257 and val.max() < 50257
-    assert (np.concatenate([train, val]) == eot_id()).sum() == 38  # one <|endoftext|> after each play
+    # one <|endoftext|> after each play
+    assert (np.concatenate([train, val]) == eot_id()).sum() == 38
 
 
 def test_prepare_is_idempotent(data_dir):
@@ -96,7 +101,8 @@ def test_prepare_is_deterministic(data_dir, tmp_path):
         assert (again / name).read_bytes() == (data_dir / "shakespeare" / name).read_bytes(), name
 
 
-# ---- local files through `datasets` -----------------------------------------------------------------
+# ---- local files through `datasets`
+# -----------------------------------------------------------------
 
 
 def test_local_text_file(tmp_path):
@@ -122,11 +128,13 @@ def test_local_text_file(tmp_path):
 def test_local_jsonl_file_with_processes(tmp_path):
     path = tmp_path / "lines.jsonl"
     path.write_text(
-        "".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8"
+        "".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(DOCS)),
+        encoding="utf-8",
     )
     # Dataset.map(num_proc=2)
     folder = prepare(str(path), tmp_path / "data", num_proc=2, text_column="body", log=quiet)
-    assert all_tokens(folder).tolist() == expected_tokens(DOCS)  # document order kept across processes
+    # document order kept across processes
+    assert all_tokens(folder).tolist() == expected_tokens(DOCS)
     single = prepare(str(path), tmp_path / "data1", num_proc=1, text_column="body", log=quiet)
     for name in ("train.bin", "val.bin"):
         assert (single / name).read_bytes() == (folder / name).read_bytes()
@@ -166,7 +174,8 @@ def test_inputs_and_targets_shifted_by_one(data_dir):
         x, y = train[i]
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (block,)
         assert torch.equal(x[1:], y[:-1])  # y is x moved one token on
-        assert x.tolist() == tokens[i * block : i * block + block].tolist()  # window i starts at i*T
+        # window i starts at i*T
+        assert x.tolist() == tokens[i * block : i * block + block].tolist()
         assert y.tolist() == tokens[i * block + 1 : i * block + block + 1].tolist()
     x, y = next(iter(batch_loader(train, RandomSampler(train, generator=torch.Generator()), 4)))
     assert x.shape == y.shape == (4, block) and torch.equal(x[:, 1:], y[:, :-1])
@@ -188,7 +197,8 @@ def test_validation_windows_fixed_and_spread(data_dir):
     assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)
 
 
-# ---- the data order of README.md, "How the chapters stay the same run" ----------------------------------
+# ---- the data order of README.md, "How the chapters stay the same run"
+# ----------------------------------
 
 
 @pytest.mark.quick
@@ -204,7 +214,9 @@ def chapter01_batches(train_set, seed: int, epoch: int, batch_size: int, skip_ba
     order = torch.Generator()
     sampler = RandomSampler(train_set, generator=order)
     order.manual_seed(seed + epoch)
-    return [x[:, 0] for x, _ in batch_loader(train_set, sampler, batch_size, skip_batches=skip_batches)]
+    return [
+        x[:, 0] for x, _ in batch_loader(train_set, sampler, batch_size, skip_batches=skip_batches)
+    ]
 
 
 def test_chapter01_loader_follows_the_permutation(tmp_path):

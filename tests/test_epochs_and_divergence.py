@@ -1,4 +1,5 @@
-"""Across epoch boundaries every chapter is still chapter 01's run, and a diverging run loses nothing.
+"""Across epoch boundaries every chapter is still chapter 01's run, and a diverging run loses
+nothing.
 
 A corpus of 29 training windows (part of one play) with a global batch of 8: an epoch is 3 steps
 and drops 5 windows, a remainder the global batch does not divide. Every run takes 8 steps, so it
@@ -16,7 +17,8 @@ Each must log chapter 01's loss at every step and end with its parameters. With 
 --grad-accum 2 each rank holds 7 micro-batches per epoch, one more than 3 steps use: a loop that ran
 its loader dry would take a half step there. Then the finished runs of 01 and 04 are resumed with
 --lr 1e6 and diverge: the divergence guard must stop them with one line (on every rank alike) and
-leave the checkpoint and metrics as they were. The runs go two at a time, chapter 01 in this process.
+leave the checkpoint and metrics as they were. The runs go two at a time, chapter 01 in this
+process.
 """
 
 from __future__ import annotations
@@ -92,14 +94,23 @@ def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
 
 def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int | None:
     """The first step whose loss differs from the reference's (by more than rounding), or None."""
-    assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (sorted(other), sorted(reference))
+    assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (
+        sorted(other),
+        sorted(reference),
+    )
     return next(
-        (i for i in sorted(reference) if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i])), None
+        (
+            i
+            for i in sorted(reference)
+            if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i])
+        ),
+        None,
     )
 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
-    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn it into
+    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn it
+    into
     ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data gives ~1e-2."""
     a, b = model_state(out_dir), model_state(reference_dir)
     assert a.keys() == b.keys()
@@ -115,7 +126,8 @@ def folder_state(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-# ---- the corpus and the runs, made once per module ------------------------------------------------
+# ---- the corpus and the runs, made once per module
+# ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +160,8 @@ def chapter01_in_this_process(args: list[str]) -> list[int]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TokenWindows, "__getitem__", recording)
         mp.setattr("sys.argv", [str(CH["01"]), *args])
-        namespace = runpy.run_path(str(CH["01"]), run_name="chapter01")  # defines main() without running it
+        # defines main() without running it
+        namespace = runpy.run_path(str(CH["01"]), run_name="chapter01")
         namespace["main"]()
     return read
 
@@ -197,11 +210,14 @@ def runs(corpus, tmp_path_factory) -> dict:
     def without_set_epoch():
         broken = root / "broken" / "train.py"
         broken.parent.mkdir()
-        broken.write_text(replace_statement(CH["04"].read_text(), SET_EPOCH, FORGOTTEN, "04_ddp/train.py"))
+        broken.write_text(
+            replace_statement(CH["04"].read_text(), SET_EPOCH, FORGOTTEN, "04_ddp/train.py")
+        )
         # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
         succeeded(torchrun(broken, args("04_no_set_epoch", **ACCUMULATE), PYTHONPATH=str(REPO)))
 
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two launches at a time; chapter 01 runs here meanwhile
+    # two launches at a time; chapter 01 runs here meanwhile
+    with ThreadPoolExecutor(max_workers=2) as pool:
         first = pool.submit(first_half)
         futures = [
             pool.submit(job)
@@ -218,9 +234,11 @@ def runs(corpus, tmp_path_factory) -> dict:
         ]
         last = pool.submit(resume_then_diverge, first)
         read = chapter01_in_this_process(args("01", batch_size=8))
-        # logs only every 100 steps and evaluates at step 12: its evaluation meets the broken parameters first
+        # logs only every 100 steps and evaluates at step 12: its evaluation meets the broken
+        # parameters first
         chapter01_diverged = run_python(
-            [CH["01"], *diverge("01_diverged", "01", log_interval=100, eval_interval=12)], check=False
+            [CH["01"], *diverge("01_diverged", "01", log_interval=100, eval_interval=12)],
+            check=False,
         )
         for future in futures:
             future.result()
@@ -232,7 +250,8 @@ def runs(corpus, tmp_path_factory) -> dict:
     return out | {"01_read": read, "diverged": diverged}
 
 
-# ---- every chapter is chapter 01's run, through the epoch boundaries --------------------------------
+# ---- every chapter is chapter 01's run, through the epoch boundaries
+# --------------------------------
 
 
 @pytest.mark.parametrize("name", ["02", "03", "04", "01_resumed", "05"])
@@ -252,7 +271,9 @@ def test_chapter01_visits_every_epoch_in_a_new_order(runs):
     epochs = [read[start : start + per_epoch] for start in range(0, len(read), per_epoch)]
     for e, windows in enumerate(epochs):
         assert len(set(windows)) == len(windows), f"epoch {e} reads a window twice"
-        assert windows == epoch_permutation(N_WINDOWS, SEED, e)[: len(windows)].tolist(), f"epoch {e}"
+        assert windows == epoch_permutation(N_WINDOWS, SEED, e)[: len(windows)].tolist(), (
+            f"epoch {e}"
+        )
     assert epochs[0] != epochs[1] and epochs[1][: len(epochs[2])] != epochs[2]
     # the dropped remainder is another 5 windows each epoch, so no window is left out for good
     dropped = [set(range(N_WINDOWS)) - set(epochs[e]) for e in (0, 1)]
@@ -289,24 +310,30 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     assert re.fullmatch(
         r"error: the run diverged at step 12: validation loss (nan|inf); no checkpoint was written from "
         r"it \(the last one, if any, is intact\); try a lower --lr, with --resume to continue from "
-        r"the checkpoint",  # --grad-clip 1.0 and float32 are in effect already: only --lr is advised
+        # --grad-clip 1.0 and float32 are in effect already: only --lr is advised
+        r"the checkpoint",
         lines[0],
     ), lines[0]
-    assert folder_state(folder) == before, "the checkpoint and metrics of the good run must stay as they were"
+    assert folder_state(folder) == before, (
+        "the checkpoint and metrics of the good run must stay as they were"
+    )
 
 
 def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     folder, before, proc = diverged["04"]
     assert proc.returncode != 0, proc.stdout + proc.stderr
     stops = re.findall(
-        r"\[rank (\d)\] error: the run diverged at step (\d+): (?:training loss|gradient)", proc.stderr
+        r"\[rank (\d)\] error: the run diverged at step (\d+): (?:training loss|gradient)",
+        proc.stderr,
     )
-    assert sorted(rank for rank, _ in stops) == ["0", "1"], proc.stderr  # both ranks, none left waiting
+    # both ranks, none left waiting
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], proc.stderr
     assert len({step for _, step in stops}) == 1, stops
     assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
     assert "timed out" not in (proc.stdout + proc.stderr).lower()
     assert (folder / "ckpt.pt").read_bytes() == before["ckpt.pt"]
-    # the good run's lines are kept; the steps after it that were still finite are logged, nothing else
+    # the good run's lines are kept; the steps after it that were still finite are logged, nothing
+    # else
     kept = before["metrics.jsonl"].decode()
     assert (folder / "metrics.jsonl").read_text().startswith(kept)
     assert_finite_metrics(folder)
@@ -327,7 +354,8 @@ def test_float16_skipped_steps_are_not_divergence():
     weight = model.weight.detach().clone()
     scaler.step(optimizer)
     scaler.update()
-    assert torch.equal(model.weight, weight) and scaler.get_scale() == 2.0**15  # the step was skipped
+    # the step was skipped
+    assert torch.equal(model.weight, weight) and scaler.get_scale() == 2.0**15
     assert not math.isfinite(grad_norm.item()) and math.isfinite(loss.item())
 
     stop_if_diverged(7, loss.item(), grad_norm, scaler)  # a skipped step: no error

@@ -50,16 +50,20 @@ def write(path: Path, text: str) -> Path:
 
 
 def latin1(path: Path) -> Path:
-    path.write_bytes("Café crème, à la française. Où est la bibliothèque ?\n".encode("latin-1") * 200)
+    path.write_bytes(
+        "Café crème, à la française. Où est la bibliothèque ?\n".encode("latin-1") * 200
+    )
     return path
 
 
 def binary(path: Path) -> Path:
-    path.write_bytes(torch.arange(4096, dtype=torch.int32).numpy().tobytes())  # as a saved array would be
+    # as a saved array would be
+    path.write_bytes(torch.arange(4096, dtype=torch.int32).numpy().tobytes())
     return path
 
 
-# name -> (the flags, or a function making them in the test's tmp_path; the words the error line must hold)
+# name -> (the flags, or a function making them in the test's tmp_path; the words the error line
+# must hold)
 CASES = {
     "unknown corpus name": (["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
     "missing file": (lambda tmp: ["--dataset", tmp / "missing.txt"], "no corpus file at"),
@@ -78,17 +82,34 @@ CASES = {
     ),
     # 9 training windows of 32 tokens, and a validation split just long enough for one window
     "corpus smaller than one batch": (
-        lambda tmp: ["--batch-size", 16, "--dataset", write(tmp / "few.txt", "To be, or not to be. " * 40)],
+        lambda tmp: [
+            "--batch-size",
+            16,
+            "--dataset",
+            write(tmp / "few.txt", "To be, or not to be. " * 40),
+        ],
         "9 windows, fewer than one batch of 16",
     ),
     "block size beyond GPT-2": (
         ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
         "--block-size 2048 is larger than GPT-2's 1024 positions",
     ),
-    "zero batch size": (["--batch-size", 0], "--batch-size: must be a positive whole number, got 0"),
-    "negative max iters": (["--max-iters", -1], "--max-iters: must be a positive whole number, got -1"),
-    "grad accum in chapter 01": (["--grad-accum", 2], "introduced in chapter 02 (02_grad_accumulation)"),
-    "negative learning rate": (["--lr", -1], "argument --lr: must be a finite number, zero or more, got -1"),
+    "zero batch size": (
+        ["--batch-size", 0],
+        "--batch-size: must be a positive whole number, got 0",
+    ),
+    "negative max iters": (
+        ["--max-iters", -1],
+        "--max-iters: must be a positive whole number, got -1",
+    ),
+    "grad accum in chapter 01": (
+        ["--grad-accum", 2],
+        "introduced in chapter 02 (02_grad_accumulation)",
+    ),
+    "negative learning rate": (
+        ["--lr", -1],
+        "argument --lr: must be a finite number, zero or more, got -1",
+    ),
     "latin-1 text": (
         lambda tmp: ["--dataset", latin1(tmp / "francais.txt")],
         "is not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8",
@@ -119,7 +140,8 @@ def test_unreadable_file(tmp_path, data_dir):
     path.chmod(0)
     try:
         fails_cleanly(
-            tiny_run_args(tmp_path / "data", tmp_path / "run", 5) + ["--dataset", path], "cannot read"
+            tiny_run_args(tmp_path / "data", tmp_path / "run", 5) + ["--dataset", path],
+            "cannot read",
         )
     finally:
         path.chmod(0o600)
@@ -152,7 +174,9 @@ def test_resume_damaged_checkpoint(damage, data_dir, earlier_copy):
     else:
         ckpt.write_bytes(b"not a checkpoint at all" * 100)
     before = snapshot(out_dir)
-    fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True), "unreadable, truncated or corrupted")
+    fails_cleanly(
+        tiny_run_args(data_dir, out_dir, 5, resume=True), "unreadable, truncated or corrupted"
+    )
     assert snapshot(out_dir) == before  # left for the reader to inspect or restore
 
 
@@ -185,7 +209,8 @@ def test_out_dir_that_is_a_file(data_dir, earlier_copy):
     ],
 )
 def test_optimizer_values_are_checked_before_anything_runs(flag, value, message, capsys):
-    """Every optimizer value AdamW would refuse with a traceback (or train on as nan), in every chapter."""
+    """Every optimizer value AdamW would refuse with a traceback (or train on as nan), in every
+    chapter."""
     from common.config import parse_args
 
     for chapter in range(1, 6):
@@ -202,7 +227,8 @@ def test_resume_with_another_global_batch_or_seed_is_refused():
     checkpoint = {"train_config": {"global_batch": 8, "seed": 1337}}
     check_resume(checkpoint, 8, 1337)  # e.g. chapter 01 with 8, or 2 ranks x 2 x K=2 in chapter 04
     with pytest.raises(
-        CourseError, match="trained with global_batch 8, this run has 16; resume with the same batch"
+        CourseError,
+        match="trained with global_batch 8, this run has 16; resume with the same batch",
     ):
         check_resume(checkpoint, 16, 1337)
     with pytest.raises(CourseError, match="trained with seed 1337, this run has 7"):

@@ -75,16 +75,21 @@ def image_env(tmp_path_factory) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, PATH=bins, **settings)
 
 
-def gpu_check(env, data_dir, tmp_path, timeout: float, **settings: str) -> subprocess.CompletedProcess:
+def gpu_check(
+    env, data_dir, tmp_path, timeout: float, **settings: str
+) -> subprocess.CompletedProcess:
     """`bash bench/gpu_check.sh`: its results in tmp_path/out, its work files in tmp_path/work."""
     folders = dict(OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
     script = ["bash", str(REPO / "bench" / "gpu_check.sh")]
     env = dict(env, **folders, **settings)
-    return subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        script, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_image_lacks_the_three_packages(image_env):
-    """The blocker works, and in the same way as a missing package (so the rehearsal means something)."""
+    """The blocker works, and in the same way as a missing package (so the rehearsal means
+    something)."""
     probe = (
         "import importlib.util, importlib.metadata, torch\n"
         f"for name in {MISSING!r}:\n"
@@ -128,19 +133,27 @@ def test_every_step_passes_on_the_image(rehearsal):
 
 
 def test_out_holds_few_small_files(rehearsal):
-    """What a lent machine brings back: at most 8 files, no deeper than $OUT/a/b/file, no checkpoint."""
+    """What a lent machine brings back: at most 8 files, no deeper than $OUT/a/b/file, no
+    checkpoint."""
     _, out, work = rehearsal
     files = [f for f in out.rglob("*") if f.is_file()]
-    assert sorted(f.name for f in files) == ["details.tar.gz", "environment.txt", "rows.json", "summary.md"]
+    assert sorted(f.name for f in files) == [
+        "details.tar.gz",
+        "environment.txt",
+        "rows.json",
+        "summary.md",
+    ]
     assert len(files) <= 8 and all(len(f.relative_to(out).parts) <= 3 for f in files)
     assert sum(f.stat().st_size for f in files) < 1_000_000
     assert list(work.rglob("ckpt.pt"))  # the checkpoints stayed in the work folder
     with tarfile.open(out / "details.tar.gz") as tar:
         names = tar.getnames()
     assert {f"details/{step}.log" for step in STEPS} <= set(names)
-    assert {"details/eager/benchmark.json", "details/loss_chunked.md", "details/gpu_vs_cpu.json"} <= set(
-        names
-    )
+    assert {
+        "details/eager/benchmark.json",
+        "details/loss_chunked.md",
+        "details/gpu_vs_cpu.json",
+    } <= set(names)
 
 
 def test_rows_and_summary_hold_the_figures(rehearsal):
@@ -176,12 +189,18 @@ def test_no_time_left_skips_every_step_and_says_how_to_rerun(image_env, data_dir
     assert f"failed steps: {' '.join(STEPS)}" in proc.stdout
     rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
     assert [(r["step"], r["status"]) for r in rows] == [(step, "skipped") for step in STEPS]
-    assert f"STEPS={','.join(STEPS)} bash bench/gpu_check.sh" in (tmp_path / "out" / "summary.md").read_text()
+    assert (
+        f"STEPS={','.join(STEPS)} bash bench/gpu_check.sh"
+        in (tmp_path / "out" / "summary.md").read_text()
+    )
 
 
 def test_a_compile_step_is_not_started_without_a_cold_compile_s_time(image_env, data_dir, tmp_path):
-    """STEPS picks steps; a compile step that would get less than COMPILE seconds is skipped, not cut."""
-    proc = gpu_check(image_env, data_dir, tmp_path, timeout=120, STEPS="compile", TOTAL="100", COMPILE="200")
+    """STEPS picks steps; a compile step that would get less than COMPILE seconds is skipped, not
+    cut."""
+    proc = gpu_check(
+        image_env, data_dir, tmp_path, timeout=120, STEPS="compile", TOTAL="100", COMPILE="200"
+    )
     assert proc.returncode == 1
     rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
     assert [(r["step"], r["status"]) for r in rows] == [("compile", "skipped")]
@@ -203,7 +222,11 @@ def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_
     )
     try:
         deadline = time.monotonic() + 300
-        while not (out / "details.tar.gz").exists() and check.poll() is None and time.monotonic() < deadline:
+        while (
+            not (out / "details.tar.gz").exists()
+            and check.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
         assert check.poll() is None, "the check ended before it could be stopped"
     finally:

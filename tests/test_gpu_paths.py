@@ -43,15 +43,20 @@ def run_like_parallel_apply(module, x: torch.Tensor, autocast_enabled: bool) -> 
 
 def test_a_new_thread_forgets_the_autocast_dtype_and_in_autocast_restores_it():
     cpu = torch.device("cpu")
-    default = torch.get_autocast_dtype("cpu")  # what a fresh thread gets (float16 for CUDA, bfloat16 here)
-    chosen = torch.float16 if default == torch.bfloat16 else torch.bfloat16  # the run chose the other one
+    # what a fresh thread gets (float16 for CUDA, bfloat16 here)
+    default = torch.get_autocast_dtype("cpu")
+    # the run chose the other one
+    chosen = torch.float16 if default == torch.bfloat16 else torch.bfloat16
     x = torch.randn(2, 8)
     with torch.autocast("cpu", dtype=chosen):
         enabled = torch.is_autocast_enabled("cpu")
         # the trap: the replica's thread computes in the default format, not the chosen one
         assert run_like_parallel_apply(torch.nn.Linear(8, 8), x, enabled) == default
         # the fix chapter 03 uses: the replica enters autocast itself, inside its thread
-        assert run_like_parallel_apply(in_autocast(torch.nn.Linear(8, 8), cpu, chosen), x, enabled) == chosen
+        assert (
+            run_like_parallel_apply(in_autocast(torch.nn.Linear(8, 8), cpu, chosen), x, enabled)
+            == chosen
+        )
     # and float32 stays float32 (no autocast entered)
     assert (
         run_like_parallel_apply(in_autocast(torch.nn.Linear(8, 8), cpu, torch.float32), x, False)
@@ -60,7 +65,9 @@ def test_a_new_thread_forgets_the_autocast_dtype_and_in_autocast_restores_it():
 
 
 def load_chapter03():
-    spec = importlib.util.spec_from_file_location("chapter03_train", REPO / "03_dataparallel" / "train.py")
+    spec = importlib.util.spec_from_file_location(
+        "chapter03_train", REPO / "03_dataparallel" / "train.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines the class and main(); main() does not run
     return module
@@ -73,7 +80,9 @@ def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(m
     seen = []
 
     def threads_like_torch(self, replicas, inputs, kwargs):
-        seen.extend(run_like_parallel_apply(r, *i, autocast_enabled=True) for r, i in zip(replicas, inputs))
+        seen.extend(
+            run_like_parallel_apply(r, *i, autocast_enabled=True) for r, i in zip(replicas, inputs)
+        )
         return []
 
     monkeypatch.setattr(torch.nn.DataParallel, "parallel_apply", threads_like_torch)
@@ -105,7 +114,9 @@ def test_mfu_divides_by_the_peak_of_all_devices():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Throughput"
         ]
         assert len(calls) == 1, script
-        assert [ast.unparse(k.value) for k in calls[0].keywords if k.arg == "devices"] == [devices], script
+        assert [ast.unparse(k.value) for k in calls[0].keywords if k.arg == "devices"] == [
+            devices
+        ], script
 
 
 # ---- 3. --dtype auto from the compute capability ---------------------------------------------
@@ -158,7 +169,8 @@ def test_peak_flops_lookup_by_real_device_names(name):
 def test_float16_peaks_of_older_gpus_and_unknown_gpus():
     assert peak_flops_of("Tesla T4", torch.float16) == 65e12
     assert peak_flops_of("Tesla V100-SXM2-32GB", torch.float16) == 125e12
-    assert peak_flops_of("Tesla V100-PCIE-16GB", torch.float16) == 112e12  # the variant, not the bare name
+    # the variant, not the bare name
+    assert peak_flops_of("Tesla V100-PCIE-16GB", torch.float16) == 112e12
     assert peak_flops_of("NVIDIA RTX A6000", torch.bfloat16) is None  # not in the table: no guess
 
 
@@ -196,16 +208,23 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
 
     checkpoint = saved_and_loaded(7, scaler)
     assert checkpoint["scaler"]["scale"] == 16384.0
-    assert checkpoint["rng_cuda"] is None  # this process never used CUDA; on a GPU it holds its generator
+    # this process never used CUDA; on a GPU it holds its generator
+    assert checkpoint["rng_cuda"] is None
 
     resumed = torch.amp.GradScaler("cpu", init_scale=65536.0)
-    assert restore_training_state(checkpoint, torch.optim.AdamW(model.parameters(), lr=1e-3), resumed) == 7
+    assert (
+        restore_training_state(checkpoint, torch.optim.AdamW(model.parameters(), lr=1e-3), resumed)
+        == 7
+    )
     assert resumed.get_scale() == 16384.0  # not back at 65,536
 
     # a bfloat16/float32 run has a disabled scaler: it saves nothing and loads nothing
     checkpoint = saved_and_loaded(8, torch.amp.GradScaler("cpu", enabled=False))
     assert checkpoint["scaler"] == {}
-    assert restore_training_state(checkpoint, torch.optim.AdamW(model.parameters(), lr=1e-3), resumed) == 8
+    assert (
+        restore_training_state(checkpoint, torch.optim.AdamW(model.parameters(), lr=1e-3), resumed)
+        == 8
+    )
     assert resumed.get_scale() == 16384.0  # an empty state leaves an enabled scaler as it was
 
 

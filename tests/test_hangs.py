@@ -1,4 +1,5 @@
-"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed, and is fixed.
+"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed, and
+is fixed.
 
 The launches are slow to start (each imports torch three times) and the hang cases spend most of
 their time waiting for a timeout, so the module starts all of them at once and each test reads
@@ -36,7 +37,9 @@ class Launch:
         self.started = time.monotonic()
         self.proc = start(cmd, **env)
         self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader = threading.Thread(
+            target=lambda: self.lines.extend(self.proc.stdout), daemon=True
+        )
         self.reader.start()
 
     def wait_for(self, pattern: str, limit: float = LAUNCH_LIMIT) -> re.Match:
@@ -56,7 +59,9 @@ class Launch:
             self.proc.wait(timeout=max(1.0, self.started + LAUNCH_LIMIT - time.monotonic()))
         except subprocess.TimeoutExpired:
             stop_launchers([self.proc])
-            raise AssertionError("the launch did not end within its limit:\n" + "".join(self.lines)) from None
+            raise AssertionError(
+                "the launch did not end within its limit:\n" + "".join(self.lines)
+            ) from None
         self.reader.join(timeout=10)
         return self.proc.returncode, "".join(self.lines), time.monotonic() - self.started
 
@@ -81,7 +86,9 @@ def launches(tmp_path_factory):
         ),
     }
     # and the script started without torchrun, at the same time
-    alone = start([sys.executable, HANGS, "--case", "order"], stderr=subprocess.PIPE, new_session=False)
+    alone = start(
+        [sys.executable, HANGS, "--case", "order"], stderr=subprocess.PIPE, new_session=False
+    )
     yield runs | {"alone": alone}
     stop_launchers([run.proc for run in runs.values()] + [alone])
 
@@ -94,7 +101,8 @@ def ended_with_failure(run: Launch) -> str:
 
 
 def assert_collectives(out: str, op: str, shapes: list[int]) -> None:
-    """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running: rank r
+    """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running: rank
+    r
     an `op` of a tensor of shape [shapes[r]]."""
     for rank, shape in enumerate(shapes):
         running = rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
@@ -116,7 +124,8 @@ def test_different_shapes_are_named_by_the_collective_check(launches):
 
 def test_different_order_is_named_by_the_flight_recorder(launches):
     out = ended_with_failure(launches["order"])
-    assert f"Timed out waiting {PG_TIMEOUT * 1000}ms" in out  # the default: each rank's timeout, nothing more
+    # the default: each rank's timeout, nothing more
+    assert f"Timed out waiting {PG_TIMEOUT * 1000}ms" in out
     # each rank's last collective, the same sequence number, different operations and callers
     last = dict(
         re.findall(

@@ -1,4 +1,5 @@
-"""What a reader sees before and after a run goes wrong: --help's defaults and the divergence advice."""
+"""What a reader sees before and after a run goes wrong: --help's defaults and the divergence
+advice."""
 
 from __future__ import annotations
 
@@ -39,9 +40,12 @@ def advice(grad_clip, dtype) -> str:
 
 
 def test_divergence_advice_names_only_what_would_change():
-    assert advice(0.0, torch.bfloat16).startswith("a lower --lr, --grad-clip 1.0 or --dtype float32,")
+    assert advice(0.0, torch.bfloat16).startswith(
+        "a lower --lr, --grad-clip 1.0 or --dtype float32,"
+    )
     assert advice(5.0, torch.float32).startswith("a lower --lr or --grad-clip 1.0,")
     assert advice(1.0, torch.float16).startswith("a lower --lr or --dtype float32,")
-    assert advice(1.0, torch.float32).startswith("a lower --lr,")  # clipping and float32 are on already
+    # clipping and float32 are on already
+    assert advice(1.0, torch.float32).startswith("a lower --lr,")
     assert advice(0.5, torch.float64).startswith("a lower --lr,")
     assert "with --resume" in advice(1.0, torch.float32)

@@ -1,4 +1,5 @@
-"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (Hugging Face's logits)."""
+"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (Hugging Face's
+logits)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls
 
 
 def test_vocabulary_padded_to_multiple_of_64():
-    assert 50304 % 64 == 0 and 50304 - 64 < 50257 <= 50304  # the smallest multiple of 64 that holds GPT-2's
+    # the smallest multiple of 64 that holds GPT-2's
+    assert 50304 % 64 == 0 and 50304 - 64 < 50257 <= 50304
     for name, cfg in PRESETS.items():
         assert cfg.vocab_size == 50304, name
 
@@ -22,22 +24,28 @@ def test_vocabulary_padded_to_multiple_of_64():
 @pytest.mark.quick
 def test_presets_and_overrides():
     cfg = model_config("tiny", n_embd=64, block_size=None)
-    assert cfg.n_embd == 64 and cfg.block_size == PRESETS["tiny"].block_size  # None keeps the preset
+    # None keeps the preset
+    assert cfg.n_embd == 64 and cfg.block_size == PRESETS["tiny"].block_size
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("huge")
 
 
 def expected_params(cfg: GPTConfig) -> int:
-    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + final LayerNorm."""
+    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + final
+    LayerNorm."""
     C = cfg.n_embd
     return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
 
 
 def test_num_params():
-    for cfg in (PRESETS["tiny"], model_config("tiny", n_layer=3, n_embd=48, n_head=3, block_size=20)):
+    for cfg in (
+        PRESETS["tiny"],
+        model_config("tiny", n_layer=3, n_embd=48, n_head=3, block_size=20),
+    ):
         model = GPT(cfg)
         assert model.num_params(non_embedding=False) == expected_params(cfg)
-        assert model.num_params() == expected_params(cfg) - cfg.block_size * cfg.n_embd  # positions left out
+        # positions left out
+        assert model.num_params() == expected_params(cfg) - cfg.block_size * cfg.n_embd
         assert model.lm_head.weight is model.transformer.wte.weight  # tied: counted once
     # GPT-2 small has 124,439,808 parameters; ours has 47 padded vocabulary rows more
     assert expected_params(PRESETS["gpt2"]) == 124_439_808 + 47 * 768
@@ -89,7 +97,9 @@ def test_optimizer_groups_decay_matrices_only():
     model = GPT(PRESETS["tiny"])
     decay, no_decay = model.optimizer_groups(0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(
+        p.dim() < 2 for p in no_decay["params"]
+    )
     n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert n == model.num_params(non_embedding=False)
 
@@ -99,7 +109,8 @@ def test_generate_shape_and_determinism():
     model = GPT(PRESETS["tiny"]).eval()
     prompt = torch.tensor([[15496, 995]])
     runs = [
-        model.generate(prompt, 40, top_k=50, generator=torch.Generator().manual_seed(3)) for _ in range(2)
+        model.generate(prompt, 40, top_k=50, generator=torch.Generator().manual_seed(3))
+        for _ in range(2)
     ]
     assert runs[0].shape == (1, 42)  # longer than block_size 32: the context is cropped
     assert torch.equal(runs[0], runs[1])
@@ -131,7 +142,8 @@ def hf_gpt2(n_positions: int = 64):
         activation_function="gelu_new",
     )
     model = GPT2LMHeadModel(config).eval()
-    # random biases and gains too, so a missed or transposed tensor cannot hide behind zeros and ones
+    # random biases and gains too, so a missed or transposed tensor cannot hide behind zeros and
+    # ones
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -144,7 +156,13 @@ def test_hugging_face_logits_match():
     # the plain loss (chunked_loss=False) returns the logits of every position along with the loss
     model = GPT(
         GPTConfig(
-            block_size=64, n_layer=2, n_head=2, n_embd=32, vocab_size=50304, bias=True, chunked_loss=False
+            block_size=64,
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            vocab_size=50304,
+            bias=True,
+            chunked_loss=False,
         )
     ).eval()
     load_hf_gpt2_state_dict(model, hf.state_dict())
@@ -168,7 +186,9 @@ def test_hugging_face_shorter_block_and_wrong_shapes():
     load_hf_gpt2_state_dict(short, hf.state_dict())  # positions are cut to block_size
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(short(idx, idx)[0][..., :50257], hf(idx).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            short(idx, idx)[0][..., :50257], hf(idx).logits, atol=1e-5, rtol=1e-5
+        )
     with pytest.raises(ValueError, match="larger than the 64 positions"):
         load_hf_gpt2_state_dict(
             GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32)), hf.state_dict()

@@ -1,6 +1,8 @@
-"""Every chapter's notebook runs top to bottom on the CPU, and its committed notebook.ipynb is its source run.
+"""Every chapter's notebook runs top to bottom on the CPU, and its committed notebook.ipynb is its
+source run.
 
-Each chapter's source, notebook.py, is executed here afresh in a real Jupyter kernel (nbclient), from
+Each chapter's source, notebook.py, is executed here afresh in a real Jupyter kernel (nbclient),
+from
 its chapter folder, with the session's prepared corpus (COURSE_DATA_DIR), so a failing cell —
 including the notebook's own checks that a chapter matches chapter 01 — fails its test. The
 committed outputs are not trusted: `tools/build_notebooks.py --check` only proves that each
@@ -29,13 +31,18 @@ def python3_kernel():
     from jupyter_client.kernelspec import KernelSpecManager
 
     if KERNEL not in KernelSpecManager().find_kernel_specs():
-        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--user", "--name", KERNEL], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "ipykernel", "install", "--user", "--name", KERNEL], check=True
+        )
     return KERNEL
 
 
 def test_committed_notebooks_are_their_sources_run():
     proc = subprocess.run(
-        [sys.executable, "tools/build_notebooks.py", "--check"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "tools/build_notebooks.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -60,7 +67,10 @@ def test_check_names_a_stale_notebook_and_its_fix(tmp_path, capsys):
     with (tmp_path / chapter / "notebook.py").open("a") as f:
         f.write('\n# %%\nprint("a new cell")\n')
     assert main(["--check", "--root", str(tmp_path)]) == 1
-    assert f"{chapter}/notebook.ipynb: its cells differ from notebook.py's {fix}" in capsys.readouterr().out
+    assert (
+        f"{chapter}/notebook.ipynb: its cells differ from notebook.py's {fix}"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.timeout(300)
@@ -79,7 +89,8 @@ def test_notebook_runs(chapter, data_dir, python3_kernel):
 
 
 def test_the_readme_set_up_installs_jupyter_lab():
-    """`pip install -r requirements-dev.txt`, the README's set-up, must give a working `jupyter lab`."""
+    """`pip install -r requirements-dev.txt`, the README's set-up, must give a working `jupyter
+    lab`."""
     assert any(
         line.split(">")[0].split("=")[0].strip() == "jupyterlab"
         for line in (REPO / "requirements-dev.txt").read_text().splitlines()
@@ -88,4 +99,6 @@ def test_the_readme_set_up_installs_jupyter_lab():
     proc = subprocess.run(
         [sys.executable, "-m", "jupyter", "lab", "--version"], capture_output=True, text=True
     )
-    assert proc.returncode == 0 and proc.stdout.strip().split(".")[0].isdigit(), proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip().split(".")[0].isdigit(), (
+        proc.stdout + proc.stderr
+    )

@@ -1,4 +1,5 @@
-"""A scheduler's stop signal: the run saves the step it is in, stops with one line, and resumes exactly.
+"""A scheduler's stop signal: the run saves the step it is in, stops with one line, and resumes
+exactly.
 
 - Under torchrun (2 ranks, chapter 04), SIGTERM to the whole process group mid-run: one line from
   rank 0, a checkpoint of the last step finished, and `--resume` ends with the parameters of
@@ -98,15 +99,19 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     _, output = stops["ddp"]
     step = checkpoint(out["ddp"])["iter_num"]
     assert 2 <= step < ITERS, output
-    assert step == max(logged_losses(out["ddp"])), output  # the checkpoint holds the last step finished
+    # the checkpoint holds the last step finished
+    assert step == max(logged_losses(out["ddp"])), output
     lines = output.splitlines()
-    assert [line for line in lines if "stopped by" in line] == ["[rank 0] " + STOP_LINE.format(step=step)]
+    assert [line for line in lines if "stopped by" in line] == [
+        "[rank 0] " + STOP_LINE.format(step=step)
+    ]
     assert "[rank 0] Traceback" not in output and "[rank 1] Traceback" not in output
 
     run_torchrun("04_ddp/train.py", 2, [*run_args(data_dir, out["ddp"], 4), "--resume"])
     resumed, uninterrupted = checkpoint(out["ddp"]), checkpoint(out["reference"])
     assert resumed["iter_num"] == uninterrupted["iter_num"] == ITERS
-    for name, tensor in uninterrupted["model"].items():  # two processes of 4 against one of 8: rounding
+    # two processes of 4 against one of 8: rounding
+    for name, tensor in uninterrupted["model"].items():
         torch.testing.assert_close(resumed["model"][name], tensor, rtol=1e-9, atol=1e-12)
     ddp_losses, reference_losses = logged_losses(out["ddp"]), logged_losses(out["reference"])
     assert ddp_losses.keys() == reference_losses.keys()
@@ -123,7 +128,8 @@ def test_sigterm_stops_chapter_01_with_one_line_and_status_75(runs):
     assert step == max(logged_losses(out["single"]))
 
 
-# ---- in-process: the signal handling ----------------------------------------------------------------
+# ---- in-process: the signal handling
+# ----------------------------------------------------------------
 
 
 @pytest.fixture
@@ -143,7 +149,9 @@ def test_stop_signal_names():
             stop_signal(wrong)
 
 
-def test_a_repeat_is_the_same_stop_and_a_later_signal_stops_at_once(restore_signal_handlers, monkeypatch):
+def test_a_repeat_is_the_same_stop_and_a_later_signal_stops_at_once(
+    restore_signal_handlers, monkeypatch
+):
     preemption = Preemption("USR1")
     assert not preemption.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
@@ -188,7 +196,8 @@ def test_run_main_lines_and_statuses(restore_signal_handlers):
     )
 
 
-# ---- 05_multinode/slurm.sbatch: the job stops, is requeued, and the next one resumes ---------------
+# ---- 05_multinode/slurm.sbatch: the job stops, is requeued, and the next one resumes
+# ---------------
 
 FAKE_SRUN = """#!/bin/bash
 # srun as far as the script needs it: the preflight ends at once; the training records its words,
@@ -241,7 +250,8 @@ def test_slurm_script_passes_the_stop_on_requeues_and_the_next_job_resumes(tmp_p
     assert "--resume" not in words[0] and "--max-iters 9" in words[0]
     assert first.returncode == 75, output
 
-    # the requeued job: the same job id, so the same folder, where the stopped run left its checkpoint
+    # the requeued job: the same job id, so the same folder, where the stopped run left its
+    # checkpoint
     out_dir.mkdir()
     (out_dir / "ckpt.pt").write_bytes(b"")
     log.unlink()

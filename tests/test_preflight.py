@@ -20,7 +20,9 @@ def run_two_nodes(
     # and stops them when it gets SIGTERM
     procs = [start(cmd) for cmd in two_node_commands(script, nproc, args)]
     outputs = outputs_of(procs, timeout)
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)
+    ]
 
 
 def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
@@ -36,7 +38,11 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
         re.MULTILINE,
     )
     assert sorted(intro) == [("0", "0", "0"), ("1", "1", "0")]
-    for variable in ("MASTER_ADDR=127.0.0.1", "NCCL_SOCKET_IFNAME=", "TORCHELASTIC_RESTART_COUNT=0"):
+    for variable in (
+        "MASTER_ADDR=127.0.0.1",
+        "NCCL_SOCKET_IFNAME=",
+        "TORCHELASTIC_RESTART_COUNT=0",
+    ):
         assert variable in out
     # the static rendezvous: torchrun's store, prefixed per attempt
     assert "TORCHELASTIC_USE_AGENT_STORE=True" in out
@@ -46,7 +52,9 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
     assert "preflight PASSED: 2 ranks on 2 node(s)" in nodes[0].stdout
 
     # rank 0's table: one row per size; with 2 ranks, busbw = algbw * 2(W-1)/W = algbw
-    rows = re.findall(r"^\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", nodes[0].stdout, re.MULTILINE)
+    rows = re.findall(
+        r"^\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", nodes[0].stdout, re.MULTILINE
+    )
     assert [float(r[0]) for r in rows] == [0.1, 1.0]
     for _, ms, algbw, busbw in rows:
         assert float(ms) > 0 and float(algbw) > 0 and busbw == algbw

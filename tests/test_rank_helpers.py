@@ -32,7 +32,9 @@ def test_the_second_node_counts_its_gpus_from_0():
 
 
 def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
-    with pytest.raises(CourseError, match=r"LOCAL_RANK 8, but this machine has 8 GPU\(s\).*--nproc_per_node"):
+    with pytest.raises(
+        CourseError, match=r"LOCAL_RANK 8, but this machine has 8 GPU\(s\).*--nproc_per_node"
+    ):
         rank_device("auto", 8, 9, cuda_gpus=8)
 
 
@@ -71,7 +73,8 @@ def test_without_gpus_the_ranks_use_the_cpu():
     "ranks, cores, omp, expected",
     [
         (2, 16, None, (8, "16 cores / 2 rank(s)")),  # torch alone would give each rank all 16
-        (2, 16, "1", (8, "16 cores / 2 rank(s)")),  # torchrun's OMP_NUM_THREADS=1 would leave 14 idle
+        # torchrun's OMP_NUM_THREADS=1 would leave 14 idle
+        (2, 16, "1", (8, "16 cores / 2 rank(s)")),
         (3, 2, None, (1, "2 cores / 3 rank(s)")),  # never fewer than one
         (2, 16, "4", (None, "OMP_NUM_THREADS")),  # the reader's own choice stays
         (1, 16, None, (None, "torch's default")),  # a single rank has the CPU to itself
@@ -93,7 +96,9 @@ def test_a_retired_flag_is_refused_after_its_last_chapter():
 
 def _count_differing_copies(rank: int, port: int, results) -> None:
     """One rank of a real gloo group of two on 127.0.0.1, with copies that start equal, then not."""
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60)
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         for same_start in (True, False):

@@ -62,7 +62,9 @@ def test_readme_totals_are_the_codes():
     files = closure("01_single_gpu/train.py")
     total = sum(map(lines, files))
     assert total <= LIMIT, f"chapter 01's reading path grew to {total} lines (limit {LIMIT})"
-    assert {REPO / f for f in READ_FOR_01} <= files, "the map names a file chapter 01 does not import"
+    assert {REPO / f for f in READ_FOR_01} <= files, (
+        "the map names a file chapter 01 does not import"
+    )
     to_read = [lines(REPO / f) for f in READ_FOR_01]
     expected = (
         f"Chapter 01's script and every repository file it imports come to {total:,} lines in "
@@ -79,5 +81,6 @@ def test_every_common_module_serves_a_chapter():
         *(closure(f"{c}/train.py") for c in sorted(p.parent.name for p in REPO.glob("0*/train.py")))
     )
     modules = {p for p in (REPO / "common").rglob("*.py") if p.name != "__init__.py"}
-    learner_commands = {REPO / "common/sample.py"}  # python -m common.sample: the learner's own command
+    # python -m common.sample: the learner's own command
+    learner_commands = {REPO / "common/sample.py"}
     assert modules - used - learner_commands == set()

@@ -1,6 +1,7 @@
 """One number, one source: the texts quote only figures that bench/results/results.json holds.
 
-bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every measured
+bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every
+measured
 figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up, an
 efficiency, a loss, a memory size) must be one the results hold. The texts are read when the test
 runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks, inline
@@ -29,7 +30,9 @@ def test_results_md_is_rendered_from_the_json():
 def test_every_entry_says_where_when_and_how_it_was_measured():
     for entry in results.load()["entries"]:
         missing = [
-            k for k in ("section", "name", "what", "machine", "torch", "command", "date") if not entry.get(k)
+            k
+            for k in ("section", "name", "what", "machine", "torch", "command", "date")
+            if not entry.get(k)
         ]
         assert not missing, f"entry {entry.get('name')!r} lacks {missing}"
         assert entry.get("value") or entry.get("table") or entry.get("output"), (

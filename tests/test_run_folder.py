@@ -1,4 +1,5 @@
-"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress always shows.
+"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress always
+shows.
 
 - A new run refuses a folder that holds a run (chapter 01, chapter 04 under torchrun, and the
   two-node simulation), and the earlier run's files stay byte for byte as they were.
@@ -7,7 +8,8 @@
 - Ctrl-C under torchrun: one `[rank R]` line from every rank; SIGTERM: one from rank 0 (the run
   saves the step it is in); no worker traceback.
 - Under a pseudo-terminal without a size, the run still prints its progress lines.
-- A file system that cannot lock (flock's ENOLCK, ENOSYS) is named, with the way on (COURSE_NO_LOCK=1).
+- A file system that cannot lock (flock's ENOLCK, ENOSYS) is named, with the way on
+(COURSE_NO_LOCK=1).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from tools.launch import REPO, child_env, run_python, stop_launchers, torchrun_c
 
 
 def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:
-    """Read proc's merged output until `needle` appears (or the process ends); returns what was read."""
+    """Read proc's merged output until `needle` appears (or the process ends); returns what was
+    read."""
     seen, deadline = "", time.monotonic() + limit
     while needle not in seen and time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
@@ -51,11 +54,16 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
 
     # the classic sequence: a different quick run with the same --out-dir
     proc = run_python(
-        ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=3, preset="tiny")], check=False
+        ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=3, preset="tiny")],
+        check=False,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
-    assert "already holds a run" in proc.stderr and "--resume" in proc.stderr and "--out-dir" in proc.stderr
+    assert (
+        "already holds a run" in proc.stderr
+        and "--resume" in proc.stderr
+        and "--out-dir" in proc.stderr
+    )
     assert snapshot(out) == before  # nothing of the earlier run lost
 
     # under torchrun every rank stops with rank 0's verdict (none is left waiting in a collective)
@@ -93,18 +101,23 @@ def test_the_two_node_simulation_refuses_a_folder_that_holds_a_run(data_dir, tmp
         env=child_env(RUN_DIR=str(run_dir)),
         timeout=60,
     )
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
+    assert (
+        proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
+    )
     assert (run_dir / "node0.log").read_text() == "the earlier run's log\n"
 
 
-def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goes_with_it(data_dir, tmp_path):
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goes_with_it(
+    data_dir, tmp_path
+):
     out = tmp_path / "busy"
     args = tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2)
     first = start([sys.executable, "01_single_gpu/train.py", *args], new_session=False)
     try:
         assert "checkpoint saved" in wait_for(first, "checkpoint saved")
         second = run_python(
-            ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"], check=False
+            ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"],
+            check=False,
         )
         assert second.returncode == 2 and second.stderr.startswith("error: ")
         assert "in use by a run that is still going" in second.stderr
@@ -114,7 +127,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
         first.wait()
     # the operating system dropped the dead run's lock: continuing its run works
     proc = run_python(
-        ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"], check=False
+        ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"],
+        check=False,
     )
     assert "in use" not in proc.stderr
 
@@ -122,7 +136,15 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
 def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
     run_dir = tmp_path / "sim"
     env = {"RUN_DIR": str(run_dir), "NPROC_PER_NODE": "1"}
-    flags = ["--max-iters", "100000", "--data-dir", str(data_dir), "--shared-fs", "--eval-batches", "1"]
+    flags = [
+        "--max-iters",
+        "100000",
+        "--data-dir",
+        str(data_dir),
+        "--shared-fs",
+        "--eval-batches",
+        "1",
+    ]
     first = start(["bash", "05_multinode/simulate_two_nodes.sh", *flags], **env)
     try:
         assert "iter" in wait_for(first, "iter")
@@ -151,9 +173,11 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
             seen = wait_for(proc, "iter")
             assert "iter" in seen, seen
             if sig == signal.SIGINT:
-                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground job
+                # Ctrl-C: the terminal signals the whole foreground job
+                os.killpg(proc.pid, signal.SIGINT)
             else:
-                proc.send_signal(signal.SIGTERM)  # torchrun alone: it passes SIGTERM on to its workers
+                # torchrun alone: it passes SIGTERM on to its workers
+                proc.send_signal(signal.SIGTERM)
             rest, _ = proc.communicate(timeout=60)
         finally:
             stop_launchers([proc])
@@ -161,19 +185,28 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
         # Ctrl-C: every rank stops at once; SIGTERM: the ranks end their step, rank 0 saves it and
         # speaks for all (tests/test_preemption.py)
         for rank in (0, 1) if sig == signal.SIGINT else (0,):
-            assert sum(f"[rank {rank}] stopped by {sig.name}" in line for line in lines) == 1, seen + rest
+            assert sum(f"[rank {rank}] stopped by {sig.name}" in line for line in lines) == 1, (
+                seen + rest
+            )
         if sig == signal.SIGTERM:
             assert not [line for line in lines if "[rank 1] stopped by" in line], seen + rest
-        assert not [line for line in lines if "stopped by" in line and not line.startswith("[rank ")]
+        assert not [
+            line for line in lines if "stopped by" in line and not line.startswith("[rank ")
+        ]
         assert "[rank 0] Traceback" not in seen + rest and "[rank 1] Traceback" not in seen + rest
 
 
 def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_path):
-    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: a terminal that reports 0 columns."""
+    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: a terminal that reports 0
+    columns."""
     parent, child = pty.openpty()
     assert os.get_terminal_size(child).columns == 0
     proc = subprocess.Popen(
-        [sys.executable, "01_single_gpu/train.py", *tiny_run_args(data_dir, tmp_path / "pty", max_iters=4)],
+        [
+            sys.executable,
+            "01_single_gpu/train.py",
+            *tiny_run_args(data_dir, tmp_path / "pty", max_iters=4),
+        ],
         cwd=REPO,
         env=child_env(),
         stdin=child,
@@ -195,7 +228,9 @@ def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_pat
     assert "iter      4 | loss" in text, text
 
 
-def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock(tmp_path, monkeypatch):
+def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock(
+    tmp_path, monkeypatch
+):
     """flock's own errors, planted: only EWOULDBLOCK means another run; ENOLCK (NFS without its lock
     service) and ENOSYS (Lustre without flock) mean the file system cannot lock."""
 

@@ -1,4 +1,5 @@
-"""04_ddp/zero1.py (ZeRO-1 from scratch) and ZeroRedundancyOptimizer against DDP + AdamW and chapter 01.
+"""04_ddp/zero1.py (ZeRO-1 from scratch) and ZeroRedundancyOptimizer against DDP + AdamW and chapter
+01.
 
 All runs are real processes; the runs are made once (a module fixture) and shared:
 
@@ -31,7 +32,8 @@ CHAPTER01 = REPO / "01_single_gpu" / "train.py"
 WORKER = REPO / "tests" / "workers" / "zero_worker.py"
 ITERS, SAVE_AT, CLIP = 10, 5, 1.0
 REL = 1e-5  # losses, as chapter 04's tests: float32, dropout 0, only the order of additions differs
-PARAM_ATOL = 2e-5  # parameters after 10 AdamW steps: rounding, amplified a little by Adam's division
+# parameters after 10 AdamW steps: rounding, amplified a little by Adam's division
+PARAM_ATOL = 2e-5
 WRONG = 1e-3  # a broken variant is off by far more than rounding
 WORLDS, KS = (2, 3), (1, 3)
 CORRECT = ("zero1", "zero_redundancy")
@@ -84,7 +86,9 @@ def runs(data_dir, tmp_path_factory) -> dict:
     return {"results": results, "ch01": ch01, "resumed": resumed, "w3": root / "w3"}
 
 
-def assert_matches_chapter01(losses: list[float], reference: dict[int, float], first: int = 1) -> None:
+def assert_matches_chapter01(
+    losses: list[float], reference: dict[int, float], first: int = 1
+) -> None:
     steps = range(first, first + len(losses))
     assert list(steps) == list(range(first, ITERS + 1))
     for it, loss in zip(steps, losses):
@@ -95,7 +99,9 @@ def assert_matches_chapter01(losses: list[float], reference: dict[int, float], f
 
 def matches_ddp_and_chapter01(r: dict, reference: dict[int, float]) -> bool:
     """The check every correct run passes and every broken one must fail."""
-    same_losses = all(loss == pytest.approx(reference[i + 1], rel=REL) for i, loss in enumerate(r["losses"]))
+    same_losses = all(
+        loss == pytest.approx(reference[i + 1], rel=REL) for i, loss in enumerate(r["losses"])
+    )
     return same_losses and r["params_vs_reference"] < PARAM_ATOL and r["params_across_ranks"] == 0.0
 
 
@@ -114,7 +120,8 @@ def test_clipping_is_active_and_ddp_matches_chapter01(runs, world, K):
 def test_zero_matches_ddp_and_chapter01(runs, impl, world, K):
     r = runs["results"][world][f"{impl}/K={K}"]
     assert_matches_chapter01(r["losses"], train_losses(runs["ch01"]))
-    assert r["params_vs_reference"] < PARAM_ATOL, r["params_vs_reference"]  # DDP's parameters after 10 steps
+    # DDP's parameters after 10 steps
+    assert r["params_vs_reference"] < PARAM_ATOL, r["params_vs_reference"]
     assert r["params_across_ranks"] == 0.0  # the all-gather leaves one model on every rank
     # the optimizer state gathered on rank 0 is DDP's AdamW state: same entries, same values
     assert r["state_vs_ddp"] < PARAM_ATOL, r["state_vs_ddp"]
@@ -138,7 +145,8 @@ def test_zero1_holds_one_wth_of_the_optimizer_state(runs, world, K):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_zero_redundancy_shards_whole_tensors(runs, world):
-    """The library gives each parameter tensor to one rank. Nothing is held twice, but the GPT's tied
+    """The library gives each parameter tensor to one rank. Nothing is held twice, but the GPT's
+    tied
     embedding matrix is almost all of it, so the rank that owns it holds almost all the state."""
     ddp, zro = (runs["results"][world][f"{impl}/K=1"] for impl in ("ddp", "zero_redundancy"))
     assert sum(zro["state_bytes"]) == ddp["state_bytes"][0]
@@ -150,7 +158,8 @@ def test_zero_redundancy_shards_whole_tensors(runs, world):
 def test_reduce_scatters_overlap_backward_and_no_sync_defers_them(runs, world, K):
     r = runs["results"][world][f"zero1/K={K}"]
     assert r["n_buckets"] >= 3
-    assert r["comm_calls_per_step"] == r["n_buckets"]  # one reduce-scatter per bucket per step, any K
+    # one reduce-scatter per bucket per step, any K
+    assert r["comm_calls_per_step"] == r["n_buckets"]
     ready = r["grads_ready_at_each_launch"]
     assert ready == sorted(ready) and len(ready) == r["n_buckets"]
     assert ready[0] < r["n_params"] // 2 and ready[-1] == r["n_params"], ready
@@ -170,14 +179,16 @@ def test_chapter01_checkpoint_continues_under_zero(runs):
     for impl in CORRECT:
         r = runs["results"][3][f"{impl}/resumed_from_ch01"]
         assert_matches_chapter01(r["losses"], reference, first=SAVE_AT + 1)
-        assert r["params_vs_reference"] < PARAM_ATOL, (impl, r)  # chapter 01's parameters at step 10
+        # chapter 01's parameters at step 10
+        assert r["params_vs_reference"] < PARAM_ATOL, (impl, r)
 
 
 @pytest.mark.parametrize("impl", CORRECT)
 def test_zero_checkpoint_continues_in_chapter01(runs, impl):
     saved = torch.load(runs["w3"] / f"{impl}_step{SAVE_AT}" / "ckpt.pt", weights_only=True)
     ours = torch.load(runs["ch01"] / "ckpt.pt", weights_only=True)
-    # the gathered optimizer state has chapter 01's layout: every parameter, numbered as AdamW numbers them
+    # the gathered optimizer state has chapter 01's layout: every parameter, numbered as AdamW
+    # numbers them
     assert saved["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
     assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == [
         len(g["params"]) for g in ours["optimizer"]["param_groups"]

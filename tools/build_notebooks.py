@@ -1,4 +1,5 @@
-"""Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent format), with outputs.
+"""Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent format),
+with outputs.
 
     python tools/build_notebooks.py                  # run each notebook.py, write notebook.ipynb
     python tools/build_notebooks.py 04_ddp 05_multinode   # only these chapters
@@ -35,7 +36,8 @@ MACHINE_PATHS = [str(ROOT), str(Path.home()), str(Path(tempfile.gettempdir()).re
 
 
 def source(folder: Path) -> nbformat.NotebookNode:
-    """The notebook that folder/notebook.py describes, without outputs: the cells the .ipynb must hold."""
+    """The notebook that folder/notebook.py describes, without outputs: the cells the .ipynb must
+    hold."""
     nb = jupytext.read(folder / "notebook.py")
     nb.metadata = {"kernelspec": nb.metadata["kernelspec"], "language_info": {"name": "python"}}
     for i, cell in enumerate(nb.cells):
@@ -45,9 +47,11 @@ def source(folder: Path) -> nbformat.NotebookNode:
 
 
 def execute(nb: nbformat.NotebookNode, folder: Path, **env: str) -> nbformat.NotebookNode:
-    """Run every cell in a fresh kernel started in folder (as Jupyter does); env adds to the kernel's."""
+    """Run every cell in a fresh kernel started in folder (as Jupyter does); env adds to the
+    kernel's."""
     kernel_env = child_env(**env)  # one thread a process, as every run of the course's tools
-    kernel_env.pop("MPLBACKEND", None)  # the kernel's inline backend draws the figures into the notebook
+    # the kernel's inline backend draws the figures into the notebook
+    kernel_env.pop("MPLBACKEND", None)
     client = NotebookClient(
         nb,
         timeout=240,
@@ -90,9 +94,13 @@ def build(folder: Path) -> None:
     text = outputs_text(nb)
     leaks = [path for path in MACHINE_PATHS if path in text]
     if failed or leaks:
-        shown = [line for line in text.splitlines() if any(path in line for path in leaks)] or [text[-3000:]]
+        shown = [line for line in text.splitlines() if any(path in line for path in leaks)] or [
+            text[-3000:]
+        ]
         print("\n".join(shown), file=sys.stderr)
-        raise SystemExit(f"error: {folder.name}/notebook.py: {', '.join(failed + leaks)}; nothing written")
+        raise SystemExit(
+            f"error: {folder.name}/notebook.py: {', '.join(failed + leaks)}; nothing written"
+        )
     jupytext.write(nb, folder / "notebook.ipynb", fmt="ipynb")
     print(f"wrote {folder.name}/notebook.ipynb")
 
@@ -102,11 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("chapters", nargs="*", help="chapter folders to build (default: all)")
-    parser.add_argument("--check", action="store_true", help="run nothing; exit 1 if a notebook is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="run nothing; exit 1 if a notebook is stale"
+    )
     parser.add_argument("--root", type=Path, default=ROOT, help="the course's root folder")
     args = parser.parse_args(argv)
-    if missing := [name for name in args.chapters if not (args.root / name / "notebook.py").exists()]:
-        parser.error(f"no notebook.py in {', '.join(missing)} (the chapters: {', '.join(CHAPTERS.values())})")
+    if missing := [
+        name for name in args.chapters if not (args.root / name / "notebook.py").exists()
+    ]:
+        parser.error(
+            f"no notebook.py in {', '.join(missing)} (the chapters: {', '.join(CHAPTERS.values())})"
+        )
     folders = [args.root / name for name in args.chapters or CHAPTERS.values()]
     folders = [folder for folder in folders if (folder / "notebook.py").exists()]
     if not args.check:
@@ -120,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     stale = 0
     for folder in folders:
         path = folder / "notebook.ipynb"
-        found = problems(nbformat.read(path, as_version=4), source(folder)) if path.exists() else ["missing"]
+        found = (
+            problems(nbformat.read(path, as_version=4), source(folder))
+            if path.exists()
+            else ["missing"]
+        )
         if found:
             stale += 1
             fix = f"python tools/build_notebooks.py {folder.name}"

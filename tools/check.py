@@ -38,8 +38,9 @@ from tools.mistakes import Facts, diagnose, where_to_look
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 8, 5, 8
 CORPUS_CHARS = 3500  # the first 3500 characters of the first play: 29 training windows of 32 tokens
-# float64: runs that take the same steps agree to about 1e-15; the order of additions differs between
-# the chapters (micro-batches, ranks), so allow a little more, still far below any real difference
+# float64: runs that take the same steps agree to about 1e-15; the order of additions differs
+# between the chapters (micro-batches, ranks), so allow a little more, still far below any real
+# difference
 LOSS_RTOL, PARAM_RTOL = 1e-10, 1e-9
 PROBE = REPO / "tools" / "check_probe.py"
 # what a check on one CPU machine cannot see: there the new part of these chapters changes no number
@@ -57,7 +58,8 @@ class CannotRun(Exception):
     """The script (or the check itself) could not run: one line for the learner."""
 
 
-# ---- what to run ----------------------------------------------------------------------------------
+# ---- what to run
+# ----------------------------------------------------------------------------------
 
 
 def shown(path: Path) -> str:
@@ -161,7 +163,9 @@ class Run:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def start(script: Path, nproc: int, args: list[str], folder: Path, name: str) -> tuple[subprocess.Popen, Run]:
+def start(
+    script: Path, nproc: int, args: list[str], folder: Path, name: str
+) -> tuple[subprocess.Popen, Run]:
     facts, log = folder / f"{name}_facts", folder / f"{name}.log"
     probe_args = [str(facts), str(script), *args]
     if nproc > 1:
@@ -205,7 +209,8 @@ def run_one(script: Path, nproc: int, args: list[str], folder: Path, name: str) 
 
 
 def failure_line(run: Run, script: Path) -> str:
-    """The one line that says why a run failed: its `error:` line, else its exception, else its last line."""
+    """The one line that says why a run failed: its `error:` line, else its exception, else its last
+    line."""
     text = run.output()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in lines:
@@ -255,7 +260,9 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
     for path in sources:
         digest.update(path.read_bytes())
     digest.update(corpus.encode())
-    digest.update(" ".join(run_flags(Path("c"), Path("d"), Path("o"), batch_size=GLOBAL_BATCH)).encode())
+    digest.update(
+        " ".join(run_flags(Path("c"), Path("d"), Path("o"), batch_size=GLOBAL_BATCH)).encode()
+    )
     final = root / "reference" / digest.hexdigest()[:16]
     if (final / "ok").exists():
         return Run(final / "01", final / "01_facts", final / "01.log", 0)
@@ -264,7 +271,9 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
     args = run_flags(corpus_file, data, building / "01", batch_size=GLOBAL_BATCH)
     run = run_one(REFERENCE, 1, args, building, "01")
     if run.status != 0 or len(run.losses()) != STEPS:
-        raise CannotRun(f"chapter 01 itself did not run: {failure_line(run, REFERENCE)} (see {run.log})")
+        raise CannotRun(
+            f"chapter 01 itself did not run: {failure_line(run, REFERENCE)} (see {run.log})"
+        )
     (building / "ok").write_text("")
     try:
         building.rename(final)
@@ -273,7 +282,8 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
     return Run(final / "01", final / "01_facts", final / "01.log", 0)
 
 
-# ---- the comparison ---------------------------------------------------------------------------------
+# ---- the comparison
+# ---------------------------------------------------------------------------------
 
 
 def relative_distance(a, b) -> float:
@@ -306,9 +316,18 @@ def gather_facts(
         return sorted(w for steps in ranks_steps for w in steps[step - 1]["windows"])
 
     first_data = next(
-        (s for s in range(1, len(ref_steps) + 1) if windows(s) != sorted(ref_steps[s - 1]["windows"])), None
+        (
+            s
+            for s in range(1, len(ref_steps) + 1)
+            if windows(s) != sorted(ref_steps[s - 1]["windows"])
+        ),
+        None,
     )
-    if first_data is not None and windows(first_data) is None and first_data > max(map(len, ranks_steps)):
+    if (
+        first_data is not None
+        and windows(first_data) is None
+        and first_data > max(map(len, ranks_steps))
+    ):
         first_data = None  # the script stopped before this step: nothing was read differently
     rank0 = ranks_steps[0] if ranks_steps else []
     share = all(
@@ -318,8 +337,12 @@ def gather_facts(
     repeats = len(rank0) > steps_per_epoch and sorted(
         w for steps in ranks_steps for w in steps[steps_per_epoch]["windows"]
     ) == sorted(w for steps in ranks_steps for w in steps[0]["windows"])
-    epoch0 = [{w for step in steps[:steps_per_epoch] for w in step["windows"]} for steps in ranks_steps]
-    overlap = any(epoch0[a] & epoch0[b] for a in range(len(epoch0)) for b in range(a + 1, len(epoch0)))
+    epoch0 = [
+        {w for step in steps[:steps_per_epoch] for w in step["windows"]} for steps in ranks_steps
+    ]
+    overlap = any(
+        epoch0[a] & epoch0[b] for a in range(len(epoch0)) for b in range(a + 1, len(epoch0))
+    )
     if not any(step["windows"] for steps in ranks_steps for step in steps):
         # the script reads its data some other way than common.data: no facts about the data
         first_data, share, repeats, overlap = None, False, False, False
@@ -337,19 +360,27 @@ def gather_facts(
 
         finals = [run.params(r) for r in range(len(ranks))]
         drifting = [
-            r for r, p in enumerate(finals) if p is None or params is None or not torch.equal(p, params)
+            r
+            for r, p in enumerate(finals)
+            if p is None or params is None or not torch.equal(p, params)
         ]
         drift = STEPS if drifting else None
     data_ranks = []
     if first_data is not None and windows(first_data) is not None:
         wanted = set(ref_steps[first_data - 1]["windows"])
         data_ranks = [
-            r for r, steps in enumerate(ranks_steps) if not set(steps[first_data - 1]["windows"]) <= wanted
+            r
+            for r, steps in enumerate(ranks_steps)
+            if not set(steps[first_data - 1]["windows"]) <= wanted
         ]
     distance = relative_distance(params, ref_params)
     first_loss = first_loss_diff(losses, ref_losses)
     stopped = None if run.status == 0 and len(losses) == STEPS else len(losses)
-    grad = rank0[0]["grad_norm"] / ref_steps[0]["grad_norm"] if rank0 and ref_steps[0]["grad_norm"] else None
+    grad = (
+        rank0[0]["grad_norm"] / ref_steps[0]["grad_norm"]
+        if rank0 and ref_steps[0]["grad_norm"]
+        else None
+    )
     resume_diff = None
     if resumed is not None:
         resumed_losses = resumed.losses()
@@ -376,15 +407,26 @@ def gather_facts(
         resume_at=RESUME_AT if resumed is not None else None,
         resume_diff=resume_diff,
     )
-    details = {"distance": distance, "drifting": drifting, "ranks": len(ranks), "data_ranks": data_ranks}
+    details = {
+        "distance": distance,
+        "drifting": drifting,
+        "ranks": len(ranks),
+        "data_ranks": data_ranks,
+    }
     return facts, details
 
 
-# ---- the report ------------------------------------------------------------------------------------
+# ---- the report
+# ------------------------------------------------------------------------------------
 
 
 def plot(
-    path: Path, losses: dict[int, float], ref: dict[int, float], first: int | None, epoch: int, title: str
+    path: Path,
+    losses: dict[int, float],
+    ref: dict[int, float],
+    first: int | None,
+    epoch: int,
+    title: str,
 ) -> bool:
     try:
         import matplotlib
@@ -395,7 +437,13 @@ def plot(
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(sorted(ref), [ref[s] for s in sorted(ref)], "o-", label="chapter 01", color="tab:blue")
-    ax.plot(sorted(losses), [losses[s] for s in sorted(losses)], "x--", label="your script", color="tab:red")
+    ax.plot(
+        sorted(losses),
+        [losses[s] for s in sorted(losses)],
+        "x--",
+        label="your script",
+        color="tab:red",
+    )
     for boundary in range(epoch, STEPS, epoch):
         label = "a new epoch" if boundary == epoch else None  # starts after this step
         ax.axvspan(boundary + 0.45, boundary + 0.55, color="0.9", label=label)
@@ -444,7 +492,9 @@ def check(args) -> int:
     if nproc > 1 and chapter < 4:
         raise CannotRun(f"chapter {chapter:02d} runs in one process: drop --nproc-per-node")
     if GLOBAL_BATCH % nproc:
-        raise CannotRun(f"--nproc-per-node {nproc}: the check's global batch of 8 needs 1, 2, 4 or 8 ranks")
+        raise CannotRun(
+            f"--nproc-per-node {nproc}: the check's global batch of 8 needs 1, 2, 4 or 8 ranks"
+        )
     says, line = written_as(source)
     if says is not None and says != chapter:
         raise CannotRun(
@@ -461,13 +511,18 @@ def check(args) -> int:
         shape += f"{split['grad_accum']} micro-batch(es) x {split['batch_size']}"
     else:
         shape = f"--batch-size {split['batch_size']}"
-    print(f"checking {shown(script)} as chapter {chapter:02d} ({shape}) against chapter 01 (--batch-size 8)")
-    print(f"  float64, tiny model, {STEPS} steps over 3 epochs of a small corpus; runs in {shown(folder)}/")
+    print(
+        f"checking {shown(script)} as chapter {chapter:02d} ({shape}) against chapter 01 (--batch-size 8)"
+    )
+    print(
+        f"  float64, tiny model, {STEPS} steps over 3 epochs of a small corpus; runs in {shown(folder)}/"
+    )
 
     script_args = run_flags(corpus_file, data, folder / "run", **split)
     proc, run = start(script, nproc, script_args, folder, "run")
     try:
-        ref = reference_run(root, corpus_file, data, corpus)  # meanwhile, unless an earlier check made it
+        # meanwhile, unless an earlier check made it
+        ref = reference_run(root, corpus_file, data, corpus)
     except BaseException:
         stop(proc)
         raise
@@ -514,7 +569,14 @@ def check(args) -> int:
     first = facts.first_loss_diff
     if not args.no_plot:
         png = folder / "losses.png"
-        if plot(png, losses, ref_losses, first, facts.steps_per_epoch, f"{shown(script)} against chapter 01"):
+        if plot(
+            png,
+            losses,
+            ref_losses,
+            first,
+            facts.steps_per_epoch,
+            f"{shown(script)} against chapter 01",
+        ):
             where = f"plot: {shown(png)}"
         else:
             where = "plot: none (matplotlib is not installed)"
@@ -522,7 +584,9 @@ def check(args) -> int:
         where = None
     ranks = f"on all {details['ranks']} ranks" if nproc > 1 else "in its one process"
     if same:
-        resumed_text = "; stopped at step 5 and resumed: the same end" if resumed is not None else ""
+        resumed_text = (
+            "; stopped at step 5 and resumed: the same end" if resumed is not None else ""
+        )
         print(
             f"same run: all {STEPS} losses and the final parameters equal chapter 01's, {ranks}{resumed_text}"
         )
@@ -584,14 +648,22 @@ def check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("script", help="your copy of a chapter's train.py")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks (under torchrun when more than 1)")
-    p.add_argument("--chapter", type=int, default=None, help="the chapter whose flags the script takes")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=1, help="ranks (under torchrun when more than 1)"
+    )
+    p.add_argument(
+        "--chapter", type=int, default=None, help="the chapter whose flags the script takes"
+    )
     p.add_argument("--out-root", default=str(REPO / "out" / "check"), help="where the runs go")
     p.add_argument("--no-resume", action="store_true", help="skip the stop-and-resume check")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
-    p.add_argument("--facts", action="store_true", help="print the facts the diagnosis is made from")
+    p.add_argument(
+        "--facts", action="store_true", help="print the facts the diagnosis is made from"
+    )
     args = p.parse_args(argv)
     try:
         return check(args)

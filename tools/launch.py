@@ -1,7 +1,10 @@
-"""Starting the chapters' scripts as a reader does: `python X`, `torchrun X`, or two torchruns as two nodes.
+"""Starting the chapters' scripts as a reader does: `python X`, `torchrun X`, or two torchruns as
+two nodes.
 
-The tests, the benchmark, the plots and the notebooks all start runs; this is the one place that knows
-how. No chapter imports it: a chapter is started by these commands, it does not start anything itself.
+The tests, the benchmark, the plots and the notebooks all start runs; this is the one place that
+knows
+how. No chapter imports it: a chapter is started by these commands, it does not start anything
+itself.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def free_port() -> int:
 
 
 def child_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
-    """The environment of a started run: `threads` torch threads per process (None: torch's own choice).
+    """The environment of a started run: `threads` torch threads per process (None: torch's own
+    choice).
 
     The tests give every process one thread, since their ranks share two cores.
     """
@@ -76,12 +80,14 @@ def two_node_commands(script: str | Path, nproc_per_node: int, args: list) -> li
     """Two torchruns that meet on 127.0.0.1, as two machines would over the network: one per node."""
     port = free_port()
     return [
-        torchrun_command(script, nproc_per_node, args, nnodes=2, node_rank=node, port=port) for node in (0, 1)
+        torchrun_command(script, nproc_per_node, args, nnodes=2, node_rank=node, port=port)
+        for node in (0, 1)
     ]
 
 
 def shown_command(cmd: list) -> str:
-    """A command as a reader would type it: `python`, `torchrun` and paths relative to the repository."""
+    """A command as a reader would type it: `python`, `torchrun` and paths relative to the
+    repository."""
     words = [str(word) for word in cmd]
     if words[: len(TORCHRUN)] == TORCHRUN:
         words = ["torchrun", *words[len(TORCHRUN) :]]
@@ -102,7 +108,9 @@ def run_python(
         cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -114,9 +122,13 @@ def run_torchrun(
     Every rank gets one thread; check=True fails as run_python does.
     """
     cmd = torchrun_command(script, nproc, args, **kw)
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -137,13 +149,17 @@ def stop_launchers(procs: list[subprocess.Popen], grace: float = 15) -> None:
 
 
 def run_together(commands: list[list[str]], env: dict, logs: list, timeout: float) -> int:
-    """Start the commands at once (the nodes of one run), each writing to its open log; wait for all.
+    """Start the commands at once (the nodes of one run), each writing to its open log; wait for
+    all.
 
-    Returns the first non-zero exit status (124 after `timeout` seconds), else 0. When one node fails
+    Returns the first non-zero exit status (124 after `timeout` seconds), else 0. When one node
+    fails
     the others are stopped at once: they would otherwise wait for it until their own timeout.
     """
     procs = [
-        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         for cmd, log in zip(commands, logs)
     ]
     deadline = time.monotonic() + timeout
@@ -177,7 +193,8 @@ def flags(**values) -> list[str]:
 
 
 def measured_run_flags(iters: int, log_interval: int, eval_batches: int, **more) -> list[str]:
-    """The flags of a chapter run made for its numbers: one evaluation, at the end; no sample, no dropout.
+    """The flags of a chapter run made for its numbers: one evaluation, at the end; no sample, no
+    dropout.
 
     `more` are further flags, as flags() takes them (the model, the device, the folders).
     """

@@ -1,4 +1,5 @@
-"""Make the exercises: each is the previous chapter's train.py with the chapter's changes marked TODO.
+"""Make the exercises: each is the previous chapter's train.py with the chapter's changes marked
+TODO.
 
     python tools/make_exercises.py            # write 0N_<chapter>/exercise.py for chapters 02 to 05
     python tools/make_exercises.py --check    # exit 1 if an exercise no longer matches the scripts
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.chapters import CHAPTERS
 
 REPO = Path(__file__).resolve().parents[1]
-WIDTH = 110  # the course's line length (ruff.toml)
+WIDTH = 100  # the course's line length (ruff.toml)
 
 
 def is_comment(line: str) -> bool:
@@ -105,7 +106,9 @@ def hint_lines(old: list[str], new: list[str]) -> list[str]:
     return [line.rstrip("\n") for line in new if line.strip()]
 
 
-def todo_block(number: int, total: int, tag: str, old: list[str], new: list[str], indent: str) -> list[str]:
+def todo_block(
+    number: int, total: int, tag: str, old: list[str], new: list[str], indent: str
+) -> list[str]:
     code_old = sum(1 for line in old if not is_comment(line))
     code_new = sum(1 for line in new if not is_comment(line))
     if tag == "insert":
@@ -121,7 +124,9 @@ def todo_block(number: int, total: int, tag: str, old: list[str], new: list[str]
     lines = [f"{indent}# TODO {number}/{total}: {what}" + (":" if quoted else "")]
     for text in quoted:
         prefix = f"{indent}#     " if show_code else f"{indent}#   "
-        lines += textwrap.wrap(text.strip(), WIDTH, initial_indent=prefix, subsequent_indent=prefix + "  ")
+        lines += textwrap.wrap(
+            text.strip(), WIDTH, initial_indent=prefix, subsequent_indent=prefix + "  "
+        )
     return [line.rstrip() + "\n" for line in lines]
 
 
@@ -131,12 +136,15 @@ def exercise(chapter: int) -> str:
     new = (REPO / folder / "train.py").read_text().splitlines(keepends=True)
     head = docstring_end(old)
     changes = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+        None, old, new, autojunk=False
+    ).get_opcodes():
         if tag == "equal":
             if changes and not all(is_trivial(line) for line in old[i1:i2]):
                 changes.append(None)  # real code between two changes: they stay apart
             continue
-        if changes and changes[-1] is not None and changes[-1][1] >= head:  # only blanks or brackets between
+        # only blanks or brackets between
+        if changes and changes[-1] is not None and changes[-1][1] >= head:
             _, a1, _, b1, _ = changes.pop()
             tag = "replace"
             i1, j1 = a1, b1
@@ -154,7 +162,10 @@ def exercise(chapter: int) -> str:
     import_changes = imports_todo(old, new)
     total = len(changes) + bool(import_changes)
     if import_changes:
-        blocks[imports.start] = [f"# TODO 1/{total}: the imports: remove (-) and add (+)\n", *import_changes]
+        blocks[imports.start] = [
+            f"# TODO 1/{total}: the imports: remove (-) and add (+)\n",
+            *import_changes,
+        ]
     for number, (tag, i1, i2, j1, j2) in enumerate(changes, 1 + bool(import_changes)):
         at = i1
         while at in strings:  # before the line where that string starts
@@ -188,8 +199,12 @@ def exercise(chapter: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if an exercise is stale")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if an exercise is stale"
+    )
     args = p.parse_args(argv)
     stale = []
     for chapter in list(CHAPTERS)[1:]:
@@ -197,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         text = exercise(chapter)
         previous = (REPO / CHAPTERS[chapter - 1] / "train.py").read_text()
         # the TODOs are comments: the exercise is the previous chapter's program, token for token
-        assert ast.dump(ast.parse(text)) == ast.dump(ast.parse(previous)), f"{path}: a TODO broke the code"
+        assert ast.dump(ast.parse(text)) == ast.dump(ast.parse(previous)), (
+            f"{path}: a TODO broke the code"
+        )
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(str(path.relative_to(REPO)))

@@ -127,11 +127,24 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
     K = largest_divisor(G)
     replicas = max(gpus, 1)
     micro_batches = f"{count(K, 'micro-batch')} of {G // K}"
-    # chapter -> (how it is launched, processes, its own flags, the layout in words, processes per node)
+    # chapter -> (how it is launched, processes, its own flags, the layout in words, processes per
+    # node)
     layouts = {
         1: ("python", 1, ["--batch-size", G], "1 process", 1),
-        2: ("python", 1, ["--batch-size", G // K, "--grad-accum", K], f"1 process, {micro_batches}", 1),
-        3: ("python", 1, ["--batch-size", G // replicas], f"1 process, {count(replicas, 'replica')}", 1),
+        2: (
+            "python",
+            1,
+            ["--batch-size", G // K, "--grad-accum", K],
+            f"1 process, {micro_batches}",
+            1,
+        ),
+        3: (
+            "python",
+            1,
+            ["--batch-size", G // replicas],
+            f"1 process, {count(replicas, 'replica')}",
+            1,
+        ),
         4: ("torchrun", W, ["--batch-size", G // W], count(W, "process"), W),
     }
     if W % 2 == 0:
@@ -153,7 +166,9 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
     return plans
 
 
-def run_chapter(folder: str, plan: dict, args, machine: dict, device: str, dtype: str = "float32") -> Path:
+def run_chapter(
+    folder: str, plan: dict, args, machine: dict, device: str, dtype: str = "float32"
+) -> Path:
     """Run one chapter; with dtype float64 its control run, in <out-root>/<chapter>-float64."""
     key = folder + (FLOAT64 if dtype == "float64" else "")
     out = Path(args.out_root) / key
@@ -161,13 +176,16 @@ def run_chapter(folder: str, plan: dict, args, machine: dict, device: str, dtype
         swap = {"--dtype": "float64", "--out-dir": str(out)}
         plan = dict(
             plan,
-            commands=[[swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]],
+            commands=[
+                [swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]
+            ],
         )
-    # the plots' own run folder, from an earlier drawing: start it afresh (a chapter refuses a folder
-    # that holds a run)
+    # the plots' own run folder, from an earlier drawing: start it afresh (a chapter refuses a
+    # folder that holds a run)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    if device == "cpu":  # the same cores for every chapter: W threads in one process, or one per process
+    # the same cores for every chapter: W threads in one process, or one per process
+    if device == "cpu":
         env = launch.child_env(max(1, args.threads // plan["procs"]), CUDA_VISIBLE_DEVICES="")
     else:  # on GPUs, the threads the caller asked for, if any
         env = launch.child_env(os.environ.get("OMP_NUM_THREADS"))
@@ -176,7 +194,9 @@ def run_chapter(folder: str, plan: dict, args, machine: dict, device: str, dtype
     load_before = load_average()
     start = time.perf_counter()
     with open(out / "stdout.log", "w") as log:  # every node writes to the one log
-        status = launch.run_together(plan["commands"], env, [log] * len(plan["commands"]), args.timeout)
+        status = launch.run_together(
+            plan["commands"], env, [log] * len(plan["commands"]), args.timeout
+        )
     wall = time.perf_counter() - start
     if status != 0:
         tail = "\n".join((out / "stdout.log").read_text().splitlines()[-20:])
@@ -237,7 +257,9 @@ def find_runs(folders: list[Path]) -> dict[str, Path]:
             if key and key not in runs:
                 runs[key] = run
     if not runs:
-        raise SystemExit(f"error: no runs (folders with metrics.jsonl) in {', '.join(map(str, folders))}")
+        raise SystemExit(
+            f"error: no runs (folders with metrics.jsonl) in {', '.join(map(str, folders))}"
+        )
     return dict(sorted(runs.items()))
 
 
@@ -271,7 +293,9 @@ def run_info(run: Path) -> dict:
         import torch
 
         config = torch.load(ckpt, map_location="cpu", weights_only=True).get("train_config", {})
-        settings = {k: config.get(k) for k in ("preset", "max_iters", "global_batch", "device", "seed")}
+        settings = {
+            k: config.get(k) for k in ("preset", "max_iters", "global_batch", "device", "seed")
+        }
     return {"chapter": run_key(run), "layout": "", "machine": {}, "settings": settings}
 
 
@@ -281,7 +305,8 @@ def run_info(run: Path) -> dict:
 def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
     """(machine, settings) in words, from the runs' records; 'mixed' where runs differ."""
     machines = {
-        machine_text(i["machine"]) if i.get("machine") else "machine not recorded" for i in infos.values()
+        machine_text(i["machine"]) if i.get("machine") else "machine not recorded"
+        for i in infos.values()
     }
     settings = [i.get("settings", {}) for i in infos.values()]
     first = settings[0] if settings else {}
@@ -293,12 +318,19 @@ def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
         if first.get("threads"):
             words += f", {first['threads']} CPU threads per chapter in all"
     else:
-        words = ", ".join(f"{k} {v}" for k, v in first.items() if v is not None) or "settings not recorded"
+        words = (
+            ", ".join(f"{k} {v}" for k, v in first.items() if v is not None)
+            or "settings not recorded"
+        )
     loads = [i["load_average"] for i in infos.values() if i.get("load_average") is not None]
     cores = next((i["machine"].get("cores") for i in infos.values() if i.get("machine")), None)
-    if loads and cores and max(loads) > 1.5 * cores:  # busy with other work: say so next to the numbers
+    # busy with other work: say so next to the numbers
+    if loads and cores and max(loads) > 1.5 * cores:
         words += f"; machine shared with other work (load average up to {max(loads):.0f} on {cores} cores)"
-    return (" / ".join(sorted(machines)), words if same else words + " (settings differ between runs)")
+    return (
+        " / ".join(sorted(machines)),
+        words if same else words + " (settings differ between runs)",
+    )
 
 
 def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
@@ -326,8 +358,10 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         4: dict(ls="-.", lw=1.4, color="tab:green"),
         5: dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
     }
-    floor = 1e-7  # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
-    worst: dict[str, float] = {}  # run key -> its largest distance from chapter 01 (of the same dtype)
+    # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
+    floor = 1e-7
+    # run key -> its largest distance from chapter 01 (of the same dtype)
+    worst: dict[str, float] = {}
     for key, rows in train.items():
         number = NUMBER[key.removesuffix(FLOAT64)]
         float64 = key.endswith(FLOAT64)
@@ -355,7 +389,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         line = {k: v for k, v in style.items() if k != "alpha"}
         if float64:
             line = dict(lw=2.2, color="tab:purple")
-        name = label(key) + (": identical to 01, distance 0 at every step" if worst[key] == 0 else "")
+        name = label(key) + (
+            ": identical to 01, distance 0 at every step" if worst[key] == 0 else ""
+        )
         bottom.plot([p[0] for p in pairs], [max(p[1], floor) for p in pairs], label=name, **line)
     top.set_ylabel("training loss")
     top.legend()
@@ -377,7 +413,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     float32_worst = {k: d for k, d in worst.items() if not k.endswith(FLOAT64)}
     float64_worst = {k: d for k, d in worst.items() if k.endswith(FLOAT64)}
     float32_distances = ", ".join(f"{label(k)} {d:.1e}" for k, d in float32_worst.items())
-    float64_distances = ", ".join(f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items())
+    float64_distances = ", ".join(
+        f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items()
+    )
     parity_caption = (
         "Training loss against tokens seen for every chapter (top) and each chapter's "
         "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
@@ -405,7 +443,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         bars = ax.bar(range(len(memory)), list(memory.values()), color="tab:orange")
         ax.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in memory.values()])
         ax.set_xticks(
-            range(len(memory)), [label(s) + f"\n{infos[s].get('layout', '')}" for s in memory], fontsize=8
+            range(len(memory)),
+            [label(s) + f"\n{infos[s].get('layout', '')}" for s in memory],
+            fontsize=8,
         )
         ax.set_ylabel("peak memory allocated on rank 0's device (MiB)")
         ax.set_title(f"Peak memory per device\n{subtitle}", fontsize=10)
@@ -441,11 +481,22 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     ]
     for key, info in infos.items():
         if info.get("commands"):
-            commands = [c.replace("python -m torch.distributed.run", "torchrun") for c in info["commands"]]
+            commands = [
+                c.replace("python -m torch.distributed.run", "torchrun") for c in info["commands"]
+            ]
             lines.append(f"- {label(key)}: `" + "` and `".join(commands) + "`")
     lines.append("")
     for name, text in captions:
-        lines += [f"## {name}", "", f"![{name}]({name})", "", text, "", f"*{machine}; {settings}.*", ""]
+        lines += [
+            f"## {name}",
+            "",
+            f"![{name}]({name})",
+            "",
+            text,
+            "",
+            f"*{machine}; {settings}.*",
+            "",
+        ]
     if not memory:
         lines += [
             "No `memory_per_device.png`: none of these runs was on a GPU (only GPU runs report peak memory).",
@@ -457,7 +508,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--from-runs",
         nargs="+",
@@ -471,11 +524,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", help="model preset for every chapter")
     p.add_argument("--iters", type=int, default=150, help="optimizer steps per chapter")
     p.add_argument(
-        "--global-batch", type=int, default=8, help="sequences per optimizer step, the same in every chapter"
+        "--global-batch",
+        type=int,
+        default=8,
+        help="sequences per optimizer step, the same in every chapter",
     )
     p.add_argument("--nproc", type=int, default=2, help="processes (W) for chapters 04 and 05")
     p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads per chapter in all (default: --nproc)"
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads per chapter in all (default: --nproc)",
     )
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--seed", type=int, default=1337)
@@ -487,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--data-dir", default=str(ROOT / "data"))
     p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
-    p.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go")
+    p.add_argument(
+        "--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go"
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds one chapter's run may take")
     p.add_argument(
         "--float64-chapters",

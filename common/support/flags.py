@@ -19,7 +19,10 @@ positive_int = _checked("positive_int", int, lambda v: v >= 1, "a positive whole
 non_negative_int = _checked("non_negative_int", int, lambda v: v >= 0, "zero or more")
 # AdamW would refuse a negative value with a traceback, or train on nan
 non_negative_float = _checked(
-    "non_negative_float", float, lambda v: math.isfinite(v) and v >= 0, "a finite number, zero or more"
+    "non_negative_float",
+    float,
+    lambda v: math.isfinite(v) and v >= 0,
+    "a finite number, zero or more",
 )
 fraction = _checked("fraction", float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
@@ -28,7 +31,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """--help keeps the script's docstring as written and shows every default once."""
 
     def _get_help_string(self, action):
-        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+        return (
+            action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+        )
 
 
 class OneLineParser(argparse.ArgumentParser):

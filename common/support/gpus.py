@@ -2,8 +2,9 @@
 
 import torch
 
-# Dense peak FLOP/s of the tensor cores from the data sheets, by dtype (float32 matmuls run as tf32).
-# The first name that matches counts: a variant before its bare name (the SXM part). Unknown: no MFU.
+# Dense peak FLOP/s of the tensor cores from the data sheets, by dtype (float32 matmuls run as
+# tf32). The first name that matches counts: a variant before its bare name (the SXM part). Unknown:
+# no MFU.
 COLUMNS = (torch.bfloat16, torch.float16, torch.float32)
 PEAK_FLOPS = {
     "H200 NVL, H100 NVL": (835e12, 835e12, 418e12),
@@ -23,11 +24,14 @@ PEAK_FLOPS = {
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    return peak_flops_of(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    return (
+        peak_flops_of(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    )
 
 
 def peak_flops_of(name: str, dtype: torch.dtype) -> float | None:
-    name = f" {name.upper().replace('-', ' ')} "  # "NVIDIA A100-SXM4-80GB" -> " NVIDIA A100 SXM4 80GB "
+    # "NVIDIA A100-SXM4-80GB" -> " NVIDIA A100 SXM4 80GB "
+    name = f" {name.upper().replace('-', ' ')} "
     for gpus, peaks in PEAK_FLOPS.items():  # whole words: "NVIDIA L40" is not an "L4"
         if any(f" {gpu} " in name for gpu in gpus.upper().split(", ")):
             return dict(zip(COLUMNS, peaks)).get(dtype)

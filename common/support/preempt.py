@@ -1,5 +1,7 @@
-"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: the run finishes its step, saves it and stops
-(one line, status 75). A second signal, Ctrl-C or a rank stuck on a dead peer stop at once (status 130)."""
+"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: the run finishes its step, saves it and
+stops
+(one line, status 75). A second signal, Ctrl-C or a rank stuck on a dead peer stop at once (status
+130)."""
 
 import argparse
 import datetime
@@ -20,17 +22,23 @@ def stop_signal(name: str) -> str:
     full = "SIG" + name.upper().removeprefix("SIG")
     why = {"SIGINT": " (Ctrl-C stops at once)", "SIGKILL": " (it cannot be caught)", "SIGSTOP": ""}
     if not hasattr(signal.Signals, full) or full in why:
-        message = f"{name} cannot ask the run to stop{why.get(full, '')}; use TERM, USR1, USR2 or HUP"
+        message = (
+            f"{name} cannot ask the run to stop{why.get(full, '')}; use TERM, USR1, USR2 or HUP"
+        )
         raise argparse.ArgumentTypeError(message)
     return full
 
 
 class Preemption:
-    """Listens for SIGTERM and `signal_name`. With `ranks_agree_within` (the collectives' timeout) the
+    """Listens for SIGTERM and `signal_name`. With `ranks_agree_within` (the collectives' timeout)
+    the
     ranks agree on the step to stop at: one that stopped alone would leave the others waiting."""
 
-    def __init__(self, signal_name: str = "SIGTERM", ranks_agree_within: datetime.timedelta | None = None):
-        # a CPU (gloo) group of its own, whatever the training backend: agreeing never waits for a GPU
+    def __init__(
+        self, signal_name: str = "SIGTERM", ranks_agree_within: datetime.timedelta | None = None
+    ):
+        # a CPU (gloo) group of its own, whatever the training backend: agreeing never waits for a
+        # GPU
         agree = ranks_agree_within is not None
         self.group = dist.new_group(backend="gloo", timeout=ranks_agree_within) if agree else None
         self.received: str | None = None  # the first stop signal's name
@@ -44,7 +52,8 @@ class Preemption:
         if self.received is None:
             self.received, self._received_at = signal.Signals(signum).name, now
             if isinstance(self._stop_now, StopNow):
-                self._stop_now.append(self.received)  # a collective that fails from now on: this stop
+                # a collective that fails from now on: this stop
+                self._stop_now.append(self.received)
             return
         if now - self._received_at < SAME_STOP_S:
             return  # the same request, passed on by a launcher

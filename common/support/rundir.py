@@ -47,7 +47,9 @@ def _claim(out_dir: Path, resume: bool) -> str | None:
             "the lock, making sure no other run writes into this folder"
         )
     metrics = out_dir / METRICS_NAME
-    if not resume and ((out_dir / CKPT_NAME).exists() or (metrics.exists() and metrics.stat().st_size > 0)):
+    if not resume and (
+        (out_dir / CKPT_NAME).exists() or (metrics.exists() and metrics.stat().st_size > 0)
+    ):
         os.close(lock)
         return (
             f"{out_dir} already holds a run (its {CKPT_NAME} / {METRICS_NAME}); continue it "

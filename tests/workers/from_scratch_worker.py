@@ -192,7 +192,9 @@ def run(
         _, loss = single(x, y)
         loss.backward()
         grads = flat(p.grad for p in params)
-        grad_vs_single = max(grad_vs_single, (grads - flat(p.grad for p in single_params)).abs().max().item())
+        grad_vs_single = max(
+            grad_vs_single, (grads - flat(p.grad for p in single_params)).abs().max().item()
+        )
         rank0 = grads.clone()
         dist.broadcast(rank0, src=0)
         grad_across_ranks = max(grad_across_ranks, (grads - rank0).abs().max().item())
@@ -202,7 +204,13 @@ def run(
 
     final = flat(params)
     params_vs_ddp = 0.0 if ddp_params is None else (final - ddp_params).abs().max().item()
-    names = ["init_before_wrap", "init_across_ranks", "grad_vs_single", "grad_across_ranks", "params_vs_ddp"]
+    names = [
+        "init_before_wrap",
+        "init_across_ranks",
+        "grad_vs_single",
+        "grad_across_ranks",
+        "params_vs_ddp",
+    ]
     worst = torch.tensor(
         [init_before_wrap, init_across_ranks, grad_vs_single, grad_across_ranks, params_vs_ddp],
         dtype=torch.float64,

@@ -52,7 +52,8 @@ from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
 from common.training import lr_at
 
-BUCKET_MB = 0.01  # 10 KB: the small blocks' gradients fill several buckets, the tied matrix one of its own
+# 10 KB: the small blocks' gradients fill several buckets, the tied matrix one of its own
+BUCKET_MB = 0.01
 SAVE_AT = 5
 
 
@@ -97,7 +98,12 @@ class SumNotAverage(ZeroOneDataParallel):
 
 
 def state_bytes(state) -> int:
-    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+    return sum(
+        t.numel() * t.element_size()
+        for s in state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
 
 
 class Run:
@@ -112,18 +118,21 @@ class Run:
             if impl == "ddp":
                 self.optimizer = torch.optim.AdamW(groups, **adamw)
             else:
-                self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adamw)
+                self.optimizer = ZeroRedundancyOptimizer(
+                    groups, optimizer_class=torch.optim.AdamW, **adamw
+                )
         else:
             wrapper = SumNotAverage if impl == "broken_sum_not_average" else ZeroOneDataParallel
-            optimizer = {"broken_local_norm_clip": LocalNormClip, "broken_no_all_gather": NoAllGather}.get(
-                impl, ShardedOptimizer
-            )
+            optimizer = {
+                "broken_local_norm_clip": LocalNormClip,
+                "broken_no_all_gather": NoAllGather,
+            }.get(impl, ShardedOptimizer)
             self.model = wrapper(model, bucket_cap_mb=BUCKET_MB)
             self.optimizer = optimizer(self.model, groups, torch.optim.AdamW, **adamw)
         self.params = list(self.model.module.parameters())  # unique: the tied matrix once
         if isinstance(self.model, ZeroOneDataParallel):
-            # How many gradients were final when each bucket's reduce-scatter was launched: fewer than
-            # all of them means it started while backward was still running (the overlap).
+            # How many gradients were final when each bucket's reduce-scatter was launched: fewer
+            # than all of them means it started while backward was still running (the overlap).
             self.ready_at_launch = []
             launch = self.model._launch
 
@@ -135,7 +144,9 @@ class Run:
 
             self.model._launch = traced_launch
 
-    def step(self, iter_num: int, xs: torch.Tensor, ys: torch.Tensor, K: int) -> tuple[torch.Tensor, float]:
+    def step(
+        self, iter_num: int, xs: torch.Tensor, ys: torch.Tensor, K: int
+    ) -> tuple[torch.Tensor, float]:
         lr = lr_at(iter_num, self.args)
         for group in self.optimizer.param_groups:  # on every rank: each holds its own optimizer
             group["lr"] = lr
@@ -144,7 +155,9 @@ class Run:
         for micro in range(K):
             ctx = self.model.no_sync() if micro < K - 1 else contextlib.nullcontext()
             with ctx:
-                _, loss = self.model(xs[micro * B : (micro + 1) * B], ys[micro * B : (micro + 1) * B])
+                _, loss = self.model(
+                    xs[micro * B : (micro + 1) * B], ys[micro * B : (micro + 1) * B]
+                )
                 (loss / K).backward()
             loss_sum += loss.detach() / K
         if isinstance(self.model, DistributedDataParallel):
@@ -161,7 +174,8 @@ class Run:
         if self.impl == "ddp":
             return state_bytes(self.optimizer.state)
         if self.impl == "zero_redundancy":
-            return state_bytes(self.optimizer.optim.state)  # the local optimizer over this rank's tensors
+            # the local optimizer over this rank's tensors
+            return state_bytes(self.optimizer.optim.state)
         return self.optimizer.state_bytes()
 
     def full_optimizer_state(self) -> dict | None:
@@ -175,14 +189,16 @@ class Run:
 
     def load_optimizer_state(self, state: dict) -> None:
         if self.impl == "zero_redundancy":
-            self.optimizer.load_state_dict(copy.deepcopy(state))  # it overwrites entries it does not own
+            # it overwrites entries it does not own
+            self.optimizer.load_state_dict(copy.deepcopy(state))
         else:
             self.optimizer.load_full_state_dict(state)
 
 
 def train(impl, K, args, config, batches, rank, world, start=0, checkpoint=None, save_dir=None):
     if checkpoint is None:
-        torch.manual_seed(args.seed if rank == 0 else args.seed + 1000 + rank)  # rank 0: chapter 01's init
+        # rank 0: chapter 01's init
+        torch.manual_seed(args.seed if rank == 0 else args.seed + 1000 + rank)
         model = GPT(config)
     else:
         model = GPT(config)
@@ -218,12 +234,16 @@ def measure(run, losses, norms, rank, world, reference: torch.Tensor) -> dict:
     rank0 = final.clone()
     dist.broadcast(rank0, src=0)
     worst = torch.tensor(
-        [(final - reference).abs().max().item(), (final - rank0).abs().max().item()], dtype=torch.float64
+        [(final - reference).abs().max().item(), (final - rank0).abs().max().item()],
+        dtype=torch.float64,
     )
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     sharded = isinstance(run.model, ZeroOneDataParallel)
     mine = torch.tensor(
-        [run.state_bytes(), sum(end - start for _, start, end, *_ in run.optimizer.pieces) if sharded else 0],
+        [
+            run.state_bytes(),
+            sum(end - start for _, start, end, *_ in run.optimizer.pieces) if sharded else 0,
+        ],
         dtype=torch.int64,
     )
     per_rank = [torch.zeros_like(mine) for _ in range(world)]
@@ -238,7 +258,8 @@ def measure(run, losses, norms, rank, world, reference: torch.Tensor) -> dict:
         "n_params": len(run.params),
     }
     if sharded:
-        result["owned_numel"] = [int(t[1]) for t in per_rank]  # elements of the model each rank updates
+        # elements of the model each rank updates
+        result["owned_numel"] = [int(t[1]) for t in per_rank]
         result["n_buckets"] = len(run.model.buckets)
         result["comm_calls_per_step"] = run.model.comm_calls / len(losses)
         result["grads_ready_at_each_launch"] = run.ready_at_launch  # of the last step
@@ -255,9 +276,12 @@ def compare_states(full: dict, reference: dict) -> float:
             return float("inf")
         for key, value in entry.items():
             worst = max(worst, (full["state"][i][key].float() - value.float()).abs().max().item())
-    groups = [{k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in full["param_groups"]]
+    groups = [
+        {k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in full["param_groups"]
+    ]
     wanted = [
-        {k: v for k, v in g.items() if k not in ("lr", "initial_lr")} for g in reference["param_groups"]
+        {k: v for k, v in g.items() if k not in ("lr", "initial_lr")}
+        for g in reference["param_groups"]
     ]
     return worst if groups == wanted else float("inf")
 
@@ -273,8 +297,11 @@ def main() -> None:
             prepare(args.dataset, args.data_dir, log=lambda *a: None), config.block_size
         )
         order = torch.Generator().manual_seed(args.seed)  # epoch 0, as chapter 01 seeds it
-        loader = iter(batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size))
-        batches = [next(loader) for _ in range(args.max_iters)]  # chapter 01's global batches, (G, T) each
+        loader = iter(
+            batch_loader(train_set, RandomSampler(train_set, generator=order), args.batch_size)
+        )
+        # chapter 01's global batches, (G, T) each
+        batches = [next(loader) for _ in range(args.max_iters)]
         # one implementation at K micro-steps on those batches, on this rank's rows
         train_here = functools.partial(
             train, args=args, config=config, batches=batches, rank=rank, world=world
@@ -282,14 +309,17 @@ def main() -> None:
         results = {}
         for K in (1, 3):
             if args.batch_size % (K * world):
-                raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of K * W = {K * world}")
+                raise SystemExit(
+                    f"--batch-size {args.batch_size} is not a multiple of K * W = {K * world}"
+                )
             ddp, losses, norms = train_here("ddp", K)
             ddp_params = flat(ddp.params)
             ddp_state = ddp.full_optimizer_state()
             results[f"ddp/K={K}"] = measure(ddp, losses, norms, rank, world, ddp_params)
             broken = ("broken_local_norm_clip", "broken_no_all_gather", "broken_sum_not_average")
             for impl in ("zero1", "zero_redundancy", *(broken if extras and K == 3 else ())):
-                # with --extras, the two real ones save a gathered checkpoint at step 5 for chapter 01
+                # with --extras, the two real ones save a gathered checkpoint at step 5 for chapter
+                # 01
                 save = extras and K == 3 and impl in ("zero1", "zero_redundancy")
                 save_dir = out_dir / f"{impl}_step{SAVE_AT}" if save else None
                 run, losses, norms = train_here(impl, K, save_dir=save_dir)
@@ -298,13 +328,18 @@ def main() -> None:
                     full = run.full_optimizer_state()  # the whole state, gathered on rank 0
                     if rank == 0:
                         results[f"{impl}/K={K}"]["state_vs_ddp"] = compare_states(full, ddp_state)
-        if extras:  # chapter 01's step-5 checkpoint, resumed under ZeRO-1 and ZeroRedundancyOptimizer
+        # chapter 01's step-5 checkpoint, resumed under ZeRO-1 and ZeroRedundancyOptimizer
+        if extras:
             checkpoint = load_checkpoint(ch01_step5)
             final = load_checkpoint(ch01_final)["model"]
             reference = flat(final[name] for name, _ in GPT(config).named_parameters())
             for impl in ("zero1", "zero_redundancy"):
-                run, losses, norms = train_here(impl, 3, start=checkpoint["iter_num"], checkpoint=checkpoint)
-                results[f"{impl}/resumed_from_ch01"] = measure(run, losses, norms, rank, world, reference)
+                run, losses, norms = train_here(
+                    impl, 3, start=checkpoint["iter_num"], checkpoint=checkpoint
+                )
+                results[f"{impl}/resumed_from_ch01"] = measure(
+                    run, losses, norms, rank, world, reference
+                )
         write_results(out_dir, results)
 
 
