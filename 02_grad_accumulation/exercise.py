@@ -3,7 +3,7 @@
 # the solution there. Then check your script:
 #     python tools/check.py 02_grad_accumulation/exercise.py
 # The solution is 02_grad_accumulation/train.py (its README shows the diff). This file is made by
-# tools/make_exercises.py from the two scripts; `git checkout` it to start again.
+# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 01: train a GPT on one device.
 
 The whole training program: prepare the data, build the model and optimizer, then repeat the

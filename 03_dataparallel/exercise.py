@@ -3,7 +3,7 @@
 # solution there. Then check your script:
 #     python tools/check.py 03_dataparallel/exercise.py
 # The solution is 03_dataparallel/train.py (its README shows the diff). This file is made by
-# tools/make_exercises.py from the two scripts; `git checkout` it to start again.
+# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 02: gradient accumulation, a bigger batch than memory holds.
 
 Chapter 01's program, with one change: an optimizer step now adds up the gradients of

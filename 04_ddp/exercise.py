@@ -3,7 +3,7 @@
 # there. Then check your script:
 #     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
 # The solution is 04_ddp/train.py (its README shows the diff). This file is made by
-# tools/make_exercises.py from the two scripts; `git checkout` it to start again.
+# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 03: nn.DataParallel, one process driving several GPUs.
 
 Chapter 02's program, with the model wrapped in nn.DataParallel: every step, one Python process

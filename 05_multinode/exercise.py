@@ -3,7 +3,7 @@
 # solution there. Then check your script:
 #     python tools/check.py 05_multinode/exercise.py --nproc-per-node 2
 # The solution is 05_multinode/train.py (its README shows the diff). This file is made by
-# tools/make_exercises.py from the two scripts; `git checkout` it to start again.
+# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 04: DistributedDataParallel, one process per GPU, started by torchrun.
 
 Chapter 03's program, with nn.DataParallel replaced by DistributedDataParallel: torchrun starts

@@ -34,7 +34,7 @@ def run_check(capsys, out_root: Path, script: Path, *flags: str) -> tuple[int, s
 
 
 def test_exercises_are_made_from_the_current_scripts():
-    assert make_exercises.main(["--check"]) == 0, "run python tools/make_exercises.py"
+    assert make_exercises.main(["--check"]) == 0, "run python maintainer/make_exercises.py"
 
 
 @pytest.mark.parametrize("chapter", [2, 3, 4, 5])

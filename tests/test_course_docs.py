@@ -29,7 +29,7 @@ def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
 def test_published_diffs_are_current():
     """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the train.py
     files."""
-    proc = tool("tools/publish_diffs.py", "--check")
+    proc = tool("maintainer/publish_diffs.py", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -50,9 +50,9 @@ def copy_course(tmp_path: Path) -> Path:
 def test_diff_check_fails_when_the_code_changes(tmp_path):
     root = copy_course(tmp_path)
     # nothing published yet
-    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode != 0
-    assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
-    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode != 0
+    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
 
     before = copy_course(tmp_path / "untouched") / FOLDERS[1] / "README.md"
     readme = (root / FOLDERS[1] / "README.md").read_text()
@@ -66,16 +66,16 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     # a change to a chapter's script that is not republished: both the file and the README are stale
     script = root / FOLDERS[1] / "train.py"
     script.write_text(script.read_text() + "# changed, and not republished\n")
-    proc = tool("tools/publish_diffs.py", "--check", "--root", root)
+    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
     assert proc.returncode != 0
     assert f"docs/diffs/{FOLDERS[1]}.diff is out of date" in proc.stderr
     assert f"the diff in {FOLDERS[1]}/README.md is out of date" in proc.stderr
 
     # republishing fixes it, and a README without the markers is reported
-    assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
-    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
     (root / FOLDERS[1] / "README.md").write_text("# no markers\n")
-    proc = tool("tools/publish_diffs.py", "--check", "--root", root)
+    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
     assert proc.returncode != 0 and "lacks the lines" in proc.stderr
 
 
@@ -86,8 +86,8 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
         r"<!-- diff:begin[^>]*-->", '<!-- diff:begin keep="no_sync" -->', readme.read_text()
     )
     readme.write_text(text)
-    assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
-    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
     full = (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").read_text()
     shown = readme.read_text().split("```diff\n")[1].split("```")[0]
     hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
@@ -99,16 +99,16 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     # a key that no hunk changes (the code moved on) is reported, in --check and when publishing
     readme.write_text(readme.read_text().replace('keep="no_sync"', 'keep="no_sync|no_such_line"'))
     for args in (["--check"], []):
-        proc = tool("tools/publish_diffs.py", *args, "--root", root)
+        proc = tool("maintainer/publish_diffs.py", *args, "--root", root)
         assert "no_such_line" in proc.stderr
-    assert tool("tools/publish_diffs.py", "--check", "--root", root).returncode != 0
+    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode != 0
 
     # and a chosen hunk that goes stale is caught like a whole diff
     readme.write_text(readme.read_text().replace('keep="no_sync|no_such_line"', 'keep="no_sync"'))
-    assert tool("tools/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
     script = root / FOLDERS[3] / "train.py"
     script.write_text(script.read_text().replace("no_sync()", "no_sync( )", 1))
-    proc = tool("tools/publish_diffs.py", "--check", "--root", root)
+    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
     assert (
         proc.returncode != 0 and f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
     )
@@ -136,7 +136,7 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     runs, figures = tmp_path / "runs", tmp_path / "figures"
     # the plotting command itself: run two chapters with the same global batch, then draw
     proc = tool(
-        "tools/make_plots.py",
+        "maintainer/make_plots.py",
         "--chapters",
         "01,02",
         "--iters",
@@ -171,7 +171,7 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
 
     # ... and from runs already made, without running anything
     again = tmp_path / "again"
-    proc = tool("tools/make_plots.py", "--from-runs", runs, "--figures", again)
+    proc = tool("maintainer/make_plots.py", "--from-runs", runs, "--figures", again)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_png(again / "parity_loss.png")
     assert "01_single_gpu:" not in proc.stdout  # nothing was trained
@@ -184,7 +184,7 @@ def test_committed_figures_cover_every_chapter():
     assert "in float64" in captions  # the rounding control is in the committed figure
     for chapter in FOLDERS:
         assert f"{chapter}/train.py" in captions, (
-            f"the committed figures predate {chapter}: rerun tools/make_plots.py"
+            f"the committed figures predate {chapter}: rerun maintainer/make_plots.py"
         )
 
 
@@ -213,7 +213,7 @@ MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in FOLDERS)]
     "page", ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *DEEP_DIVES]
 )
 def test_docs_name_files_that_exist(page):
-    """Every repository path a page names (`01_single_gpu/train.py`, `tools/make_plots.py`, ...)
+    """Every repository path a page names (`01_single_gpu/train.py`, `maintainer/make_plots.py`, ...)
     exists."""
     text = (REPO / page).read_text()
     paths = set(
@@ -253,7 +253,7 @@ def test_every_chapter_readme_has_the_five_parts_in_order(chapter):
 
 
 @pytest.mark.parametrize(
-    "page", [*MAIN_PATH, *DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"]
+    "page", [*MAIN_PATH, *DEEP_DIVES, "docs/deep/DDP_FROM_SCRATCH.md", "docs/deep/ZERO.md"]
 )
 def test_links_between_pages_resolve(page):
     path = REPO / page
@@ -273,7 +273,7 @@ def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
             for t in LINK.findall((REPO / page).read_text())
         }
     assert len(DEEP_DIVES) >= 5
-    for page in [*DEEP_DIVES, "04_ddp/FROM_SCRATCH.md", "04_ddp/ZERO.md"]:
+    for page in [*DEEP_DIVES, "docs/deep/DDP_FROM_SCRATCH.md", "docs/deep/ZERO.md"]:
         assert (REPO / page).resolve() in linked, f"no README links to {page}"
         first = (REPO / page).read_text().split("\n\n")[1]
         assert not first.startswith(("#", "```", "|", "-")), (

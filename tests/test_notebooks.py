@@ -5,7 +5,7 @@ Each chapter's source, notebook.py, is executed here afresh in a real Jupyter ke
 from
 its chapter folder, with the session's prepared corpus (COURSE_DATA_DIR), so a failing cell —
 including the notebook's own checks that a chapter matches chapter 01 — fails its test. The
-committed outputs are not trusted: `tools/build_notebooks.py --check` only proves that each
+committed outputs are not trusted: `maintainer/build_notebooks.py --check` only proves that each
 notebook.ipynb holds its source's cells, all run, none failed.
 """
 
@@ -19,7 +19,7 @@ import nbformat
 import pytest
 
 from common.chapters import CHAPTERS
-from tools.build_notebooks import KERNEL, execute, main, source
+from maintainer.build_notebooks import KERNEL, execute, main, source
 from tools.launch import REPO
 
 FOLDERS = list(CHAPTERS.values())
@@ -39,7 +39,7 @@ def python3_kernel():
 
 def test_committed_notebooks_are_their_sources_run():
     proc = subprocess.run(
-        [sys.executable, "tools/build_notebooks.py", "--check"],
+        [sys.executable, "maintainer/build_notebooks.py", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -52,7 +52,7 @@ def test_check_names_a_stale_notebook_and_its_fix(tmp_path, capsys):
     (tmp_path / chapter).mkdir()
     for name in ("notebook.py", "notebook.ipynb"):
         shutil.copy(REPO / chapter / name, tmp_path / chapter)
-    fix = f"(run python tools/build_notebooks.py {chapter})"
+    fix = f"(run python maintainer/build_notebooks.py {chapter})"
     assert main(["--check", "--root", str(tmp_path)]) == 0
 
     path = tmp_path / chapter / "notebook.ipynb"

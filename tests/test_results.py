@@ -6,7 +6,7 @@ figure in the main path, the deep dives and bench/README.md (a time, a rate, a s
 efficiency, a loss, a memory size) must be one the results hold. The texts are read when the test
 runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks, inline
 code (flags, settings, error messages) and the short list of figures that are not measurements,
-each with its reason (bench/results.py's NOT_MEASURED, also printed at the end of RESULTS.md).
+each with its reason (maintainer/results.py's NOT_MEASURED, also printed at the end of RESULTS.md).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 from tools.launch import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "maintainer"))
 
 import results
 
@@ -23,7 +23,7 @@ import results
 def test_results_md_is_rendered_from_the_json():
     rendered = results.render(results.load())
     assert (REPO / "bench" / "RESULTS.md").read_text() == rendered, (
-        "bench/RESULTS.md is out of step with bench/results/results.json: run `python bench/results.py`"
+        "bench/RESULTS.md is out of step with bench/results/results.json: run `python maintainer/results.py`"
     )
 
 
@@ -47,7 +47,7 @@ def test_every_figure_the_texts_quote_is_in_the_results():
     assert not missing, (
         f"{len(missing)} measured figure(s) in the texts are not in bench/results/results.json "
         "(quote a figure from bench/RESULTS.md, or record the run that gave it with "
-        "`python bench/results.py record`):\n" + "\n".join(missing)
+        "`python maintainer/results.py record`):\n" + "\n".join(missing)
     )
 
 

@@ -1,8 +1,8 @@
 """The course's figures, from real runs: loss parity (with a float64 control) and, on GPUs, memory.
 
-    python tools/make_plots.py                      # run every chapter alike, then plot (minutes on a CPU)
-    python tools/make_plots.py --iters 300 --global-batch 16
-    python tools/make_plots.py --from-runs out/plots   # plot runs already made, run nothing
+    python maintainer/make_plots.py     # run every chapter alike, then plot (minutes on a CPU)
+    python maintainer/make_plots.py --iters 300 --global-batch 16
+    python maintainer/make_plots.py --from-runs out/plots   # plot runs already made, run nothing
 
 Every chapter trains the same model on the same data with the same global batch G sequences per
 optimizer step, launched the way it teaches:
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         help="chapters run once more in float64 as the control for rounding (empty: none)",
     )
     args = p.parse_args(argv)
-    args.command = command = "python tools/make_plots.py" + "".join(
+    args.command = command = "python maintainer/make_plots.py" + "".join(
         f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])
     )
 

@@ -1,10 +1,10 @@
 """Make the exercises: each is the previous chapter's train.py with the chapter's changes marked
 TODO.
 
-    python tools/make_exercises.py            # write 0N_<chapter>/exercise.py for chapters 02 to 05
-    python tools/make_exercises.py --check    # exit 1 if an exercise no longer matches the scripts
+    python maintainer/make_exercises.py            # write 0N_<chapter>/exercise.py for chapters 02 to 05
+    python maintainer/make_exercises.py --check    # exit 1 if an exercise no longer matches the scripts
 
-The changes are those of the published diffs (docs/diffs/, tools/publish_diffs.py): difflib's, from
+The changes are those of the published diffs (docs/diffs/, maintainer/publish_diffs.py): difflib's, from
 chapter N-1's train.py to chapter N's. Above the lines each change touches, a TODO says how many
 lines to add, change or remove there, with the comments of the solution's new lines as the hint:
 they say why, the learner writes the code. A change without a comment (an import, a print) shows its
@@ -181,7 +181,7 @@ def exercise(chapter: int) -> str:
     )
     solution = (
         f"The solution is {folder}/train.py (its README shows the diff). This file is made by "
-        "tools/make_exercises.py from the two scripts; `git checkout` it to start again."
+        "maintainer/make_exercises.py from the two scripts; `git checkout` it to start again."
     )
     nproc = " --nproc-per-node 2" if chapter >= 4 else ""
     header = [
@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path.relative_to(REPO)}")
     if stale:
-        print(f"stale: {', '.join(stale)}: run python tools/make_exercises.py", file=sys.stderr)
+        print(
+            f"stale: {', '.join(stale)}: run python maintainer/make_exercises.py", file=sys.stderr
+        )
         return 1
     return 0
 
