@@ -85,7 +85,8 @@ print(f"x[:, :4] {tuple(x[:, :4].shape)} -> logits {tuple(logits.shape)}")
 # are computed a few positions at a time and not kept (common/chunked_loss.py)
 _, loss = model(x, y)
 print(
-    f"loss {loss.item():.4f}; ln(vocab) = ln({config.vocab_size}) = {math.log(config.vocab_size):.4f}"
+    f"loss {loss.item():.4f}; "
+    f"ln(vocab) = ln({config.vocab_size}) = {math.log(config.vocab_size):.4f}"
 )
 
 # %%
@@ -132,7 +133,8 @@ for line in (RUNS / "ch01" / "metrics.jsonl").read_text().splitlines()[:2]:
 plot_losses({"01 single device, batch 8": ref}, "Chapter 01: the tiny model's first steps")
 val = [m["val_loss"] for m in ref if "val_loss" in m]
 print(
-    f"training loss {losses(ref)[0]:.3f} -> {losses(ref)[-1]:.3f}; validation loss at the end {val[-1]:.3f}"
+    f"training loss {losses(ref)[0]:.3f} -> {losses(ref)[-1]:.3f}; "
+    f"validation loss at the end {val[-1]:.3f}"
 )
 
 # %% [markdown]

@@ -7,8 +7,9 @@ starts from the same model (same seed) and reads the same real windows of the tr
 the loss of the first step is the same in every row; what differs is the memory and the time.
 
     python 02_grad_accumulation/measure_memory.py                       # small model, CPU: ~30 s
-    python 02_grad_accumulation/measure_memory.py --preset gpt2 --batch-size 32 --micro-batch-sizes 32 8 2 1
-    python 02_grad_accumulation/measure_memory.py --no-chunked-loss      # with the plain loss's full logits
+    python 02_grad_accumulation/measure_memory.py --preset gpt2 --batch-size 32 \
+        --micro-batch-sizes 32 8 2 1
+    python 02_grad_accumulation/measure_memory.py --no-chunked-loss   # the plain loss's full logits
 
 How memory is measured. "Resting" memory is what lives between steps: the weights and AdamW's
 two running averages per weight. The step adds the gradients, the activations every layer keeps
@@ -91,7 +92,8 @@ def parse_args() -> argparse.Namespace:
         "--chunked-loss",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the model's chunked output layer + loss (the default); --no-chunked-loss: the plain one",
+        help="the model's chunked output layer + loss (the default); "
+        "--no-chunked-loss: the plain one",
     )
     args = p.parse_args()
     if args.batch_size < 1 or args.steps < 1:
@@ -236,8 +238,9 @@ def main():
     print()
     on_cpu = device.type == "cpu"  # there the CPU time is the work done, even on a busy machine
     print(
-        "| micro-batch x K | sequences per step | loss of step 1 | peak memory (MiB) | above resting (MiB) "
-        "| time per step (ms) | tokens/s |" + (" CPU time per step (ms) |" if on_cpu else "")
+        "| micro-batch x K | sequences per step | loss of step 1 | peak memory (MiB) "
+        "| above resting (MiB) | time per step (ms) | tokens/s |"
+        + (" CPU time per step (ms) |" if on_cpu else "")
     )
     print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if on_cpu else ""))
     for micro, k, loss, peak, added, seconds, cpu_seconds in rows:

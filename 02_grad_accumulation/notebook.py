@@ -95,7 +95,8 @@ for x_micro, y_micro in zip(x.chunk(K), y.chunk(K)):
     micro_loss.backward()  # the mistake: no division by K
 unscaled = gradients()
 print(
-    f"norm without dividing: {norm(unscaled):.5f} = {norm(unscaled) / norm(full):.3f} x the true gradient's"
+    f"norm without dividing: {norm(unscaled):.5f} = "
+    f"{norm(unscaled) / norm(full):.3f} x the true gradient's"
 )
 
 # %% [markdown]

@@ -97,7 +97,8 @@ replica_losses.mean().backward()
 difference = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), full_grad))
 mean = replica_losses.mean().item()
 print(
-    f"per-replica losses {replica_losses.tolist()} -> mean {mean:.6f}; full batch {full_loss.item():.6f}"
+    f"per-replica losses {replica_losses.tolist()} -> mean {mean:.6f}; "
+    f"full batch {full_loss.item():.6f}"
 )
 print(f"largest gradient difference: {difference:.2e}")
 assert difference < 1e-5

@@ -68,7 +68,8 @@ output = torchrun(WORKER, 2, "--data-dir", DATA_DIR, "--save-grad", grad_file, s
 ranks = results(output)
 for r in ranks:
     print(
-        f"rank {r['rank']} (local rank {r['local_rank']}, process {r['pid']}): windows {r['windows']}, "
+        f"rank {r['rank']} (local rank {r['local_rank']}, process {r['pid']}): "
+        f"windows {r['windows']}, "
         f"loss {r['loss']:.4f}, own gradient norm {r['own_grad_norm']:.4f}, "
         f"after the all-reduce {r['averaged_grad_norm']:.4f}"
     )

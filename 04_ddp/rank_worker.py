@@ -1,6 +1,7 @@
 """One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?
 
-    torchrun --standalone --nproc-per-node=2 04_ddp/rank_worker.py [--data-dir data] [--save-grad FILE]
+    torchrun --standalone --nproc-per-node=2 04_ddp/rank_worker.py \
+        [--data-dir data] [--save-grad FILE]
 
 What DDP does in one step, by hand and without the wrapper, for the notebooks of chapters 04 and 05
 (two nodes started as in chapter 05 run it just the same). Every rank prints what torchrun told it

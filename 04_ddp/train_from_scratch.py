@@ -190,8 +190,9 @@ def train(args, rank: int, world: int, local_rank: int, device: torch.device) ->
     if rank == 0:
         n_params = sum(p.numel() for p in models[impls[0]].module.parameters())
         print(
-            f"impl {args.impl}, bucket {args.bucket_mb} MB | {world} ranks on {device.type} | preset "
-            f"{args.preset}, {n_params / 1e6:.2f}M parameters | global batch {G} sequences = {G * T} tokens "
+            f"impl {args.impl}, bucket {args.bucket_mb} MB | {world} ranks on {device.type} | "
+            f"preset {args.preset}, {n_params / 1e6:.2f}M parameters | "
+            f"global batch {G} sequences = {G * T} tokens "
             f"(batch {B} x grad_accum {K} x {world} ranks)"
         )
         param_bytes = sum(

@@ -21,7 +21,8 @@ exactly what DDP computes for that half. The one step that is not elementwise is
 clipping, which needs the norm of the whole gradient.
 
     model = ZeroOneDataParallel(GPT(config), bucket_cap_mb=25)
-    optimizer = ShardedOptimizer(model, model.module.optimizer_groups(0.1), torch.optim.AdamW, lr=6e-4)
+    groups = model.module.optimizer_groups(0.1)
+    optimizer = ShardedOptimizer(model, groups, torch.optim.AdamW, lr=6e-4)
     for micro_step in range(grad_accum):
         ctx = model.no_sync() if micro_step < grad_accum - 1 else contextlib.nullcontext()
         with ctx:

@@ -115,7 +115,8 @@ def case_eval_on_rank0(args, model, rank, world, step):
 
 
 def case_order(args, model, rank, world, step, loss):
-    """The mean loss for the log and rank 0's decision to stop (a time limit, say), two collectives."""
+    """The mean loss for the log and rank 0's decision to stop (a time limit, say): two
+    collectives."""
     stop = torch.tensor([0])
 
     def mean_loss():
@@ -241,7 +242,8 @@ def dump_flight_recorder(out_dir: str, rank: int) -> None:
         collective = f"#{last['collective_seq_id']} {last['profiling_name']}"
         print(
             f"[rank {rank}] flight recorder: last collective {collective} "
-            f"of shapes {last['input_sizes']}, called from {caller['name']}() line {caller['line']}; "
+            f"of shapes {last['input_sizes']}, "
+            f"called from {caller['name']}() line {caller['line']}; "
             f"{len(entries)} entries in {path}",
             flush=True,
         )

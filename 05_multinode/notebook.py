@@ -62,7 +62,8 @@ grad_file = RUNS / "averaged_grad.pt"  # rank 0 saves the averaged gradient here
 outputs = two_nodes(2, WORKER, "--data-dir", DATA_DIR, "--save-grad", grad_file, show=0)
 ranks = results("\n".join(outputs))
 print(
-    f"{'node':>4} {'RANK':>4} {'LOCAL_RANK':>10}   device   cuda:RANK would be                   windows"
+    f"{'node':>4} {'RANK':>4} {'LOCAL_RANK':>10}   device   cuda:RANK would be"
+    "                   windows"
 )
 for r in ranks:
     wrong = f"cuda:{r['rank']}" + (" (no such GPU on a 2-GPU node)" if r["rank"] >= 2 else "")
@@ -75,7 +76,8 @@ assert interleaved == order, (interleaved, order)
 averaged = torch.load(grad_file, weights_only=True)
 print(f"\nthe 4 ranks on 2 nodes read chapter 01's first batch {order};")
 print(
-    f"their averaged gradient differs from the whole-batch gradient by {(averaged - full).abs().max():.2e}"
+    "their averaged gradient differs from the whole-batch gradient by "
+    f"{(averaged - full).abs().max():.2e}"
 )
 assert torch.allclose(averaged, full, atol=1e-6)
 

@@ -1,9 +1,9 @@
 """Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent format),
 with outputs.
 
-    python maintainer/build_notebooks.py                  # run each notebook.py, write notebook.ipynb
+    python maintainer/build_notebooks.py           # run each notebook.py, write notebook.ipynb
     python maintainer/build_notebooks.py 04_ddp 05_multinode   # only these chapters
-    python maintainer/build_notebooks.py --check          # runs nothing: exit 1 if a notebook.ipynb is stale
+    python maintainer/build_notebooks.py --check   # runs nothing: exit 1 if a notebook is stale
 
 Edit notebook.py (any editor, or Jupyter with jupytext installed), never the .ipynb. Each notebook
 is executed here in a fresh kernel from its chapter folder, on the course's own data/ folder, and

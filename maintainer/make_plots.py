@@ -9,9 +9,10 @@ optimizer step, launched the way it teaches:
 
     01  python 01_single_gpu/train.py --batch-size G
     02  python 02_grad_accumulation/train.py --batch-size G/K --grad-accum K
-    03  python 03_dataparallel/train.py --batch-size G/GPUS          (one replica per GPU; 1 on a CPU)
+    03  python 03_dataparallel/train.py --batch-size G/GPUS    (one replica per GPU; 1 on a CPU)
     04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
-    05  two torchrun "nodes" on 127.0.0.1, W/2 processes each: 05_multinode/train.py --batch-size G/W
+    05  two torchrun "nodes" on 127.0.0.1, W/2 processes each:
+        05_multinode/train.py --batch-size G/W
 
 and writes <out-root>/<chapter>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
 chapters 01 and 04 once more in float64 (--float64-chapters; <out-root>/<chapter>-float64): the
@@ -201,7 +202,8 @@ def run_chapter(
     if status != 0:
         tail = "\n".join((out / "stdout.log").read_text().splitlines()[-20:])
         raise SystemExit(
-            f"error: {folder} failed (exit status {status}); the end of {out / 'stdout.log'}:\n{tail}"
+            f"error: {folder} failed (exit status {status}); "
+            f"the end of {out / 'stdout.log'}:\n{tail}"
         )
     # Other programs on the machine slow a run down: the load average says whether there were any.
     load = max(filter(None, [load_before, load_average()]), default=None)
@@ -313,7 +315,8 @@ def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
     same = all(s == first for s in settings)
     if first.get("iters") is not None:
         batch = f"global batch {first['global_batch']} sequences"
-        words = f"preset {first['preset']}, {batch}, {first['iters']} steps, seed {first['seed']}, dropout 0"
+        steps = f"{first['iters']} steps, seed {first['seed']}, dropout 0"
+        words = f"preset {first['preset']}, {batch}, {steps}"
         words += f", {first['device']}"
         if first.get("threads"):
             words += f", {first['threads']} CPU threads per chapter in all"
@@ -326,7 +329,8 @@ def caption_lines(infos: dict[str, dict]) -> tuple[str, str]:
     cores = next((i["machine"].get("cores") for i in infos.values() if i.get("machine")), None)
     # busy with other work: say so next to the numbers
     if loads and cores and max(loads) > 1.5 * cores:
-        words += f"; machine shared with other work (load average up to {max(loads):.0f} on {cores} cores)"
+        words += "; machine shared with other work "
+        words += f"(load average up to {max(loads):.0f} on {cores} cores)"
     return (
         " / ".join(sorted(machines)),
         words if same else words + " (settings differ between runs)",
@@ -418,7 +422,8 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     )
     parity_caption = (
         "Training loss against tokens seen for every chapter (top) and each chapter's "
-        "distance from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
+        "distance from chapter 01 at every logged step "
+        "(bottom; metrics.jsonl rounds losses to 1e-6, so "
         "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
         f"{float32_distances or 'no chapter to compare'}. "
         "The chapters add the same numbers in different orders, so their float32 losses differ by "
@@ -458,7 +463,8 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
             (
                 "memory_per_device.png",
                 "Peak memory allocated by PyTorch on rank 0's device during "
-                "training (max_mem_mb in metrics.jsonl), per chapter. Gradient accumulation lowers it by "
+                "training (max_mem_mb in metrics.jsonl), per chapter. "
+                "Gradient accumulation lowers it by "
                 "holding one micro-batch's activations at a time.",
             )
         )
@@ -499,7 +505,8 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         ]
     if not memory:
         lines += [
-            "No `memory_per_device.png`: none of these runs was on a GPU (only GPU runs report peak memory).",
+            "No `memory_per_device.png`: none of these runs was on a GPU "
+            "(only GPU runs report peak memory).",
             "",
         ]
     (figures / "CAPTIONS.md").write_text("\n".join(lines))
@@ -542,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         "--device",
         choices=["auto", "cpu", "cuda"],
         default="cpu",
-        help="cpu (default; the same numbers on every machine) or cuda (also draws memory per device)",
+        help="cpu (default; the same numbers on every machine) "
+        "or cuda (also draws memory per device)",
     )
     p.add_argument("--data-dir", default=str(ROOT / "data"))
     p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
@@ -577,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = args.threads or min(args.nproc, os.cpu_count() or 1)
         if args.global_batch % args.nproc:
             raise SystemExit(
-                f"error: --global-batch {args.global_batch} must be a multiple of --nproc {args.nproc}"
+                f"error: --global-batch {args.global_batch} "
+                f"must be a multiple of --nproc {args.nproc}"
             )
         machine = machine_description(device)
         plans = chapter_plans(args, device)

@@ -13,7 +13,7 @@ from tools.launch import REPO, child_env, flags, measured_run_flags, stop_launch
 
 
 def snapshot(folder: Path) -> dict:
-    """Every file of a folder with its modification time and bytes: to show a run left them alone."""
+    """Every file of a folder with its modification time and bytes: a run left them alone."""
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
 
 
@@ -89,8 +89,8 @@ def statement_lines(source: str, statement: str, script: str) -> range:
 
 def replace_statement(source: str, old: str, new: str, script: str) -> str:
     """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`,
-    at
-    that statement's indentation (its comment goes with it); an empty `new` removes the statement."""
+    at that statement's indentation (its comment goes with it); an empty `new` removes the
+    statement."""
     lines = source.splitlines(keepends=True)
     where = statement_lines(source, old, script)
     indent = indentation(lines[where.start])

@@ -6,7 +6,7 @@ CPU. The runs of the parity tests are made once (a module fixture) and shared:
     01 --batch-size 8, 20 steps                         the reference
     04, 2 ranks x --batch-size 4, 20 steps              the same global batch of 8
     04, 2 ranks x --batch-size 2 --grad-accum 2,        10 steps, then --resume to 20 under torchrun
-    01 --resume from that 04 checkpoint at step 10      a chapter 04 checkpoint continues in chapter 01
+    01 --resume from that 04 checkpoint at step 10   a chapter 04 checkpoint continues in chapter 01
 
 All use --lr-decay-iters 20, so a 10-step run is the first half of a 20-step one.
 """
@@ -208,7 +208,8 @@ def test_nccl_without_cuda_is_one_clear_error(data_dir, tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
+        "error: --backend nccl connects CUDA GPUs, and this run is on the CPU; "
+        "use --backend gloo (or auto)"
     ]
     assert "Traceback" not in proc.stdout + proc.stderr
 

@@ -34,7 +34,7 @@ PREPARING = re.compile(r"\[node (\d+) rank (\d+) local (\d+)\] preparing corpus 
 
 
 def train_flags(corpus: Path) -> list[str]:
-    """train.py flags after the simulation's defaults: a short deterministic run of the tiny model."""
+    """train.py flags after the simulation's defaults: a short, deterministic tiny run."""
     return [
         "--dataset",
         str(corpus),
@@ -296,7 +296,8 @@ def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, 
     assert all(proc.returncode != 0 for proc in procs), outputs
     for rank, out in enumerate(outputs):
         assert (
-            f"[rank {rank}] error: ranks [1] cannot see {out_dirs[rank] / 'ckpt.pt'}, which rank 0 wrote: "
+            f"[rank {rank}] error: ranks [1] cannot see {out_dirs[rank] / 'ckpt.pt'}, "
+            "which rank 0 wrote: "
             "put --out-dir on a file system that every node shares\n"
         ) in out, out
         # the process's own (torchrun adds one of its own)

@@ -153,8 +153,14 @@ i = 0
 while True:
     i += 1
     big["weight"].fill_(i)
-    save_checkpoint(out_dir, model_state=big, optimizer_state={}, iter_num=i, model_config=PRESETS["tiny"],
-                    train_config={})
+    save_checkpoint(
+        out_dir,
+        model_state=big,
+        optimizer_state={},
+        iter_num=i,
+        model_config=PRESETS["tiny"],
+        train_config={},
+    )
     print(i, flush=True)
 """
 

@@ -1,4 +1,5 @@
-"""The course around the code stays true to it: published diffs, figures, troubleshooting, workshop."""
+"""The course around the code stays true to it: published diffs, figures, troubleshooting,
+workshop."""
 
 from __future__ import annotations
 
@@ -213,8 +214,8 @@ MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in FOLDERS)]
     "page", ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *DEEP_DIVES]
 )
 def test_docs_name_files_that_exist(page):
-    """Every repository path a page names (`01_single_gpu/train.py`, `maintainer/make_plots.py`, ...)
-    exists."""
+    """Every repository path a page names (`01_single_gpu/train.py`, `maintainer/make_plots.py`,
+    ...) exists."""
     text = (REPO / page).read_text()
     paths = set(
         re.findall(

@@ -1,4 +1,5 @@
-"""The data pipeline: prepare once and deterministically, windows shifted by one, the fixed order."""
+"""The data pipeline: prepared once and deterministically, windows shifted by one, a fixed
+order."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ DOCS = [
     "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n",
     "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n",
     "All the world's a stage,\nAnd all the men and women merely players;\n",
-    "Once more unto the breach, dear friends, once more;\nOr close the wall up with our English dead.\n",
+    "Once more unto the breach, dear friends, once more;\n"
+    "Or close the wall up with our English dead.\n",
     "O Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name;\n",
 ]
 
@@ -220,7 +222,7 @@ def chapter01_batches(train_set, seed: int, epoch: int, batch_size: int, skip_ba
 
 
 def test_chapter01_loader_follows_the_permutation(tmp_path):
-    """Window i of this file starts with token i*T, so each batch's first column names its windows."""
+    """Window i of this file starts with token i*T: each batch's first column names its windows."""
     block, n_windows, batch_size, seed = 4, 23, 5, 1337
     tokens = np.zeros(n_windows * block + 1, dtype=np.uint16)
     tokens[: n_windows * block : block] = np.arange(n_windows)  # the first token of window i is i

@@ -110,8 +110,8 @@ def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
     """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn it
-    into
-    ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data gives ~1e-2."""
+    into ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data gives
+    ~1e-2."""
     a, b = model_state(out_dir), model_state(reference_dir)
     assert a.keys() == b.keys()
     a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
@@ -308,7 +308,8 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert re.fullmatch(
-        r"error: the run diverged at step 12: validation loss (nan|inf); no checkpoint was written from "
+        r"error: the run diverged at step 12: validation loss (nan|inf); "
+        r"no checkpoint was written from "
         r"it \(the last one, if any, is intact\); try a lower --lr, with --resume to continue from "
         # --grad-clip 1.0 and float32 are in effect already: only --lr is advised
         r"the checkpoint",

@@ -27,7 +27,7 @@ def earlier_run(data_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def earlier_copy(earlier_run, tmp_path) -> Path:
-    """This test's copy of the earlier run's folder, contents and modification times (copy2) kept."""
+    """This test's copy of the earlier run's folder, contents and modification times kept."""
     out_dir = tmp_path / "run"
     shutil.copytree(earlier_run, out_dir)
     return out_dir
@@ -112,7 +112,8 @@ CASES = {
     ),
     "latin-1 text": (
         lambda tmp: ["--dataset", latin1(tmp / "francais.txt")],
-        "is not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8",
+        "is not UTF-8 (byte 0xe9 at offset 3); "
+        "convert it, e.g. from Latin-1: iconv -f latin1 -t utf-8",
     ),
     "binary file": (
         lambda tmp: ["--dataset", binary(tmp / "weights.txt")],
@@ -181,7 +182,7 @@ def test_resume_damaged_checkpoint(damage, data_dir, earlier_copy):
 
 
 def test_out_dir_that_is_a_file(data_dir, earlier_copy):
-    """--out-dir naming an existing file (here an earlier run's metrics.jsonl), or a path under one."""
+    """--out-dir naming an existing file (an earlier run's metrics.jsonl), or a path under one."""
     out_dir = earlier_copy
     before = snapshot(out_dir)
     fails_cleanly(
@@ -221,7 +222,7 @@ def test_optimizer_values_are_checked_before_anything_runs(flag, value, message,
 
 
 def test_resume_with_another_global_batch_or_seed_is_refused():
-    """The data order continues only with the same global batch and seed (checked before training)."""
+    """The data order continues only with the same global batch and seed (checked first)."""
     from common.training import check_resume
 
     checkpoint = {"train_config": {"global_batch": 8, "seed": 1337}}

@@ -33,7 +33,8 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
 
     # every rank introduces itself, with its ranks and the variables that matter
     intro = re.findall(
-        r"^\[node (\d) rank (\d) local (\d)\] host \S+ pid \d+, world size 2, device cpu, backend gloo",
+        r"^\[node (\d) rank (\d) local (\d)\] host \S+ pid \d+, "
+        r"world size 2, device cpu, backend gloo",
         out,
         re.MULTILINE,
     )

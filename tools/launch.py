@@ -77,7 +77,7 @@ def torchrun_command(
 
 
 def two_node_commands(script: str | Path, nproc_per_node: int, args: list) -> list[list[str]]:
-    """Two torchruns that meet on 127.0.0.1, as two machines would over the network: one per node."""
+    """Two torchruns that meet on 127.0.0.1, one per node, as two machines would over a network."""
     port = free_port()
     return [
         torchrun_command(script, nproc_per_node, args, nnodes=2, node_rank=node, port=port)

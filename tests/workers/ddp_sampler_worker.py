@@ -1,7 +1,8 @@
 """Run by torchrun: record which training windows this rank's batches hold, as 04_ddp/train.py
 builds them.
 
-    torchrun --standalone --nproc_per_node=2 tests/workers/ddp_sampler_worker.py TOKENS BLOCK BATCH OUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/workers/ddp_sampler_worker.py \
+        TOKENS BLOCK BATCH OUT_DIR
 
 The token file holds 0, 1, 2, ... so window i starts with token i * BLOCK: the first token of each
 row of x tells which window the loader really yielded. For epochs 0 and 1, and for epoch 0 resumed

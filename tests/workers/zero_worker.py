@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
 with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
 
-    torchrun --nproc_per_node=W tests/workers/zero_worker.py OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
+    torchrun --nproc_per_node=W tests/workers/zero_worker.py \
+        OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
 
 FLAGS are chapter 01's flags for the reference run (01_single_gpu/train.py FLAGS): the same model,
 data, seed, global batch G (--batch-size), AdamW settings, weight decay, clipping and LR schedule.
@@ -179,7 +180,7 @@ class Run:
         return self.optimizer.state_bytes()
 
     def full_optimizer_state(self) -> dict | None:
-        """The whole optimizer state on rank 0 (None elsewhere); a collective for the sharded ones."""
+        """The whole optimizer state on rank 0 (None elsewhere): a collective when sharded."""
         if self.impl == "ddp":
             return self.optimizer.state_dict() if dist.get_rank() == 0 else None
         if self.impl == "zero_redundancy":
