@@ -1,0 +1,268 @@
+"""Fully sharded data parallelism (FSDP, ZeRO-3) from scratch, built from torch.distributed.
+
+DDP keeps the whole model, its gradients and the optimizer state on every rank. FSDP keeps 1/W of
+each: the parameters of every wrapped UNIT (a submodule, such as a transformer block, plus the
+root for whatever no unit holds) are flattened into one buffer, padded to a multiple of W, and
+each rank keeps one 1/W slice of it, its SHARD. A unit's whole parameters exist only while the
+unit computes:
+
+1. forward pre-hook: all-gather the unit's shards into the whole flat buffer, and point the
+   unit's modules at views of it (`module.weight` becomes a slice of the buffer);
+2. forward post-hook: free the buffer's memory (autograd keeps the views, now empty);
+3. a hook on the unit's output fires when backward reaches the unit: all-gather again into the
+   same memory, so the views autograd saved hold the weights again;
+4. the all-gather is an autograd Function whose backward is a reduce-scatter: once the unit's
+   whole gradient is summed, each rank receives the average over ranks of its own slice, in the
+   shard's `.grad`, and the buffer is freed;
+5. the optimizer (any torch optimizer) steps on the shards alone.
+
+A parameter belongs to the innermost unit that holds every place it is registered. A parameter
+shared by two units (the GPT's tied wte/lm_head matrix, if both were units) therefore belongs to
+a unit around both, at worst the root: the root's buffer is gathered during the whole forward and
+the whole backward, so every use finds it.
+
+    gpt = GPT(config)
+    model = FullyShardedDataParallel(gpt, units=list(gpt.transformer.h))  # each block, the root
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)  # the shards: 1/W of the model
+    _, loss = model(x, y)
+    loss.backward()  # all-gathers and reduce-scatters, unit by unit
+    optimizer.step()
+    state = model.full_state_dict()  # the whole model on every rank, named as gpt.state_dict()
+
+One forward, then its backward: a second forward before the backward would take the buffers the
+first one's backward needs. Every rank must run every unit, in the same order, as with any
+collective. Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_from_scratch.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# The flat-tensor collectives got these names after torch 2.11, which has the very same functions
+# as all_gather_into_tensor and reduce_scatter_tensor (04_ddp/zero1.py does the same).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# What the byte counter counts: per step, per rank, the bytes each kind of collective sends.
+KINDS = ("all_gather_forward", "all_gather_backward", "reduce_scatter")
+
+
+def ring_bytes(padded_numel: int, world_size: int, element_size: int) -> int:
+    """The bytes each rank sends in a ring all-gather (or reduce-scatter) of `padded_numel` numbers:
+    (W - 1) / W of them, since the slice a rank holds (or keeps) never travels."""
+    return padded_numel // world_size * (world_size - 1) * element_size
+
+
+class _GatherShards(torch.autograd.Function):
+    """Forward: all-gather the shards into the unit's whole flat buffer. Backward: reduce-scatter
+    the buffer's gradient into the shard's gradient. In autograd's terms the reduce-scatter is
+    the all-gather's derivative: shard r's numbers were copied to every rank, so their gradient is
+    the sum over ranks of slice r (divided by W: each rank's loss is the mean of its 1/W)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, unit: FlatShardedUnit) -> torch.Tensor:
+        ctx.unit = unit
+        return unit.all_gather(torch.empty(unit.padded_numel, dtype=unit.compute_dtype))
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor) -> tuple[torch.Tensor, None]:
+        unit = ctx.unit
+        # The gradient arrives in the compute dtype (bf16, say): reduce it in the master dtype.
+        grad_full = grad_full.to(unit.shard.dtype).contiguous()  # (padded_numel,)
+        grad_shard = torch.empty_like(unit.shard)  # (padded_numel / W,)
+        reduce_scatter_single(grad_shard, grad_full, op=dist.ReduceOp.SUM, group=unit.group)
+        unit.count("reduce_scatter", grad_shard)
+        # the sum, then one division: the mean over ranks, as FSDP2 computes it
+        grad_shard.div_(unit.world_size)
+        unit.free()  # nothing after this point of backward reads the unit's weights
+        return grad_shard, None
+
+
+class FlatShardedUnit:
+    """The parameters one module owns, as a flat shard, gathered around its forward and backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        places: list[list[tuple[nn.Module, str]]],
+        counter: dict[str, int],
+        compute_dtype: torch.dtype | None,
+        group: dist.ProcessGroup | None,
+    ):
+        self.module, self.places, self.counter, self.group = module, places, counter, group
+        self.world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        # Pad the flat layout up to a multiple of W: the collectives need equal slices. The last
+        # rank's slice ends in up to W - 1 zeros that belong to no parameter.
+        self.shard_numel = math.ceil(sum(self.numels) / self.world_size)
+        self.padded_numel = self.shard_numel * self.world_size
+        padding = self.padded_numel - sum(self.numels)
+        flat = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(padding)])
+        # Every rank must shard the same model: rank 0's values, as DDP's constructor broadcasts.
+        dist.broadcast(flat, group=group, group_src=0)
+        start = rank * self.shard_numel
+        # The master copy of this rank's slice, in the parameters' dtype: the optimizer's tensor.
+        self.shard = nn.Parameter(flat[start : start + self.shard_numel].clone())
+        self.compute_dtype = compute_dtype or self.shard.dtype
+        self.full: torch.Tensor | None = None  # the gathered flat buffer, while it is needed
+        # The whole parameters leave the modules: from here on only the shard holds memory.
+        for where in places:
+            for owner, name in where:
+                if hasattr(owner, name):  # a module registered twice is met twice
+                    delattr(owner, name)
+        module.register_parameter("flat_shard", self.shard)  # so model.parameters() yields it
+        module.register_forward_pre_hook(self.before_forward, with_kwargs=True)
+        module.register_forward_hook(self.after_forward)
+
+    def count(self, kind: str, shard: torch.Tensor) -> None:
+        self.counter[kind] += ring_bytes(self.padded_numel, self.world_size, shard.element_size())
+
+    def all_gather(self, out: torch.Tensor) -> torch.Tensor:
+        # Cast before sending: a bf16 all-gather moves half the bytes of a float32 one.
+        mine = self.shard.detach().to(self.compute_dtype)
+        all_gather_single(out, mine, group=self.group)
+        return out
+
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if torch.is_grad_enabled():
+            # in the autograd graph: its backward is this unit's reduce-scatter
+            self.full = _GatherShards.apply(self.shard, self)
+        else:
+            self.full = self.all_gather(torch.empty(self.padded_numel, dtype=self.compute_dtype))
+        self.count("all_gather_forward", self.full)
+        # Views, not copies: every gradient that flows into them sums into the one buffer's.
+        pieces = self.full.split([*self.numels, self.padded_numel - sum(self.numels)])
+        for piece, shape, where in zip(pieces, self.shapes, self.places):
+            view = piece.view(shape)
+            for owner, name in where:
+                setattr(owner, name, view)  # a plain tensor attribute: nn.Linear reads self.weight
+        # The inputs in the compute dtype too (an fp32 input times a bf16 weight is an error).
+        args = tuple(self.cast(a) for a in args)
+        kwargs = {k: self.cast(v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def cast(self, value):
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value.to(self.compute_dtype)
+        return value
+
+    def after_forward(self, module: nn.Module, args: tuple, output):
+        if torch.is_grad_enabled():
+            # The first gradient that reaches any of the unit's outputs means backward is about to
+            # enter the unit: its weights must be back by then.
+            outputs = output if isinstance(output, (tuple, list)) else [output]
+            for tensor in outputs:
+                if torch.is_tensor(tensor) and tensor.requires_grad:
+                    tensor.register_hook(self.before_backward)
+        self.free()
+        return output
+
+    def free(self) -> None:
+        # Give the buffer's memory back but keep the tensor: autograd holds views of it, and
+        # before_backward refills the same memory. FSDP frees and refills the same way.
+        self.full.untyped_storage().resize_(0)
+
+    def before_backward(self, grad: torch.Tensor) -> None:
+        storage = self.full.untyped_storage()
+        if storage.size() > 0:
+            return  # another output's hook has gathered the weights already
+        storage.resize_(self.padded_numel * self.full.element_size())
+        # Write through a second tensor on the same memory: writing into self.full itself would
+        # bump its version counter, and autograd would refuse the views it saved ("modified by an
+        # inplace operation"). The numbers written are the very ones the forward used.
+        alias = torch.empty(0, dtype=self.full.dtype).set_(storage, 0, (self.padded_numel,))
+        self.all_gather(alias)
+        self.count("all_gather_backward", alias)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard `module` across the ranks: `units` (submodules) and the root each own a flat shard."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[nn.Module],
+        compute_dtype: torch.dtype | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size(process_group)
+        # bytes sent per rank, by kind (KINDS), since the last reset
+        self.comm_bytes = dict.fromkeys(KINDS, 0)
+        # Buffers (a BatchNorm's statistics) are not sharded, only made equal, as DDP does.
+        for buffer in module.buffers():
+            dist.broadcast(buffer, group=process_group, group_src=0)
+        # Where each parameter is registered: (module, attribute, full name, units around it).
+        places: dict[nn.Parameter, list[tuple[nn.Module, str, str, list[nn.Module]]]] = {}
+        self._walk(module, "", [module], [module, *units], places)
+        for param in places:
+            if not param.requires_grad:
+                raise ValueError("every parameter must require grad: a unit shards them together")
+        owned: dict[nn.Module, list[nn.Parameter]] = {unit: [] for unit in [module, *units]}
+        for param, where in places.items():
+            owned[self._owner([w[3] for w in where])].append(param)
+        self.units: list[FlatShardedUnit] = []
+        index: dict[nn.Parameter, tuple[int, int]] = {}  # parameter -> (its unit, its place there)
+        for unit_module, params in owned.items():
+            if not params:
+                continue  # a unit that owns nothing has nothing to gather
+            where = [[(w[0], w[1]) for w in places[p]] for p in params]
+            unit = FlatShardedUnit(
+                unit_module, params, where, self.comm_bytes, compute_dtype, process_group
+            )
+            index.update({p: (len(self.units), i) for i, p in enumerate(params)})
+            self.units.append(unit)
+        # (full name, unit, index) for every name, both names of a tied matrix included, in
+        # model.state_dict()'s order: the keys of full_state_dict().
+        self._names = [(w[2], *index[p]) for p, where in places.items() for w in where]
+
+    def _walk(self, module, prefix, around, units, places) -> None:
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(param, []).append((module, name, prefix + name, around))
+        for name, child in module.named_children():
+            inner = around + [child] if any(child is u for u in units) else around
+            self._walk(child, f"{prefix}{name}.", inner, units, places)
+
+    @staticmethod
+    def _owner(chains: list[list[nn.Module]]) -> nn.Module:
+        """The innermost unit around every place: the last unit all the chains share."""
+        common = chains[0]
+        for chain in chains[1:]:
+            n = 0
+            while n < min(len(common), len(chain)) and common[n] is chain[n]:
+                n += 1
+            common = common[:n]
+        return common[-1]  # the root is in every chain
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def reset_comm_bytes(self) -> None:
+        self.comm_bytes.update(dict.fromkeys(KINDS, 0))
+
+    @torch.no_grad()
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter whole (or, with grads=True, its averaged gradient), in the master dtype,
+        under the names model.state_dict() gives it, on every rank. A collective: every rank must
+        call it. Its bytes are not a training step's and are not counted."""
+        pieces = []
+        for unit in self.units:
+            mine = unit.shard.grad if grads else unit.shard
+            flat = mine.new_empty(unit.padded_numel)  # (padded_numel,)
+            all_gather_single(flat, mine.detach(), group=unit.group)
+            # the padding's zeros are the last piece, dropped
+            parts = flat.split([*unit.numels, unit.padded_numel - sum(unit.numels)])
+            pieces.append([part.view(shape) for part, shape in zip(parts, unit.shapes)])
+        state = {name: pieces[unit][i].clone() for name, unit, i in self._names}
+        if not grads:
+            state.update({name: b.clone() for name, b in self.module.named_buffers()})
+        return state
