@@ -37,6 +37,7 @@ collective. Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_from_s
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,16 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 # What the byte counter counts: per step, per rank, the bytes each kind of collective sends.
 KINDS = ("all_gather_forward", "all_gather_backward", "reduce_scatter")
+
+
+class Place(NamedTuple):
+    """One place a parameter is registered: `owner.name`, called `full_name` in the state dict,
+    inside `units` (the units around it, the root first)."""
+
+    owner: nn.Module
+    name: str
+    full_name: str
+    units: list[nn.Module]
 
 
 def ring_bytes(padded_numel: int, world_size: int, element_size: int) -> int:
@@ -65,6 +76,7 @@ class _GatherShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, unit: FlatShardedUnit) -> torch.Tensor:
+        # `shard` is an input only so that autograd links the gathered buffer back to it
         ctx.unit = unit
         return unit.all_gather(torch.empty(unit.padded_numel, dtype=unit.compute_dtype))
 
@@ -89,12 +101,15 @@ class FlatShardedUnit:
         self,
         module: nn.Module,
         params: list[nn.Parameter],
-        places: list[list[tuple[nn.Module, str]]],
+        places: list[list[Place]],
         counter: dict[str, int],
         compute_dtype: torch.dtype | None,
         group: dist.ProcessGroup | None,
     ):
-        self.module, self.places, self.counter, self.group = module, places, counter, group
+        self.module = module
+        self.places = places  # for each parameter, every place it is registered
+        self.counter = counter
+        self.group = group
         self.world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         self.shapes = [p.shape for p in params]
@@ -114,9 +129,9 @@ class FlatShardedUnit:
         self.full: torch.Tensor | None = None  # the gathered flat buffer, while it is needed
         # The whole parameters leave the modules: from here on only the shard holds memory.
         for where in places:
-            for owner, name in where:
-                if hasattr(owner, name):  # a module registered twice is met twice
-                    delattr(owner, name)
+            for place in where:
+                if hasattr(place.owner, place.name):  # a module registered twice is met twice
+                    delattr(place.owner, place.name)
         module.register_parameter("flat_shard", self.shard)  # so model.parameters() yields it
         module.register_forward_pre_hook(self.before_forward, with_kwargs=True)
         module.register_forward_hook(self.after_forward)
@@ -141,8 +156,9 @@ class FlatShardedUnit:
         pieces = self.full.split([*self.numels, self.padded_numel - sum(self.numels)])
         for piece, shape, where in zip(pieces, self.shapes, self.places):
             view = piece.view(shape)
-            for owner, name in where:
-                setattr(owner, name, view)  # a plain tensor attribute: nn.Linear reads self.weight
+            for place in where:
+                # a plain tensor attribute: nn.Linear's forward reads self.weight and finds it
+                setattr(place.owner, place.name, view)
         # The inputs in the compute dtype too (an fp32 input times a bf16 weight is an error).
         args = tuple(self.cast(a) for a in args)
         kwargs = {k: self.cast(v) for k, v in kwargs.items()}
@@ -200,21 +216,21 @@ class FullyShardedDataParallel(nn.Module):
         # Buffers (a BatchNorm's statistics) are not sharded, only made equal, as DDP does.
         for buffer in module.buffers():
             dist.broadcast(buffer, group=process_group, group_src=0)
-        # Where each parameter is registered: (module, attribute, full name, units around it).
-        places: dict[nn.Parameter, list[tuple[nn.Module, str, str, list[nn.Module]]]] = {}
+        # Every place each parameter is registered (a tied matrix has two), in state-dict order.
+        places: dict[nn.Parameter, list[Place]] = {}
         self._walk(module, "", [module], [module, *units], places)
         for param in places:
             if not param.requires_grad:
                 raise ValueError("every parameter must require grad: a unit shards them together")
         owned: dict[nn.Module, list[nn.Parameter]] = {unit: [] for unit in [module, *units]}
         for param, where in places.items():
-            owned[self._owner([w[3] for w in where])].append(param)
+            owned[self._owner([place.units for place in where])].append(param)
         self.units: list[FlatShardedUnit] = []
         index: dict[nn.Parameter, tuple[int, int]] = {}  # parameter -> (its unit, its place there)
         for unit_module, params in owned.items():
             if not params:
                 continue  # a unit that owns nothing has nothing to gather
-            where = [[(w[0], w[1]) for w in places[p]] for p in params]
+            where = [places[p] for p in params]
             unit = FlatShardedUnit(
                 unit_module, params, where, self.comm_bytes, compute_dtype, process_group
             )
@@ -222,12 +238,19 @@ class FullyShardedDataParallel(nn.Module):
             self.units.append(unit)
         # (full name, unit, index) for every name, both names of a tied matrix included, in
         # model.state_dict()'s order: the keys of full_state_dict().
-        self._names = [(w[2], *index[p]) for p, where in places.items() for w in where]
+        self._names = [(pl.full_name, *index[p]) for p, where in places.items() for pl in where]
 
-    def _walk(self, module, prefix, around, units, places) -> None:
+    def _walk(
+        self,
+        module: nn.Module,
+        prefix: str,
+        around: list[nn.Module],
+        units: list[nn.Module],
+        places: dict[nn.Parameter, list[Place]],
+    ) -> None:
         for name, param in module._parameters.items():
             if param is not None:
-                places.setdefault(param, []).append((module, name, prefix + name, around))
+                places.setdefault(param, []).append(Place(module, name, prefix + name, around))
         for name, child in module.named_children():
             inner = around + [child] if any(child is u for u in units) else around
             self._walk(child, f"{prefix}{name}.", inner, units, places)
@@ -266,3 +289,90 @@ class FullyShardedDataParallel(nn.Module):
         if not grads:
             state.update({name: b.clone() for name, b in self.module.named_buffers()})
         return state
+
+
+def bytes_held(
+    model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer
+) -> list[list[int]]:
+    """[parameters, gradients, optimizer state]: the bytes each rank holds, on every rank (a
+    collective). Call it between optimizer.step() and zero_grad(), when all three exist."""
+    shards = list(model.parameters())
+    params = sum(p.numel() * p.element_size() for p in shards)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in shards if p.grad is not None)
+    state = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
+    mine = torch.tensor([params, grads, state], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
+
+
+def main() -> None:
+    """A few AdamW steps of the course's GPT on random tokens (no data set needed). Rank 0 prints
+    what each rank holds and the bytes each step sent, next to the formula and to DDP's."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `common`
+    from common.model import GPT, PRESETS, model_config
+
+    p = argparse.ArgumentParser(description=main.__doc__.split(".")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
+    args = p.parse_args()
+    dist.init_process_group("gloo")  # the CPU's backend: this is a demonstration, not a trainer
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    torch.manual_seed(1337)
+    config = model_config(args.preset, dropout=0.0)
+    gpt = GPT(config)
+    n_params = sum(p.numel() for p in gpt.parameters())  # the tied matrix once
+    n_tensors = len(list(gpt.parameters()))
+    compute_dtype = getattr(torch, args.compute_dtype)
+    model = FullyShardedDataParallel(gpt, list(gpt.transformer.h), compute_dtype=compute_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)
+    gen = torch.Generator().manual_seed(1337)  # the same global batch on every rank
+    for _ in range(args.steps):
+        shape = (args.batch_size * world, args.seq_len + 1)
+        data = torch.randint(0, config.vocab_size, shape, generator=gen)
+        model.reset_comm_bytes()
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(data[rank::world, :-1], data[rank::world, 1:])
+        loss.backward()
+        optimizer.step()
+    held = bytes_held(model, optimizer)  # the last step's gradients, and AdamW's state
+    padded = sum(unit.padded_numel for unit in model.units)
+    sent = model.comm_bytes
+    if rank == 0:
+        print(
+            f"preset {args.preset}: {n_params:,} parameters, {len(model.units)} units (the root, "
+            f"{len(model.units) - 1} blocks), padded to {padded:,} | {world} ranks | compute "
+            f"{args.compute_dtype}, master weights float32"
+        )
+        print("per rank, bytes: parameters | gradients | AdamW state")
+        for r in range(world):
+            print(f"  rank {r}: {held[r][0]:,} | {held[r][1]:,} | {held[r][2]:,}")
+        print(f"  DDP:    {4 * n_params:,} | {4 * n_params:,} | {8 * n_params + 4 * n_tensors:,}")
+        print("bytes each rank sent in the last step (in a ring):")
+        for kind in KINDS:
+            print(f"  {kind}: {sent[kind]:,}")
+        c = compute_dtype.itemsize
+        formula = (world - 1) * padded // world * (2 * c + 4)
+        total = sum(sent.values())
+        print(f"  total {total:,} = (W - 1)/W x padded x (2 x {c} + 4 bytes) = {formula:,}")
+        print(
+            f"  DDP's all-reduce: 2 (W - 1)/W x Psi = {2 * (world - 1) * n_params * 4 // world:,}"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

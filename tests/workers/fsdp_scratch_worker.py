@@ -2,7 +2,7 @@
 06_fsdp/fsdp_from_scratch.py, with one process on the whole batch and with FSDP2, and write how far
 apart they are.
 
-    torchrun --nproc_per_node=W tests/workers/fsdp_scratch_worker.py OUT_DIR
+    torchrun --nproc_per_node=W tests/workers/fsdp_scratch_worker.py [OUT_DIR]
 
 Every case trains STEPS steps from the same start. Rank r's model is built from seed SEED + r, so
 the ranks start apart and the wrapper's broadcast from rank 0 must make them equal; the one process
@@ -19,7 +19,7 @@ and takes rows r::W. For each case the worker records, as maxima over steps (and
 - shard_numel, state_bytes: the parameter numbers and optimizer-state bytes each rank holds;
 - grad_scale: the largest gradient of the one process, to size the low-precision tolerance.
 
-Rank 0 writes OUT_DIR/results.json.
+Rank 0 prints the distances, one line per case, and writes OUT_DIR/results.json if given.
 """
 
 from __future__ import annotations
@@ -222,13 +222,19 @@ CASES = {
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
     with gloo_group() as (rank, world):
         torch.use_deterministic_algorithms(True)
         results = {}
         for name, (kind, optim, dtype, compute_dtype, with_fsdp2) in CASES.items():
             results[name] = run_case(kind, optim, dtype, compute_dtype, with_fsdp2, rank, world)
-        write_results(out_dir, results)
+            if rank == 0:
+                keys = [
+                    k for k in results[name] if k.startswith(("loss_vs", "grad_vs", "params_vs"))
+                ]
+                shown = ", ".join(f"{k} {results[name][k]:.2g}" for k in keys)
+                print(f"{world} ranks, {name}: {shown}", flush=True)
+        if len(sys.argv) > 1:
+            write_results(Path(sys.argv[1]), results)
 
 
 if __name__ == "__main__":
