@@ -29,9 +29,11 @@ the whole backward, so every use finds it.
     optimizer.step()
     state = model.full_state_dict()  # the whole model on every rank, named as gpt.state_dict()
 
-One forward, then its backward: a second forward before the backward would take the buffers the
-first one's backward needs. Every rank must run every unit, in the same order, as with any
-collective. Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_from_scratch.py
+Between steps the modules hold no whole parameters at all: `gpt.lm_head.weight` is an
+AttributeError, and full_state_dict() gathers them. Every rank must run every unit, in the same
+order: each gather is a collective that waits for all ranks. One flat shard per unit means one
+optimizer group per unit: the GPT's optimizer_groups (no weight decay on biases) cannot apply.
+Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_from_scratch.py
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ class _GatherShards(torch.autograd.Function):
     def forward(ctx, shard: torch.Tensor, unit: FlatShardedUnit) -> torch.Tensor:
         # `shard` is an input only so that autograd links the gathered buffer back to it
         ctx.unit = unit
-        return unit.all_gather(torch.empty(unit.padded_numel, dtype=unit.compute_dtype))
+        full = unit.all_gather(torch.empty(unit.padded_numel, dtype=unit.compute_dtype))
+        ctx.memory = full.untyped_storage()  # the memory, not the tensor: no reference cycle
+        return full
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -90,7 +94,7 @@ class _GatherShards(torch.autograd.Function):
         unit.count("reduce_scatter", grad_shard)
         # the sum, then one division: the mean over ranks, as FSDP2 computes it
         grad_shard.div_(unit.world_size)
-        unit.free()  # nothing after this point of backward reads the unit's weights
+        ctx.memory.resize_(0)  # nothing after this point of backward reads the unit's weights
         return grad_shard, None
 
 
@@ -126,12 +130,8 @@ class FlatShardedUnit:
         # The master copy of this rank's slice, in the parameters' dtype: the optimizer's tensor.
         self.shard = nn.Parameter(flat[start : start + self.shard_numel].clone())
         self.compute_dtype = compute_dtype or self.shard.dtype
-        self.full: torch.Tensor | None = None  # the gathered flat buffer, while it is needed
         # The whole parameters leave the modules: from here on only the shard holds memory.
-        for where in places:
-            for place in where:
-                if hasattr(place.owner, place.name):  # a module registered twice is met twice
-                    delattr(place.owner, place.name)
+        self.forget_views()
         module.register_parameter("flat_shard", self.shard)  # so model.parameters() yields it
         module.register_forward_pre_hook(self.before_forward, with_kwargs=True)
         module.register_forward_hook(self.after_forward)
@@ -148,12 +148,13 @@ class FlatShardedUnit:
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if torch.is_grad_enabled():
             # in the autograd graph: its backward is this unit's reduce-scatter
-            self.full = _GatherShards.apply(self.shard, self)
+            full = _GatherShards.apply(self.shard, self)
         else:
-            self.full = self.all_gather(torch.empty(self.padded_numel, dtype=self.compute_dtype))
-        self.count("all_gather_forward", self.full)
+            full = self.all_gather(torch.empty(self.padded_numel, dtype=self.compute_dtype))
+        self.count("all_gather_forward", full)
+        self.memory = full.untyped_storage()  # this forward's buffer, for after_forward
         # Views, not copies: every gradient that flows into them sums into the one buffer's.
-        pieces = self.full.split([*self.numels, self.padded_numel - sum(self.numels)])
+        pieces = full.split([*self.numels, self.padded_numel - sum(self.numels)])
         for piece, shape, where in zip(pieces, self.shapes, self.places):
             view = piece.view(shape)
             for place in where:
@@ -170,30 +171,37 @@ class FlatShardedUnit:
         return value
 
     def after_forward(self, module: nn.Module, args: tuple, output):
+        memory = self.memory
         if torch.is_grad_enabled():
             # The first gradient that reaches any of the unit's outputs means backward is about to
-            # enter the unit: its weights must be back by then.
+            # enter the unit: its weights must be back by then. Each hook carries the memory of
+            # its own forward's buffer, so two forwards before one backward refill both.
             outputs = output if isinstance(output, (tuple, list)) else [output]
             for tensor in outputs:
                 if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(self.before_backward)
-        self.free()
-        return output
-
-    def free(self) -> None:
+                    tensor.register_hook(lambda grad: self.before_backward(memory))
         # Give the buffer's memory back but keep the tensor: autograd holds views of it, and
         # before_backward refills the same memory. FSDP frees and refills the same way.
-        self.full.untyped_storage().resize_(0)
+        memory.resize_(0)
+        # The modules forget the views: reading `linear.weight` between steps is then a clear
+        # AttributeError, not a read of freed memory.
+        self.forget_views()
+        return output
 
-    def before_backward(self, grad: torch.Tensor) -> None:
-        storage = self.full.untyped_storage()
-        if storage.size() > 0:
+    def forget_views(self) -> None:
+        for where in self.places:
+            for place in where:
+                if hasattr(place.owner, place.name):  # a module registered twice is met twice
+                    delattr(place.owner, place.name)
+
+    def before_backward(self, memory: torch.UntypedStorage) -> None:
+        if memory.size() > 0:
             return  # another output's hook has gathered the weights already
-        storage.resize_(self.padded_numel * self.full.element_size())
-        # Write through a second tensor on the same memory: writing into self.full itself would
-        # bump its version counter, and autograd would refuse the views it saved ("modified by an
-        # inplace operation"). The numbers written are the very ones the forward used.
-        alias = torch.empty(0, dtype=self.full.dtype).set_(storage, 0, (self.padded_numel,))
+        memory.resize_(self.padded_numel * self.compute_dtype.itemsize)
+        # Write through a new tensor on that memory: writing into the buffer autograd saved would
+        # bump its version counter, and autograd would refuse the views ("modified by an inplace
+        # operation"). The numbers written are the very ones the forward used.
+        alias = torch.empty(0, dtype=self.compute_dtype).set_(memory, 0, (self.padded_numel,))
         self.all_gather(alias)
         self.count("all_gather_backward", alias)
 

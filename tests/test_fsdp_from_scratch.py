@@ -30,7 +30,13 @@ LOSS_ATOL = 1e-5  # the GPT's loss is about 6.3, the MLP's about 1: float32 keep
 # difference in a tiny gradient to a visible one (the ZeRO-1 tests allow the same).
 PARAM_ATOL = 2e-5
 FLOAT64_ATOL = 1e-12  # the control: the same runs in float64 differ by rounding alone
-FLOAT32_CASES = ["gpt/sgd/float32", "gpt/adamw/float32", "mlp/sgd/float32", "mlp/adamw/float32"]
+FLOAT32_CASES = [
+    "gpt/sgd/float32",
+    "gpt/adamw/float32",
+    "mlp/sgd/float32",
+    "mlp/adamw/float32",
+    "mlp/adamw/float32/two_forwards",  # two forwards, then one backward of their mean
+]
 LOW_PRECISION = ["gpt/adamw/bfloat16", "mlp/adamw/bfloat16"]
 WITH_FSDP2 = ["gpt/adamw/float32", "gpt/adamw/float64", "gpt/adamw/bfloat16", "mlp/adamw/float32"]
 ALL_CASES = [*FLOAT32_CASES, "gpt/adamw/float64", *LOW_PRECISION]
@@ -151,8 +157,9 @@ def test_bytes_per_step_equal_the_formula(results, world, case):
     psi = sum(math.ceil(n / world) * world for n in owned_numels(case))  # padded numbers
     master = 8 if "float64" in case else 4
     compute = 2 if "bfloat16" in case else master
-    gather = (world - 1) * psi // world * compute
-    reduce = (world - 1) * psi // world * master
+    forwards = 2 if case.endswith("two_forwards") else 1  # each forward's backward: its own three
+    gather = forwards * (world - 1) * psi // world * compute
+    reduce = forwards * (world - 1) * psi // world * master
     expected = {
         "all_gather_forward": gather,
         "all_gather_backward": gather,
@@ -160,4 +167,4 @@ def test_bytes_per_step_equal_the_formula(results, world, case):
     }
     assert r["comm_bytes"] == [expected] * STEPS
     if compute == master:
-        assert sum(expected.values()) == 3 * (world - 1) * psi * master // world
+        assert sum(expected.values()) == forwards * 3 * (world - 1) * psi * master // world

@@ -122,7 +122,9 @@ def whole(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach() for n, p in module.named_parameters()}
 
 
-def run_case(kind: str, optim: str, dtype, compute_dtype, with_fsdp2: bool, rank, world) -> dict:
+def run_case(
+    kind: str, optim: str, dtype, compute_dtype, with_fsdp2: bool, forwards: int, rank, world
+) -> dict:
     single, _ = build(kind, SEED, dtype)
     model, units = build(kind, SEED + rank, dtype)  # each rank starts elsewhere, on purpose
     n_params = sum(p.numel() for p in model.parameters())  # each parameter once
@@ -151,7 +153,10 @@ def run_case(kind: str, optim: str, dtype, compute_dtype, with_fsdp2: bool, rank
     for _ in range(STEPS):
         x, y = global_batch(kind, gen, world, dtype)
         fsdp.reset_comm_bytes()
-        loss = loss_of(kind, fsdp, x[rank::world], y[rank::world])
+        # `forwards` forwards over equal parts of this rank's rows, then one backward of their mean
+        parts = zip(x[rank::world].chunk(forwards), y[rank::world].chunk(forwards))
+        losses = [loss_of(kind, fsdp, x_part, y_part) for x_part, y_part in parts]
+        loss = torch.stack(losses).mean()
         loss.backward()
         result["comm_bytes"].append(dict(fsdp.comm_bytes))
         mean_loss = loss.detach().to(dtype)
@@ -210,14 +215,16 @@ def run_case(kind: str, optim: str, dtype, compute_dtype, with_fsdp2: bool, rank
 
 
 CASES = {
-    # name: (model, optimizer, master dtype, compute dtype, against FSDP2 too)
-    "gpt/sgd/float32": ("gpt", "sgd", torch.float32, None, False),
-    "gpt/adamw/float32": ("gpt", "adamw", torch.float32, None, True),
-    "gpt/adamw/float64": ("gpt", "adamw", torch.float64, None, True),
-    "gpt/adamw/bfloat16": ("gpt", "adamw", torch.float32, torch.bfloat16, True),
-    "mlp/sgd/float32": ("mlp", "sgd", torch.float32, None, False),
-    "mlp/adamw/float32": ("mlp", "adamw", torch.float32, None, True),
-    "mlp/adamw/bfloat16": ("mlp", "adamw", torch.float32, torch.bfloat16, False),
+    # name: (model, optimizer, master dtype, compute dtype, against FSDP2 too, forwards a step)
+    "gpt/sgd/float32": ("gpt", "sgd", torch.float32, None, False, 1),
+    "gpt/adamw/float32": ("gpt", "adamw", torch.float32, None, True, 1),
+    "gpt/adamw/float64": ("gpt", "adamw", torch.float64, None, True, 1),
+    "gpt/adamw/bfloat16": ("gpt", "adamw", torch.float32, torch.bfloat16, True, 1),
+    "mlp/sgd/float32": ("mlp", "sgd", torch.float32, None, False, 1),
+    "mlp/adamw/float32": ("mlp", "adamw", torch.float32, None, True, 1),
+    "mlp/adamw/bfloat16": ("mlp", "adamw", torch.float32, torch.bfloat16, False, 1),
+    # two forwards before one backward: each forward's buffers are refilled for its backward
+    "mlp/adamw/float32/two_forwards": ("mlp", "adamw", torch.float32, None, False, 2),
 }
 
 
@@ -225,8 +232,8 @@ def main() -> None:
     with gloo_group() as (rank, world):
         torch.use_deterministic_algorithms(True)
         results = {}
-        for name, (kind, optim, dtype, compute_dtype, with_fsdp2) in CASES.items():
-            results[name] = run_case(kind, optim, dtype, compute_dtype, with_fsdp2, rank, world)
+        for name, case in CASES.items():
+            results[name] = run_case(*case, rank, world)
             if rank == 0:
                 keys = [
                     k for k in results[name] if k.startswith(("loss_vs", "grad_vs", "params_vs"))
