@@ -91,7 +91,7 @@ class _GatherShards(torch.autograd.Function):
         grad_full = grad_full.to(unit.shard.dtype).contiguous()  # (padded_numel,)
         grad_shard = torch.empty_like(unit.shard)  # (padded_numel / W,)
         reduce_scatter_single(grad_shard, grad_full, op=dist.ReduceOp.SUM, group=unit.group)
-        unit.count("reduce_scatter", grad_shard)
+        unit.count("reduce_scatter", grad_shard.dtype)
         # the sum, then one division: the mean over ranks, as FSDP2 computes it
         grad_shard.div_(unit.world_size)
         ctx.memory.resize_(0)  # nothing after this point of backward reads the unit's weights
@@ -136,8 +136,9 @@ class FlatShardedUnit:
         module.register_forward_pre_hook(self.before_forward, with_kwargs=True)
         module.register_forward_hook(self.after_forward)
 
-    def count(self, kind: str, shard: torch.Tensor) -> None:
-        self.counter[kind] += ring_bytes(self.padded_numel, self.world_size, shard.element_size())
+    def count(self, kind: str, dtype: torch.dtype) -> None:
+        """Add one collective of this unit, its numbers sent in `dtype`, to the byte counter."""
+        self.counter[kind] += ring_bytes(self.padded_numel, self.world_size, dtype.itemsize)
 
     def all_gather(self, out: torch.Tensor) -> torch.Tensor:
         # Cast before sending: a bf16 all-gather moves half the bytes of a float32 one.
@@ -151,7 +152,7 @@ class FlatShardedUnit:
             full = _GatherShards.apply(self.shard, self)
         else:
             full = self.all_gather(torch.empty(self.padded_numel, dtype=self.compute_dtype))
-        self.count("all_gather_forward", full)
+        self.count("all_gather_forward", full.dtype)
         self.memory = full.untyped_storage()  # this forward's buffer, for after_forward
         # Views, not copies: every gradient that flows into them sums into the one buffer's.
         pieces = full.split([*self.numels, self.padded_numel - sum(self.numels)])
@@ -177,9 +178,17 @@ class FlatShardedUnit:
             # enter the unit: its weights must be back by then. Each hook carries the memory of
             # its own forward's buffer, so two forwards before one backward refill both.
             outputs = output if isinstance(output, (tuple, list)) else [output]
-            for tensor in outputs:
-                if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self.before_backward(memory))
+            if isinstance(output, dict):
+                outputs = list(output.values())
+            hooked = [t for t in outputs if torch.is_tensor(t) and t.requires_grad]
+            if not hooked:
+                # backward would reach the weights with no hook to gather them first
+                raise RuntimeError(
+                    f"{type(module).__name__}, an FSDP unit, returned no tensor that requires "
+                    "grad; a unit must return a tensor, or a tuple, list or dict of tensors"
+                )
+            for tensor in hooked:
+                tensor.register_hook(lambda grad: self.before_backward(memory))
         # Give the buffer's memory back but keep the tensor: autograd holds views of it, and
         # before_backward refills the same memory. FSDP frees and refills the same way.
         memory.resize_(0)
@@ -203,7 +212,7 @@ class FlatShardedUnit:
         # operation"). The numbers written are the very ones the forward used.
         alias = torch.empty(0, dtype=self.compute_dtype).set_(memory, 0, (self.padded_numel,))
         self.all_gather(alias)
-        self.count("all_gather_backward", alias)
+        self.count("all_gather_backward", alias.dtype)
 
 
 class FullyShardedDataParallel(nn.Module):
