@@ -3,9 +3,9 @@
 Two real torchrun launches, 2 ranks and 3 ranks (gloo on 127.0.0.1), started together, each run
 tests/workers/fsdp_scratch_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the
 root) and a small MLP whose two hidden layers, two units, share one gain vector, with SGD and
-AdamW, in float32, in float64 (the rounding control) and with bfloat16 compute. The tests assert
-on the distances it writes, and on the bytes its counter counted against the formula, computed
-here from parameter counts made by hand.
+AdamW, in float32, in float64 (the rounding control), with bfloat16 compute, and with two
+forwards before one backward. The tests assert on the distances it writes, and on the bytes the
+wrapper's counter counted against the formula, computed here from parameter counts made by hand.
 """
 
 from __future__ import annotations
