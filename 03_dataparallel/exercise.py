@@ -16,6 +16,7 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
 # TODO 1/16: the imports: remove (-) and add (+)
 #     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 #     + from torch import nn
+#     + from common.dataparallel import choose_dataparallel_gpus
 #     + from common.device import (
 #     + autocast_context,
 #     + describe,
@@ -71,9 +72,11 @@ def main():
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
-    # TODO 4/16: add 20 line(s) of code here:
+    # TODO 4/16: add 3 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    #   torch.compile works per thread, and the replicas run in threads it never enters
+    #   The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
+    #   --compile over several GPUs) are refused with one line each (common/dataparallel.py).
+    #   on a CPU: one, the model itself
     #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
@@ -122,12 +125,12 @@ def main():
     iter_num = (
         restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
     )
-    # TODO 6/16: change the next 1 line(s) of code into 6:
+    # TODO 6/16: change the next 1 line(s) of code into 3:
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
     #   with "module.", so checkpoints save model.module's, which any chapter can load.
-    #   one GPU: the chosen one
-    #   no CUDA GPU: DataParallel calls the model as it is
-    #   nn.DataParallel, see the class above
+    #   nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
+    #     [])
+    #   it calls the model as it is
     #   DataParallel, not compiled: see the evaluation below
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:

@@ -28,6 +28,7 @@ from common.data import (
     prepare,
     validation_windows,
 )
+from common.dataparallel import choose_dataparallel_gpus
 from common.device import (
     autocast_context,
     describe,
@@ -50,7 +51,7 @@ from common.training import (
 )
 
 
-class DataParallel(nn.DataParallel):
+class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
     and whose loss counts every row once, however the batch splits (see parallel_apply).
 
@@ -93,26 +94,10 @@ def main():
     out_dir = Path(args.out_dir)
 
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    visible_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    n_gpus = args.gpus or visible_gpus
-    if args.gpus and args.gpus > visible_gpus:
-        raise CourseError(
-            f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}"
-        )
-    if device.type == "cpu" and torch.cuda.is_available():
-        raise CourseError(
-            "DataParallel takes every visible GPU: "
-            "to train on the CPU here, hide them with CUDA_VISIBLE_DEVICES="
-        )
-    if n_gpus > 1 and device.index not in (None, 0):
-        raise CourseError("with several GPUs DataParallel gathers on cuda:0: use --device cuda")
-    if n_gpus > 1 and args.compile:
-        # torch.compile works per thread, and the replicas run in threads it never enters
-        raise CourseError(
-            "--compile cannot speed up DataParallel over several GPUs: its replicas run in threads "
-            "that compiled code does not reach; drop --compile, or compile under DDP in chapter 04"
-        )
-    replicas = max(n_gpus, 1)
+    # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
+    # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
+    gpu_ids = choose_dataparallel_gpus(device, args.gpus, args.compile, torch.cuda.device_count())
+    replicas = max(len(gpu_ids), 1)  # on a CPU: one, the model itself
     # DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
     whole_batch = args.batch_size * replicas
 
@@ -161,11 +146,9 @@ def main():
     )
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
-    gpu_ids = list(range(n_gpus)) if n_gpus > 1 else [device.index or 0]  # one GPU: the chosen one
-    if n_gpus == 0:
-        gpu_ids = None  # no CUDA GPU: DataParallel calls the model as it is
-    # nn.DataParallel, see the class above
-    model = DataParallel(model, device, dtype, device_ids=gpu_ids)
+    # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
+    # it calls the model as it is
+    model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:

@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
 #     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
@@ -15,9 +15,10 @@ run is chapter 02's.
     python 03_dataparallel/train.py --gpus 2
 """
 
-# TODO 1/22: the imports: remove (-) and add (+)
+# TODO 1/21: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
+#     - from common.dataparallel import choose_dataparallel_gpus
 #     - from common.device import (
 #     - autocast_context,
 #     - describe,
@@ -33,8 +34,12 @@ run is chapter 02's.
 #     + from torch.nn.parallel import DistributedDataParallel as DDP
 #     + from torch.utils.data.distributed import DistributedSampler
 #     + from common.device import autocast_context, describe, pick_dtype, setup_math
-#     + from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0,
-#         share_cpu_cores
+#     + from common.distributed import (
+#     + one_rank_first,
+#     + rank_device,
+#     + ranks_unlike_rank0,
+#     + share_cpu_cores,
+#     + start_process_group,
 import sys
 from pathlib import Path
 
@@ -54,6 +59,7 @@ from common.data import (
     prepare,
     validation_windows,
 )
+from common.dataparallel import choose_dataparallel_gpus
 from common.device import (
     autocast_context,
     describe,
@@ -76,7 +82,7 @@ from common.training import (
 )
 
 
-# TODO 2/22: change the next 26 line(s) of code into 21:
+# TODO 2/21: change the next 26 line(s) of code into 21:
 #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
 #   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
 #   ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -85,7 +91,7 @@ from common.training import (
 #   Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
 #   before any CUDA work, or it would all land on cuda:0
 #   ranks on one CPU share its cores
-class DataParallel(nn.DataParallel):
+class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
     and whose loss counts every row once, however the batch splits (see parallel_apply).
 
@@ -127,43 +133,25 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 3/22: change the next 3 line(s) of code into 4:
+    # TODO 3/21: change the next 3 line(s) of code into 9:
     #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     #   ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
+    #   hanging.
+    #   Under torchrun the ranks meet at MASTER_ADDR:MASTER_PORT; with plain `python` the world is
+    #   this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
+    #   check that no two of them share one.
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    visible_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    n_gpus = args.gpus or visible_gpus
-    if args.gpus and args.gpus > visible_gpus:
-        raise CourseError(
-            # TODO 4/22: change the next 16 line(s) of code into 19:
-            #   A collective that waits longer than the timeout for a peer (dead or stuck) fails
-            #     instead of
-            #   hanging.
-            #   the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
-            #   NCCL binds this rank to its GPU from the start
-            #   plain `python`: a world of one needs no meeting point, an in-memory store will do
-            f"--gpus {args.gpus}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}"
-        )
-    if device.type == "cpu" and torch.cuda.is_available():
-        raise CourseError(
-            "DataParallel takes every visible GPU: "
-            "to train on the CPU here, hide them with CUDA_VISIBLE_DEVICES="
-        )
-    if n_gpus > 1 and device.index not in (None, 0):
-        raise CourseError("with several GPUs DataParallel gathers on cuda:0: use --device cuda")
-    if n_gpus > 1 and args.compile:
-        # torch.compile works per thread, and the replicas run in threads it never enters
-        raise CourseError(
-            "--compile cannot speed up DataParallel over several GPUs: its replicas run in threads "
-            "that compiled code does not reach; drop --compile, or compile under DDP in chapter 04"
-        )
-    replicas = max(n_gpus, 1)
+    # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
+    # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
+    gpu_ids = choose_dataparallel_gpus(device, args.gpus, args.compile, torch.cuda.device_count())
+    replicas = max(len(gpu_ids), 1)  # on a CPU: one, the model itself
     # DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
     whole_batch = args.batch_size * replicas
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 5/22: change the next 3 line(s) of code into 8:
+    # TODO 4/21: change the next 3 line(s) of code into 8:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it
     #   (every rank calls one_rank_first), then find the files ready and prepare() does no work.
@@ -173,7 +161,7 @@ def main():
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
-    # TODO 6/22: change the next 1 line(s) of code:
+    # TODO 5/21: change the next 1 line(s) of code:
     #   on each of world_size ranks at the same time, each of `batch_size` sequences.
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
@@ -210,7 +198,7 @@ def main():
     iter_num = (
         restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
     )
-    # TODO 7/22: change the next 4 line(s) of code into 1:
+    # TODO 6/21: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
     #     hooks
     #   into backward to average the gradients over ranks. The wrapper keeps the real model in
@@ -219,26 +207,24 @@ def main():
     #   cuda:LOCAL_RANK
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
-    gpu_ids = list(range(n_gpus)) if n_gpus > 1 else [device.index or 0]  # one GPU: the chosen one
-    if n_gpus == 0:
-        gpu_ids = None  # no CUDA GPU: DataParallel calls the model as it is
-    # nn.DataParallel, see the class above
-    model = DataParallel(model, device, dtype, device_ids=gpu_ids)
+    # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
+    # it calls the model as it is
+    model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
-    # TODO 8/22: remove the next 1 line(s) of code
+    # TODO 7/21: remove the next 1 line(s) of code
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
     peak = peak_flops(device, dtype)
-    # TODO 9/22: change the next 1 line(s) of code:
+    # TODO 8/21: change the next 1 line(s) of code:
     #     log(
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 10/22: change the next 11 line(s) of code into 7:
+    # TODO 9/21: change the next 11 line(s) of code into 7:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
@@ -259,12 +245,12 @@ def main():
             f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
         )
     if iter_num:
-        # TODO 11/22: change the next 1 line(s) of code:
+        # TODO 10/21: change the next 1 line(s) of code:
         #     log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # TODO 12/22: change the next 5 line(s) of code into 12:
+    # TODO 11/21: change the next 5 line(s) of code into 12:
     #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
     #     ...
     #   (W = world_size): the ranks' micro-batches of one step together are the G consecutive
@@ -280,14 +266,14 @@ def main():
     model.train()
     # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
     speed = Throughput(
-        # TODO 13/22: change the next 1 line(s) of code:
+        # TODO 12/21: change the next 1 line(s) of code:
         #     tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
         tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num
     )
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        # TODO 14/22: change the next 11 line(s) of code into 12:
+        # TODO 13/21: change the next 11 line(s) of code into 12:
         #     """The checkpoint, at every evaluation and when the run is asked to stop; rank 0
         #       writes it."""
         #     if is_rank0:
@@ -314,7 +300,7 @@ def main():
         )
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # TODO 15/22: change the next 1 line(s) of code:
+    # TODO 14/21: change the next 1 line(s) of code:
     #   (common/support/preempt.py) The ranks agree on the step to stop at: one all-reduce of a
     #     single
     #   number per step.
@@ -323,13 +309,13 @@ def main():
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # TODO 16/22: change the next 1 line(s) of code:
+        # TODO 15/21: change the next 1 line(s) of code:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         order.manual_seed(args.seed + epoch)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
         loader = batch_loader(
-            # TODO 17/22: change the next 1 line(s) of code:
+            # TODO 16/21: change the next 1 line(s) of code:
             #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
             train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         )
@@ -341,7 +327,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 18/22: change the next 9 line(s) of code into 14:
+            # TODO 17/21: change the next 9 line(s) of code into 14:
             #   this rank's mean loss over its share of the global batch
             #   DDP averages the gradients over ranks inside backward(). Before the last
             #   micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
@@ -381,7 +367,7 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
             if log_now:
-                # TODO 19/22: change the next 1 line(s) of code into 2:
+                # TODO 18/21: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it (SUM works on
                 #     every
                 #   backend)
@@ -402,7 +388,7 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # TODO 20/22: change the next 3 line(s) of code into 8:
+                # TODO 19/21: change the next 3 line(s) of code into 8:
                 #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
                 #   nothing for DDP to do); the loss sums and window counts are added over ranks, so
                 #   every rank gets the mean over all the windows.
@@ -425,7 +411,7 @@ def main():
                 save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 21/22: change the next 8 line(s) of code into 5:
+    # TODO 20/21: change the next 8 line(s) of code into 5:
     #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
     #     it
     #   bit for bit against rank 0's copy.
@@ -442,7 +428,7 @@ def main():
 
 
 if __name__ == "__main__":
-    # TODO 22/22: change the next 1 line(s) of code into 5:
+    # TODO 21/21: change the next 1 line(s) of code into 5:
     #   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
     #   connections to the other ranks (and NCCL's communicators) cleanly.
     run_main(main, resumable=True)

@@ -35,7 +35,13 @@ from common.data import (
     validation_windows,
 )
 from common.device import autocast_context, describe, pick_dtype, setup_math
-from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
+from common.distributed import (
+    one_rank_first,
+    rank_device,
+    ranks_unlike_rank0,
+    share_cpu_cores,
+    start_process_group,
+)
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
@@ -88,26 +94,13 @@ def main():
 
     # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     # ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise CourseError(
-            "--backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
-        )
     # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
     # hanging.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    if launched:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
-        # NCCL binds this rank to its GPU from the start
-        gpu = device if device.type == "cuda" else None
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
-        )
-    else:  # plain `python`: a world of one needs no meeting point, an in-memory store will do
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+    # Under torchrun the ranks meet at MASTER_ADDR:MASTER_PORT; with plain `python` the world is
+    # this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
+    # check that no two of them share one.
+    backend = start_process_group(args.backend, device, launched, rank, world_size, timeout)
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:

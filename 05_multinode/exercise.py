@@ -1,5 +1,5 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
-# the 14 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
+# the 12 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
 # solution there. Then check your script:
 #     python tools/check.py 05_multinode/exercise.py --nproc-per-node 2
 # The solution is 05_multinode/train.py (its README shows the diff). This file is made by
@@ -16,15 +16,9 @@ Started with plain `python`, the script runs as a world of one process and says 
     torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4   # the same run as 01 with 8
 """
 
-# TODO 1/14: the imports: remove (-) and add (+)
-#     - from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0,
-#         share_cpu_cores
-#     + from common.distributed import (
-#     + one_rank_first,
-#     + rank_device,
-#     + ranks_unlike_rank0,
+# TODO 1/12: the imports: remove (-) and add (+)
+#     + agree_on_restart,
 #     + restart_store,
-#     + share_cpu_cores,
 import contextlib
 import datetime
 import os
@@ -50,7 +44,13 @@ from common.data import (
     validation_windows,
 )
 from common.device import autocast_context, describe, pick_dtype, setup_math
-from common.distributed import one_rank_first, rank_device, ranks_unlike_rank0, share_cpu_cores
+from common.distributed import (
+    one_rank_first,
+    rank_device,
+    ranks_unlike_rank0,
+    share_cpu_cores,
+    start_process_group,
+)
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
@@ -66,7 +66,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/14: change the next 1 line(s) of code:
+    # TODO 2/12: change the next 1 line(s) of code:
     #     args = parse_args(chapter=5, description=__doc__)
     args = parse_args(chapter=4, description=__doc__)
     # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
@@ -80,14 +80,14 @@ def main():
     # this process among those on this machine: its GPU
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    # TODO 3/14: add 3 line(s) of code here:
+    # TODO 3/12: add 3 line(s) of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
     #   launchers call it NODE_RANK). Training does not depend on it, but every line names it:
     #     "which
     #   machine?" is the first question when a job of many machines goes wrong.
     #   How often torchrun (--max-restarts) has restarted this node's processes after a failure.
     is_rank0 = rank == 0
-    # TODO 4/14: change the next 1 line(s) of code:
+    # TODO 4/12: change the next 1 line(s) of code:
     #     who = f"[node {node_rank} rank {rank} local {local_rank}]"
     who = f"[rank {rank}]"
 
@@ -113,48 +113,32 @@ def main():
 
     # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     # ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise CourseError(
-            "--backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
-        )
     # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
     # hanging.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    if launched:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
-        # TODO 5/14: add 1 line(s) of code here:
-        #   its own meeting point for every attempt: torchrun's store outlives a restart
-        #   (--max-restarts)
-        # NCCL binds this rank to its GPU from the start
-        gpu = device if device.type == "cuda" else None
-        dist.init_process_group(
-            # TODO 6/14: change the next 1 line(s) of code:
-            #     backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-            #       device_id=gpu
-            backend, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
-        )
-    else:  # plain `python`: a world of one needs no meeting point, an in-memory store will do
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-    # TODO 7/14: change the next 1 line(s) of code into 2:
-    #     place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
-    #     place += f", node {node_rank} of {n_nodes}"
+    # TODO 5/12: change the next 2 line(s) of code into 4:
+    #   its own meeting point for every attempt: torchrun's store outlives a restart (--max-
+    #     restarts)
+    #   Under torchrun the ranks meet at that store (or at MASTER_ADDR:MASTER_PORT); with plain
+    #   `python` the world is this process alone. The backend follows the device (--backend auto),
+    #   and on GPUs the ranks check that no two of them share one.
+    # Under torchrun the ranks meet at MASTER_ADDR:MASTER_PORT; with plain `python` the world is
+    # this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
+    # check that no two of them share one.
+    backend = start_process_group(args.backend, device, launched, rank, world_size, timeout)
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
         log(
             "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
-            # TODO 8/14: change the next 1 line(s) of code:
+            # TODO 6/12: change the next 1 line(s) of code:
             #     "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
             "torchrun --standalone --nproc_per_node=N 04_ddp/train.py"
         )
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 9/14: change the next 1 line(s) of code into 2:
+    # TODO 7/12: change the next 1 line(s) of code into 2:
     #   One-time work: the token files. On node-local disks every machine needs its own copy, so
     #   local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
     #   several machines writing the same files at once would corrupt them: global rank 0 alone
@@ -187,17 +171,14 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # TODO 10/14: add 9 line(s) of code here:
+    # TODO 8/12: add 3 line(s) of code here:
     #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
     #     them
-    #   again. The restart count is kept per node (with c10d, a node whose peers failed rejoins
-    #   without counting one), so the ranks take the largest. A restarted run continues from the
-    #   checkpoint written before the failure, if there is one yet. Only global rank 0 writes
-    #   checkpoints, but every rank reads one to resume: across machines --out-dir must be on a file
-    #   system all nodes see. So every rank says what it sees.
-    #   (restart count, checkpoint visible) of every rank
+    #   again. A restarted run continues from the checkpoint written before the failure, if there is
+    #   one yet. The ranks agree on the restart count, and every rank says whether it sees the
+    #   checkpoint: across machines --out-dir must be on a file system all nodes see.
     # The run folder: refused if it holds another run (unless this one continues it) or another
-    # TODO 11/14: change the next 2 line(s) of code:
+    # TODO 9/12: change the next 2 line(s) of code into 4:
     #   run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     # run is using it; then locked until this process ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume)
@@ -242,10 +223,10 @@ def main():
     log(
         f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
     )
-    # TODO 12/14: add 1 line(s) of code here:
+    # TODO 10/12: add 1 line(s) of code here:
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:
-        # TODO 13/14: change the next 1 line(s) of code into 3:
+        # TODO 11/12: change the next 1 line(s) of code into 3:
         #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
         #     elif restarted:
         #     log(f"{restarted}no checkpoint was written yet, starting again from step 0")
@@ -267,7 +248,7 @@ def main():
     train_config = vars(args) | {
         "global_batch": global_batch,
         "world_size": world_size,
-        # TODO 14/14: change the next 1 line(s) of code:
+        # TODO 12/12: change the next 1 line(s) of code:
         #     "chapter": 5,
         "chapter": 4,
     }

@@ -38,11 +38,13 @@ from common.data import (
 )
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
+    agree_on_restart,
     one_rank_first,
     rank_device,
     ranks_unlike_rank0,
     restart_store,
     share_cpu_cores,
+    start_process_group,
 )
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
 from common.support.errors import CourseError, run_main
@@ -103,29 +105,15 @@ def main():
 
     # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     # ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise CourseError(
-            "--backend nccl connects CUDA GPUs, and this run is on the CPU; use --backend gloo (or auto)"
-        )
     # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
     # hanging.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    if launched:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
-        # its own meeting point for every attempt: torchrun's store outlives a restart
-        # (--max-restarts)
-        store = restart_store(world_size, restart_count, timeout)
-        # NCCL binds this rank to its GPU from the start
-        gpu = device if device.type == "cuda" else None
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
-        )
-    else:  # plain `python`: a world of one needs no meeting point, an in-memory store will do
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+    # its own meeting point for every attempt: torchrun's store outlives a restart (--max-restarts)
+    store = restart_store(world_size, restart_count, timeout)
+    # Under torchrun the ranks meet at that store (or at MASTER_ADDR:MASTER_PORT); with plain
+    # `python` the world is this process alone. The backend follows the device (--backend auto),
+    # and on GPUs the ranks check that no two of them share one.
+    backend = start_process_group(args.backend, device, launched, rank, world_size, timeout, store)
     place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
     place += f", node {node_rank} of {n_nodes}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
@@ -168,24 +156,18 @@ def main():
 
     # ---- model and optimizer ---------------------------------------------------------------------
     # torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of them
-    # again. The restart count is kept per node (with c10d, a node whose peers failed rejoins
-    # without counting one), so the ranks take the largest. A restarted run continues from the
-    # checkpoint written before the failure, if there is one yet. Only global rank 0 writes
-    # checkpoints, but every rank reads one to resume: across machines --out-dir must be on a file
-    # system all nodes see. So every rank says what it sees.
-    seen = [None] * world_size  # (restart count, checkpoint visible) of every rank
-    dist.all_gather_object(seen, (restart_count, (out_dir / "ckpt.pt").exists()))
-    restarts = max(count for count, _ in seen)
-    visible = [found for _, found in seen]
-    if (args.resume or restarts) and any(visible) and not all(visible):
-        raise CourseError(
-            f"ranks {[r for r, found in enumerate(visible) if not found]} cannot see {out_dir / 'ckpt.pt'}, "
-            "which rank 0 wrote: put --out-dir on a file system that every node shares"
-        )
+    # again. A restarted run continues from the checkpoint written before the failure, if there is
+    # one yet. The ranks agree on the restart count, and every rank says whether it sees the
+    # checkpoint: across machines --out-dir must be on a file system all nodes see.
+    restarts, checkpoint_everywhere = agree_on_restart(
+        restart_count, out_dir / "ckpt.pt", args.resume
+    )
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
-    checkpoint = load_checkpoint(out_dir) if args.resume or (restarts and all(visible)) else None
+    checkpoint = None
+    if args.resume or (restarts > 0 and checkpoint_everywhere):
+        checkpoint = load_checkpoint(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
     model = build_model(model_config, args.init_from, checkpoint).to(device)

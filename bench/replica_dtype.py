@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             chapter03 = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(chapter03)
             probe = DtypeProbe().to("cuda:0")
-            chapter03.DataParallel(probe, device, dtype, device_ids=[0, 1])(
+            chapter03.AutocastDataParallel(probe, device, dtype, device_ids=[0, 1])(
                 torch.randn(8, 64, device="cuda:0")
             )
             # the replicas are copies: they note into the same list

@@ -1,5 +1,7 @@
-"""What the DDP chapters need but do not teach: each rank's device and CPU threads, one rank first,
-the copies check, and a meeting point that survives torchrun's restarts.
+"""What the DDP chapters need but do not teach: each rank's device and CPU threads, the start of the
+process group (with the check that no two ranks share a GPU), one rank first, the copies check, and
+what chapter 05 adds for torchrun's restarts: a meeting point that survives them and the ranks'
+agreement on where to continue.
 
 Every function here that takes no device facts is a collective or joins one: every rank of the
 group must call it, in the same order, or the ranks that did wait for the others until the timeout.
@@ -10,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import platform
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,101 @@ from .support.errors import CourseError
 PREPARATION_TIMEOUT = datetime.timedelta(hours=6)
 
 
+def start_process_group(
+    requested_backend: str,
+    device: torch.device,
+    launched: bool,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    store: dist.Store | None = None,
+) -> str:
+    """Join this rank to the process group (dist.init_process_group); returns its backend.
+
+    --backend auto is NCCL for CUDA GPUs and gloo for the CPU; NCCL is refused on the CPU. Under
+    torchrun (launched) the ranks meet at MASTER_ADDR:MASTER_PORT, or at `store` when one is given
+    (chapter 05's restart_store). Started with plain `python`, the script is a world of one,
+    which needs no meeting point: an in-memory store will do.
+
+    On GPUs the ranks then check that each drives a GPU of its own (refuse_shared_gpus). That is
+    why NCCL is not bound to the GPU here (init_process_group's device_id): bound, it would connect
+    at once and meet two ranks on one GPU with a traceback ("Duplicate GPU detected") before the
+    check could say which ranks, in one line. It connects at its first collective instead, on the
+    GPU torch.cuda.set_device chose.
+    """
+    backend = requested_backend
+    if backend == "auto":
+        backend = "gloo"
+        if device.type == "cuda":
+            backend = "nccl"
+    if backend == "nccl" and device.type != "cuda":
+        raise CourseError(
+            "--backend nccl connects CUDA GPUs, and this run is on the CPU; "
+            "use --backend gloo (or auto)"
+        )
+    if not launched:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return backend
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if device.type == "cuda":
+        refuse_shared_gpus(device, timeout)
+    return backend
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU behind `device`: its UUID where CUDA reports one, which stays the same
+    whatever CUDA_VISIBLE_DEVICES numbers it, else its PCI address."""
+    properties = torch.cuda.get_device_properties(device)
+    uuid = getattr(properties, "uuid", None)
+    if uuid is not None:
+        return f"GPU-{uuid}"
+    domain = getattr(properties, "pci_domain_id", 0)
+    bus = getattr(properties, "pci_bus_id", 0)
+    slot = getattr(properties, "pci_device_id", 0)
+    return f"PCI {domain:04x}:{bus:02x}:{slot:02x}"
+
+
+def ranks_sharing_a_gpu(gpus: list[tuple[str, str | None]]) -> list[list[int]]:
+    """The groups of ranks that drive the same GPU, from every rank's (host, GPU identity) in rank
+    order (identity None: a rank without a GPU, which shares nothing). [] when every GPU has one
+    rank."""
+    ranks_of_gpu: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, gpu) in enumerate(gpus):
+        if gpu is None:
+            continue
+        ranks_of_gpu.setdefault((host, gpu), []).append(rank)
+    return [ranks for ranks in ranks_of_gpu.values() if len(ranks) > 1]
+
+
+def refuse_shared_gpus(device: torch.device, timeout: datetime.timedelta) -> None:
+    """Refuse, with one line, a job in which two ranks drive the same GPU (a collective: every rank
+    calls it). Every rank's host and GPU are gathered to every rank, over a gloo group of their
+    own, destroyed when done, so that no NCCL connection is made before the check.
+
+    Two processes on one GPU would share its memory and take turns on it, and NCCL refuses them
+    with a traceback. This happens when the GPUs a process sees are chosen per process
+    (CUDA_VISIBLE_DEVICES) and two choices overlap, or when two torchruns on one machine (two
+    simulated nodes) both count their GPUs from cuda:0.
+    """
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        gpus: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gpus, (platform.node(), gpu_identity(device)), group=group)
+    finally:
+        dist.destroy_process_group(group)
+    shared = ranks_sharing_a_gpu(gpus)
+    if shared:
+        ranks = shared[0]
+        host, gpu = gpus[ranks[0]]
+        raise CourseError(
+            f"ranks {ranks} drive the same GPU ({gpu} on {host}): start at most one process per "
+            "GPU on each machine (--nproc_per_node, over all the torchruns there), and give "
+            "processes that choose their GPUs (CUDA_VISIBLE_DEVICES) different ones"
+        )
+
+
 @contextlib.contextmanager
 def one_rank_first(is_first: bool):
     """Run the block on the first rank, then on every other one: for work done once on disk.
@@ -28,19 +127,22 @@ def one_rank_first(is_first: bool):
     The others wait until the first rank has finished the block (the data preparation), then run
     it and find the work done. They wait in a group of their own (gloo: a CPU barrier, whatever the
     training backend) with a timeout of hours, so a slow preparation is not taken for a dead peer.
+    The group holds a connection to every other rank, so it is destroyed as soon as it is done.
     """
     group = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
-    if not is_first:
-        dist.barrier(group=group)
-    yield
-    if is_first:
-        dist.barrier(group=group)
+    try:
+        if not is_first:
+            dist.barrier(group=group)
+        yield
+        if is_first:
+            dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
 
 
 def ranks_unlike_rank0(model: torch.nn.Module) -> int:
     """How many ranks hold parameters that differ from rank 0's, bit for bit (0 on every rank when
-    DDP
-    kept its promise: the same start and the same averaged gradients keep every copy equal)."""
+    DDP kept its promise: the same start and the same averaged gradients keep every copy equal)."""
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rank0_params = params.clone()
     dist.broadcast(rank0_params, src=0)
@@ -63,8 +165,7 @@ def restart_store(
     predecessors' addresses and wait for them. So every attempt meets under its own prefix, the
     restart count. (That count is per node: with the static rendezvous every node counts the same
     failures; with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which launch_c10d.sh sets, gives
-    every
-    attempt a new store instead, and this is not needed.)
+    every attempt a new store instead, and this is not needed.)
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -73,15 +174,38 @@ def restart_store(
     return dist.PrefixStore(f"attempt_{restart_count}", agent_store)
 
 
+def agree_on_restart(restart_count: int, checkpoint: Path, resume: bool) -> tuple[int, bool]:
+    """What the ranks agree on after torchrun restarted them (a collective: every rank calls it).
+
+    Returns the job's restart count, the largest any rank has (the count is kept per node: with
+    c10d, a node whose peers failed rejoins without counting one), and whether every rank sees the
+    checkpoint. Only rank 0 writes it, but every rank reads it to resume, so across machines
+    --out-dir must be on a file system all nodes see: a checkpoint that some ranks see and others
+    do not, when the run continues (--resume, or a restart), is refused with one line.
+    """
+    seen: list[tuple[int, bool] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (restart_count, checkpoint.exists()))
+    restarts = max(count for count, _ in seen)
+    visible = [found for _, found in seen]
+    if (resume or restarts) and any(visible) and not all(visible):
+        blind = [rank for rank, found in enumerate(visible) if not found]
+        raise CourseError(
+            f"ranks {blind} cannot see {checkpoint}, which rank 0 wrote: "
+            "put --out-dir on a file system that every node shares"
+        )
+    return restarts, all(visible)
+
+
 def rank_device(
     requested: str, local_rank: int, local_world_size: int, cuda_gpus: int
 ) -> torch.device:
     """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
 
-    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. A
-    process that sees a single GPU takes it, whatever its LOCAL_RANK (with a one-line note). The
-    decision takes the machine's GPU count as a plain number, so the tests can check it on a CPU
-    for machines they do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
+    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. Under
+    torchrun every process of a machine sees the same GPUs, so a LOCAL_RANK beyond them is refused,
+    one GPU included: mapping it to cuda:0 would put several ranks on one GPU. The decision takes
+    the machine's GPU count as a plain number, so the tests can check it on a CPU for machines they
+    do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
     """
     if requested == "auto":
         requested = "cuda" if cuda_gpus else "cpu"
@@ -94,18 +218,10 @@ def rank_device(
     if device.index is not None:
         if local_world_size > 1:
             raise CourseError(
-                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use --device cuda"
+                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; "
+                "use --device cuda"
             )
         return device
-    if cuda_gpus == 1 and local_rank > 0:
-        # A launcher that gives each process its own GPU (SLURM's --gpus-per-task, or
-        # CUDA_VISIBLE_DEVICES set per task) leaves each of them one GPU, always numbered 0.
-        print(
-            f"note: LOCAL_RANK {local_rank} sees one GPU, its own (CUDA_VISIBLE_DEVICES per process): "
-            "using it as cuda:0; ranks sharing one GPU would be refused by NCCL",
-            flush=True,
-        )
-        return torch.device("cuda", 0)
     if local_rank >= cuda_gpus:
         raise CourseError(
             f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "

@@ -1,18 +1,21 @@
 """Publish what each chapter changed: the diff of its train.py against the previous chapter's.
 
-    python maintainer/publish_diffs.py            # write docs/diffs/*.diff and refresh the chapter READMEs
-    python maintainer/publish_diffs.py --check    # exit 1 if anything published no longer matches the code
+    python maintainer/publish_diffs.py          # write docs/diffs/*.diff and the READMEs
+    python maintainer/publish_diffs.py --check  # exit 1 if anything published no longer matches
 
 For every chapter N >= 2, this writes `docs/diffs/<chapter>.diff`: a unified
 diff (the format of `diff -u`, three lines of context) from chapter N-1's train.py to chapter N's,
 labelled `a/<previous>/train.py` and `b/<chapter>/train.py` and without timestamps, so that the
-file only changes when the code does. It also replaces whatever lies between the lines
+file only changes when the code does. A chapter whose idea replaces the previous chapter's is also
+published against the chapter before that (SHOWN_AGAINST): 04's DDP replaces 03's DataParallel, so
+`docs/diffs/04_ddp_from_02.diff` shows DDP alone. It also replaces whatever lies between the lines
 
     <!-- diff:begin -->
     <!-- diff:end -->
 
-in the chapter's README.md with the same diff as a Markdown block, so the chapter text shows the
-very change it explains. A long diff can be shown in part: a begin marker that names keys,
+in the chapter's README.md with the same diff as a Markdown block (the one against the chapter
+SHOWN_AGAINST names, where it names one), so the chapter text shows the very change it explains.
+A long diff can be shown in part: a begin marker that names keys,
 
     <!-- diff:begin keep="no_sync|DistributedSampler" -->
 
@@ -44,6 +47,17 @@ GENERATED_NOTE = (
     "edit the code, then rerun it -->"
 )
 FOLDERS = list(CHAPTERS.values())
+# Chapters whose README shows the diff against an earlier chapter than the previous one. Against
+# 03, chapter 04's diff is mostly the removal of DataParallel; against 02 it is DDP alone. The diff
+# against the previous chapter is published as well.
+SHOWN_AGAINST = {"04_ddp": "02_grad_accumulation"}
+
+
+def diff_name(earlier: str, chapter: str) -> str:
+    """The file in docs/diffs/ that holds chapter's diff against earlier."""
+    if FOLDERS.index(earlier) == FOLDERS.index(chapter) - 1:
+        return f"{chapter}.diff"
+    return f"{chapter}_from_{earlier[:2]}.diff"
 
 
 def chapter_diff(root: Path, previous: str, chapter: str) -> str:
@@ -77,7 +91,8 @@ def split_hunks(diff: str) -> tuple[str, list[str]]:
 
 
 def hunk_has(hunk: str, key: str) -> bool:
-    """Whether one of the hunk's added or removed lines contains key (context lines do not count)."""
+    """Whether one of the hunk's added or removed lines contains key (context lines do not
+    count)."""
     return any(line[:1] in "+-" and key in line for line in hunk.splitlines()[1:])
 
 
@@ -95,14 +110,16 @@ def select_hunks(diff: str, keys: list[str]) -> tuple[str, int, int, list[str]]:
 def readme_block(previous: str, chapter: str, diff: str, keys: list[str] | None = None) -> str:
     """The Markdown that goes between the markers (the markers themselves not included).
 
-    With keys, only the hunks that change a line containing one of them are shown.
+    `previous` is the chapter the diff is taken against. With keys, only the hunks that change a
+    line containing one of them are shown.
     """
     added, removed = diff_stats(diff)
-    link = f"[`docs/diffs/{chapter}.diff`](../docs/diffs/{chapter}.diff)"
+    name = diff_name(previous, chapter)
+    link = f"[`docs/diffs/{name}`](../docs/diffs/{name})"
     shown = diff
     intro = (
-        f"What changed from chapter {previous[:2]}: `{chapter}/train.py` against `{previous}/train.py`, "
-        f"{added} lines added and {removed} removed "
+        f"What changed from chapter {previous[:2]}: `{chapter}/train.py` against "
+        f"`{previous}/train.py`, {added} lines added and {removed} removed "
     )
     if keys:
         shown, kept, total, _ = select_hunks(diff, keys)
@@ -111,6 +128,13 @@ def readme_block(previous: str, chapter: str, diff: str, keys: list[str] | None 
         intro += f"Below, {kept} of its {total} hunks: those that change {named}.\n\n"
     else:
         intro += f"(also in {link}).\n\n"
+    neighbour = FOLDERS[FOLDERS.index(chapter) - 1]
+    if previous != neighbour:
+        other = diff_name(neighbour, chapter)
+        intro += (
+            f"The diff against chapter {neighbour[:2]}, which also undoes what chapter "
+            f"{neighbour[:2]} added: [`docs/diffs/{other}`](../docs/diffs/{other}).\n\n"
+        )
     longest_ticks = max((len(run) for run in re.findall(r"`+", shown)), default=0)
     fence = "`" * max(3, longest_ticks + 1)  # a fence the diff itself cannot close
     return f"{GENERATED_NOTE}\n{intro}{fence}diff\n{shown}{fence}\n"
@@ -125,7 +149,8 @@ def marker_keys(text: str) -> list[str] | None:
 
 
 def replace_between_markers(text: str, block: str) -> str | None:
-    """README text with the part between the markers replaced, or None if the markers are missing."""
+    """README text with the part between the markers replaced, or None if the markers are
+    missing."""
     match = BEGIN_RE.search(text)
     if match is None:
         return None
@@ -141,19 +166,27 @@ def publish(root: Path, check: bool) -> list[str]:
     diffs_dir = root / "docs" / "diffs"
     expected_files = set()
     for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
-        diff = chapter_diff(root, previous, chapter)
-        path = diffs_dir / f"{chapter}.diff"
-        expected_files.add(path.name)
-        current = path.read_text() if path.exists() else None
-        if current != diff:
+        # the diff against the previous chapter, and where a README shows another one, that too
+        earlier = SHOWN_AGAINST.get(chapter, previous)
+        diffs = {}
+        for against in dict.fromkeys([previous, earlier]):
+            diff = chapter_diff(root, against, chapter)
+            diffs[against] = diff
+            path = diffs_dir / diff_name(against, chapter)
+            expected_files.add(path.name)
+            current = path.read_text() if path.exists() else None
+            if current == diff:
+                continue
             if check:
-                problems.append(
-                    f"{path.relative_to(root)} is {'missing' if current is None else 'out of date'}"
-                )
+                state = "out of date"
+                if current is None:
+                    state = "missing"
+                problems.append(f"{path.relative_to(root)} is {state}")
             else:
                 diffs_dir.mkdir(parents=True, exist_ok=True)
                 path.write_text(diff)
                 print(f"wrote {path.relative_to(root)}")
+        diff = diffs[earlier]
 
         readme = root / chapter / "README.md"
         if not readme.exists():
@@ -168,9 +201,10 @@ def publish(root: Path, check: bool) -> list[str]:
             if unmatched:
                 problems.append(
                     f"{readme.relative_to(root)} asks for hunks that change "
-                    f'{", ".join(repr(k) for k in unmatched)}, and no hunk of the diff does: fix keep="..."'
+                    f"{', '.join(repr(k) for k in unmatched)}, and no hunk of the diff does: "
+                    'fix keep="..."'
                 )
-        updated = replace_between_markers(text, readme_block(previous, chapter, diff, keys))
+        updated = replace_between_markers(text, readme_block(earlier, chapter, diff, keys))
         if updated is None:
             problems.append(
                 f"{readme.relative_to(root)} lacks the lines {BEGIN} and {END} (in that order) "

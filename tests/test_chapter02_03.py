@@ -354,7 +354,7 @@ def test_chapter03_validation_loss_counts_every_row_once_when_the_batch_splits_u
     rows = [len(part) for part in torch.arange(5).chunk(2)]
     assert rows == [3, 2]
     split = list(zip(x.split(rows), y.split(rows)))
-    dp = chapter03.DataParallel(model, torch.device("cpu"), torch.float32)
+    dp = chapter03.AutocastDataParallel(model, torch.device("cpu"), torch.float32)
     losses = torch.stack(
         [loss for _, loss in dp.parallel_apply([loss_of, loss_of], split, [{}, {}])]
     )

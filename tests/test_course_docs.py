@@ -89,13 +89,15 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     readme.write_text(text)
     assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
     assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
-    full = (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").read_text()
+    # chapter 04's README shows its diff against chapter 02
+    full = (root / "docs" / "diffs" / f"{FOLDERS[3]}_from_02.diff").read_text()
     shown = readme.read_text().split("```diff\n")[1].split("```")[0]
     hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
     assert hunks and all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
     # ... only the chosen ones
     assert all("no_sync" in hunk for hunk in hunks) and len(shown) < len(full)
-    assert f"docs/diffs/{FOLDERS[3]}.diff" in readme.read_text()  # and a link to the whole diff
+    # and a link to the whole diff
+    assert f"docs/diffs/{FOLDERS[3]}_from_02.diff" in readme.read_text()
 
     # a key that no hunk changes (the code moved on) is reported, in --check and when publishing
     readme.write_text(readme.read_text().replace('keep="no_sync"', 'keep="no_sync|no_such_line"'))
@@ -116,10 +118,42 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
 
 
 def test_diffs_are_unified_diffs_of_neighbouring_chapters():
-    for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
-        lines = (REPO / "docs" / "diffs" / f"{chapter}.diff").read_text().splitlines()
+    # and chapter 04's against chapter 02 as well: DDP alone, without the removal of DataParallel
+    pairs = [*zip(FOLDERS, FOLDERS[1:]), (FOLDERS[1], f"{FOLDERS[3]}_from_02")]
+    for previous, name in pairs:
+        chapter = name.removesuffix("_from_02")
+        lines = (REPO / "docs" / "diffs" / f"{name}.diff").read_text().splitlines()
         assert lines[:2] == [f"--- a/{previous}/train.py", f"+++ b/{chapter}/train.py"]
         assert lines[2].startswith("@@ -")
+
+
+def test_chapter04_against_chapter02_is_published_shown_and_checked(tmp_path):
+    root = copy_course(tmp_path)
+    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    diffs = root / "docs" / "diffs"
+    from_02 = diffs / f"{FOLDERS[3]}_from_02.diff"
+    # both diffs are published: against 03 (the neighbour) and against 02
+    assert (diffs / f"{FOLDERS[3]}.diff").exists()
+    assert from_02.read_text().startswith(
+        f"--- a/{FOLDERS[1]}/train.py\n+++ b/{FOLDERS[3]}/train.py"
+    )
+    # DDP alone: chapter 03's class is neither added nor removed
+    assert "DataParallel(nn.DataParallel)" not in from_02.read_text()
+    readme = (root / FOLDERS[3] / "README.md").read_text()
+    assert f"What changed from chapter 02: `{FOLDERS[3]}/train.py`" in readme
+    assert f"docs/diffs/{FOLDERS[3]}.diff" in readme  # the one against 03 is linked
+
+    # a change to chapter 02 alone makes the 04-from-02 diff stale, and a lost one is missing
+    script = root / FOLDERS[1] / "train.py"
+    script.write_text(script.read_text() + "# changed, and not republished\n")
+    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    assert proc.returncode != 0
+    assert f"docs/diffs/{FOLDERS[3]}_from_02.diff is out of date" in proc.stderr
+    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    from_02.unlink()
+    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    assert proc.returncode != 0
+    assert f"docs/diffs/{FOLDERS[3]}_from_02.diff is missing" in proc.stderr
 
 
 # ---- figures -----------------------------------------------------------------------------------

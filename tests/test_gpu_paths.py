@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import threading
 
 import pytest
@@ -16,10 +17,12 @@ import torch
 
 from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.dataparallel import choose_dataparallel_gpus
 from common.device import auto_dtype, in_autocast
 from common.metrics import model_flops_utilization
 from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts
+from common.support.errors import CourseError
 from common.support.gpus import peak_flops_of
 from tools.launch import REPO, run_torchrun
 
@@ -74,7 +77,7 @@ def load_chapter03():
 
 
 def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(monkeypatch):
-    """nn.DataParallel.parallel_apply needs GPUs; here its threads are played by the function above."""
+    """nn.DataParallel.parallel_apply needs GPUs; here the function above plays its threads."""
     chapter03 = load_chapter03()
     chosen = torch.float16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else torch.bfloat16
     seen = []
@@ -86,12 +89,33 @@ def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(m
         return []
 
     monkeypatch.setattr(torch.nn.DataParallel, "parallel_apply", threads_like_torch)
-    dp = chapter03.DataParallel(torch.nn.Linear(8, 8), torch.device("cpu"), chosen)
+    dp = chapter03.AutocastDataParallel(torch.nn.Linear(8, 8), torch.device("cpu"), chosen)
     replicas = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
     dp.parallel_apply(replicas, [(torch.randn(2, 8),), (torch.randn(2, 8),)], [{}, {}])
     assert seen == [chosen, chosen]
     # checkpoints still use model.module
     assert isinstance(dp, torch.nn.DataParallel) and dp.module is not None
+
+
+def test_chapter03_gpu_choice_for_machines_this_cpu_is_not():
+    """The GPUs DataParallel spreads over, from the machine's GPU count, and the settings it
+    refuses with one line."""
+    cuda = torch.device("cuda")
+    assert choose_dataparallel_gpus(cuda, None, False, cuda_gpus=4) == [0, 1, 2, 3]
+    assert choose_dataparallel_gpus(cuda, 2, False, cuda_gpus=4) == [0, 1]
+    # one GPU is the one --device named
+    assert choose_dataparallel_gpus(torch.device("cuda", 1), 1, True, cuda_gpus=4) == [1]
+    assert choose_dataparallel_gpus(torch.device("cpu"), None, True, cuda_gpus=0) == []
+    refused = {
+        "--gpus 5, but 4 CUDA GPU(s) are visible on cuda": (cuda, 5, False, 4),
+        "--gpus 2, but 0 CUDA GPU(s) are visible on cpu": (torch.device("cpu"), 2, False, 0),
+        "hide them with CUDA_VISIBLE_DEVICES=": (torch.device("cpu"), None, False, 2),
+        "gathers on cuda:0: use --device cuda": (torch.device("cuda", 1), None, False, 2),
+        "--compile cannot speed up DataParallel": (cuda, None, True, 2),
+    }
+    for message, (device, requested, compile, cuda_gpus) in refused.items():
+        with pytest.raises(CourseError, match=re.escape(message)):
+            choose_dataparallel_gpus(device, requested, compile, cuda_gpus)
 
 
 # ---- 2. MFU counts every device's tokens against every device's peak -------------------------

@@ -1,5 +1,6 @@
-"""The decisions chapters 04 and 05 take from common/: which device a rank drives, how many CPU
-threads it uses, whether a retired flag is refused, and whether the ranks' copies still agree.
+"""The decisions chapters 04 and 05 take from common/: which device a rank drives, whether two ranks
+share a GPU, how many CPU threads a rank uses, whether a retired flag is refused, and whether the
+ranks' copies still agree.
 
 The device and thread decisions take the machine's facts as plain numbers, so they are checked here
 for machines this CPU is not: an 8-GPU node, the second node of a job, a big CPU shared by ranks.
@@ -15,7 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.config import parse_args
-from common.distributed import cpu_threads_per_rank, rank_device, ranks_unlike_rank0
+from common.distributed import (
+    cpu_threads_per_rank,
+    one_rank_first,
+    rank_device,
+    ranks_sharing_a_gpu,
+    ranks_unlike_rank0,
+)
 from common.support.errors import CourseError
 from tools.launch import free_port
 
@@ -39,17 +46,28 @@ def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
 
 
 @pytest.mark.parametrize("local_rank", [1, 3, 7])
-def test_a_process_that_sees_one_gpu_takes_it_whatever_its_local_rank(local_rank, capsys):
-    # CUDA_VISIBLE_DEVICES set per task (SLURM --gpus-per-task): every process sees its own GPU as 0
-    assert rank_device("auto", local_rank, 8, cuda_gpus=1) == torch.device("cuda", 0)
-    assert rank_device("cuda", local_rank, 8, cuda_gpus=1) == torch.device("cuda", 0)
-    note = capsys.readouterr().out.splitlines()
-    assert len(note) == 2 and note[0].startswith(f"note: LOCAL_RANK {local_rank} sees one GPU")
-    # local rank 0, or a machine of two GPUs, is as before: no note, and too many ranks are refused
-    assert rank_device("auto", 0, 8, cuda_gpus=1) == torch.device("cuda", 0)
-    with pytest.raises(CourseError, match=r"LOCAL_RANK 2, but this machine has 2 GPU\(s\)"):
-        rank_device("auto", 2, 3, cuda_gpus=2)
+def test_a_process_that_sees_one_gpu_is_not_mapped_onto_it_beside_others(local_rank, capsys):
+    # Under torchrun every process of a machine sees the same GPUs: one visible GPU and LOCAL_RANK
+    # 1 or more is several ranks on one GPU, refused before NCCL would meet it with a traceback.
+    for requested in ("auto", "cuda"):
+        with pytest.raises(
+            CourseError, match=rf"LOCAL_RANK {local_rank}, but this machine has 1 GPU\(s\)"
+        ):
+            rank_device(requested, local_rank, 8, cuda_gpus=1)
+    # local rank 0 takes the one GPU, silently
+    assert rank_device("auto", 0, 1, cuda_gpus=1) == torch.device("cuda", 0)
     assert capsys.readouterr().out == ""
+
+
+def test_ranks_that_share_a_gpu_are_found_from_their_hosts_and_gpu_ids():
+    distinct = [("node-a", "GPU-0"), ("node-a", "GPU-1"), ("node-b", "GPU-0"), ("node-b", "GPU-1")]
+    # the same GPU id on two machines is two GPUs
+    assert ranks_sharing_a_gpu(distinct) == []
+    # two torchruns on one machine that both count from cuda:0 (two simulated nodes)
+    doubled = [("node-a", "GPU-0"), ("node-a", "GPU-1"), ("node-a", "GPU-0"), ("node-a", "GPU-1")]
+    assert ranks_sharing_a_gpu(doubled) == [[0, 2], [1, 3]]
+    # ranks without a GPU share nothing
+    assert ranks_sharing_a_gpu([("node-a", None), ("node-a", None)]) == []
 
 
 def test_a_named_gpu_is_for_one_process_per_machine():
@@ -101,6 +119,11 @@ def _count_differing_copies(rank: int, port: int, results) -> None:
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
+        groups_before = len(dist.distributed_c10d._world.pg_map)
+        with one_rank_first(rank == 0):
+            pass
+        # its side group is destroyed once done: no connections left open for the whole run
+        results[rank, "side groups left"] = len(dist.distributed_c10d._world.pg_map) - groups_before
         for same_start in (True, False):
             torch.manual_seed(0 if same_start else rank)
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
@@ -114,4 +137,11 @@ def test_ranks_unlike_rank0_counts_the_copies_that_differ():
         results = manager.dict()
         mp.spawn(_count_differing_copies, args=(free_port(), results), nprocs=2)
         # every rank hears the same count: each can print the verdict, or act on it
-        assert dict(results) == {(0, True): 0, (1, True): 0, (0, False): 1, (1, False): 1}
+        assert dict(results) == {
+            (0, True): 0,
+            (1, True): 0,
+            (0, False): 1,
+            (1, False): 1,
+            (0, "side groups left"): 0,
+            (1, "side groups left"): 0,
+        }

@@ -1,0 +1,52 @@
+"""What chapter 03 needs but does not teach: which GPUs nn.DataParallel may spread over.
+
+DataParallel runs one replica per GPU in the device_ids it is given, gathers on the first one,
+and runs its replicas in threads. Each of those facts refuses a setting that would otherwise
+fail deep inside torch, or silently train somewhere else; the refusals live here, as one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .support.errors import CourseError
+
+
+def choose_dataparallel_gpus(
+    device: torch.device, requested: int | None, compile: bool, cuda_gpus: int
+) -> list[int]:
+    """The GPU numbers DataParallel spreads over, or [] on a machine without a CUDA GPU.
+
+    `requested` is --gpus (None: every visible GPU); one GPU is the one --device named (cuda:1
+    trains on GPU 1 alone). `cuda_gpus` is the machine's count, torch.cuda.device_count(), as a
+    plain number, so the tests can check the choice on a CPU for machines they do not have.
+    """
+    visible_gpus = 0
+    if device.type == "cuda":
+        visible_gpus = cuda_gpus
+    n_gpus = requested or visible_gpus
+    if requested and requested > visible_gpus:
+        raise CourseError(
+            f"--gpus {requested}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}"
+        )
+    # DataParallel would take the GPUs anyway, whatever --device says
+    if device.type == "cpu" and cuda_gpus > 0:
+        raise CourseError(
+            "DataParallel takes every visible GPU: "
+            "to train on the CPU here, hide them with CUDA_VISIBLE_DEVICES="
+        )
+    if n_gpus > 1 and device.index not in (None, 0):
+        raise CourseError("with several GPUs DataParallel gathers on cuda:0: use --device cuda")
+    if n_gpus > 1 and compile:
+        # torch.compile works per thread, and the replicas run in threads it never enters
+        raise CourseError(
+            "--compile cannot speed up DataParallel over several GPUs: its replicas run in threads "
+            "that compiled code does not reach; drop --compile, or compile under DDP in chapter 04"
+        )
+    if n_gpus == 0:
+        # no CUDA GPU: DataParallel calls the model as it is
+        return []
+    if n_gpus == 1:
+        # one GPU: the one --device chose
+        return [device.index or 0]
+    return list(range(n_gpus))
