@@ -3,11 +3,15 @@
 import argparse
 import math
 import sys
+from collections.abc import Callable
 
 
-def _checked(name: str, convert, ok, rule: str):
+def _checked(name: str, convert: Callable, ok: Callable, rule: str) -> Callable:
+    """An argparse type: `convert` the text, then refuse a value that is not `ok` in one line."""
+
     def check(text: str):
-        if not ok(value := convert(text)):
+        value = convert(text)
+        if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
 
@@ -30,10 +34,10 @@ fraction = _checked("fraction", float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the script's docstring as written and shows every default once."""
 
-    def _get_help_string(self, action):
-        return (
-            action.help if "(default" in (action.help or "") else super()._get_help_string(action)
-        )
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default" in (action.help or ""):  # the help says its default in its own words
+            return action.help
+        return super()._get_help_string(action)
 
 
 class OneLineParser(argparse.ArgumentParser):
