@@ -15,13 +15,7 @@ IGNORE_INDEX = -100  # a target that counts for nothing, as in F.cross_entropy
 
 
 def _loss_and_grads(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    chunk: int,
-    dtype: torch.dtype,
-    want_grad_h: bool,
-    want_grad_w: bool,
+    h, weight, targets, chunk: int, dtype: torch.dtype, want_grad_h: bool, want_grad_w: bool
 ):
     """The summed loss, the number of positions that count, and (if wanted) the gradients of that
     sum: grad_h (N, C) and grad_w (V, C). h (N, C), weight (V, C), targets (N,); the products run
@@ -32,21 +26,15 @@ def _loss_and_grads(
     # The gradient products carry no loss scale (it is known only in backward), so under float16 a
     # sum over a chunk could pass 65,504 where the plain path's GradScaler would have lowered the
     # scale. So they run in float32 there; bfloat16 has float32's range.
-    grad_dtype = dtype
-    if dtype == torch.float16:
-        grad_dtype = torch.float32
+    grad_dtype = torch.float32 if dtype == torch.float16 else dtype
     h_g = h.to(grad_dtype)
     w_g = weight.to(grad_dtype)
     valid = targets != IGNORE_INDEX  # (N,)
     # (N, 1): an ignored position gathers column 0, counts 0
     safe_targets = targets.clamp(min=0).unsqueeze(1)
     loss_sum = torch.zeros((), dtype=acc, device=h.device)
-    grad_h = None
-    grad_w = None
-    if want_grad_h:
-        grad_h = torch.empty(h.shape, dtype=acc, device=h.device)
-    if want_grad_w:
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
+    grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if want_grad_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad_w else None
     for start in range(0, h.shape[0], chunk):
         rows = slice(start, start + chunk)
         h_c = h_lo[rows]  # (c, C)
@@ -109,10 +97,8 @@ def chunked_cross_entropy(
     bfloat16).
     """
     device_type = h.device.type
-    if chunk is None and device_type == "cpu":
-        chunk = CPU_CHUNK
-    elif chunk is None:
-        chunk = GPU_CHUNK
+    if chunk is None:
+        chunk = CPU_CHUNK if device_type == "cpu" else GPU_CHUNK
     # the products in the dtype the plain path's lm_head would run in
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

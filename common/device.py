@@ -18,10 +18,7 @@ def pick_device(requested: str = "auto") -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    cuda_gpus = 0
-    if torch.cuda.is_available():
-        cuda_gpus = torch.cuda.device_count()
-    device = parse_device(requested, cuda_gpus)
+    device = parse_device(requested, torch.cuda.device_count())  # 0 without CUDA
     if device.type == "cuda" and device.index is not None:
         # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be
         # someone else's

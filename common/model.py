@@ -206,39 +206,38 @@ class GPT(nn.Module):
         return idx
 
 
-# Hugging Face's GPT-2 stores these as Conv1D, whose weight is the transpose of a Linear's.
+# Hugging Face's GPT-2 names its tensors as this model does, but stores these four as Conv1D, whose
+# weight is the transpose of a Linear's.
 _HF_TRANSPOSED = (
     "attn.c_attn.weight",
     "attn.c_proj.weight",
     "mlp.c_fc.weight",
     "mlp.c_proj.weight",
 )
-_HF_VOCAB = ("wte.weight", "lm_head.weight")
+_HF_VOCAB = ("transformer.wte.weight", "lm_head.weight")
 
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
     """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's shape)."""
     ours = model.state_dict()  # detached: copying into it needs no no_grad()
     for name, value in hf_state.items():
-        name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
             continue
-        if name == "lm_head.weight":
-            target = ours.get(name)
-        else:
-            target = ours.get(f"transformer.{name}")
-        if target is None:
+        if name not in ours:
             raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
+        target = ours[name]
         if name.endswith(_HF_TRANSPOSED):
             value = value.t()
-        if name == "wpe.weight":  # a smaller block_size keeps the first positions
+        if name == "transformer.wpe.weight":  # a smaller block_size keeps the first positions
             if value.shape[0] < target.shape[0]:
                 raise ValueError(
                     f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
                 )
             value = value[: target.shape[0]]
-        part = target[: value.shape[0]]  # a padded vocabulary keeps its extra rows
-        if part.shape != value.shape or (len(part) < len(target) and name not in _HF_VOCAB):
+        part = target
+        if name in _HF_VOCAB:  # a padded vocabulary keeps its extra rows
+            part = target[: value.shape[0]]
+        if part.shape != value.shape:
             raise ValueError(
                 f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
             )
