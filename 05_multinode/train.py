@@ -346,7 +346,7 @@ def main():
                     **figures,
                     max_mem_mb=max_memory_mb(device),
                 )
-                progress.step(iter_num, loss_value, figures, lr)  # a bar's figures, or a line
+                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
             else:
                 progress.step(iter_num)  # the bar moves on
 
