@@ -288,8 +288,8 @@ def main():
 
     def save(step: int) -> None:
         # TODO 13/21: change the next 11 line(s) of code into 12:
-        #     """The checkpoint, at every evaluation and when the run is asked to stop; rank 0
-        #       writes it."""
+        #     """The checkpoint, at every evaluation and when the run is asked to stop (rank 0
+        #       writes)."""
         #     if is_rank0:
         #     save_checkpoint(
         #     out_dir,

@@ -220,7 +220,7 @@ def main():
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        """The checkpoint, at every evaluation and when the run is asked to stop; rank 0 writes it."""
+        """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
             save_checkpoint(
                 out_dir,
