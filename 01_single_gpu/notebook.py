@@ -33,9 +33,9 @@ import math
 
 import torch
 
-from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, losses, plot_losses, show_setup, train
+from tools.notebook import DATA_DIR, RUNS, TINY, clean_up, losses, plot_losses, setup, train
 
-show_setup()
+setup()
 
 # %% [markdown]
 # ## The data: windows of tokens, visited in a seeded order

@@ -33,12 +33,12 @@ from tools.notebook import (
     compare,
     first_batch,
     plot_losses,
-    show_setup,
+    setup,
     tiny_model,
     train,
 )
 
-show_setup()
+setup()
 
 # %%
 # The global batch: chapter 01's first 8 windows (x, and y one token later), each (8, T)

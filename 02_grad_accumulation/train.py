@@ -26,9 +26,11 @@ from common.data import (
     validation_windows,
 )
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
+from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.support.errors import CourseError, run_main
+from common.support.gpus import peak_flops
 from common.support.preempt import Preemption
+from common.support.progress import Progress
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -86,11 +88,13 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they
-    # were
-    iter_num = (
-        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
-    )
+    iter_num = 0
+    best_val_loss = None
+    if checkpoint is not None:
+        # resuming: the optimizer's averages, the loss scale and the random state continue where
+        # they were
+        iter_num = restore_training_state(checkpoint, optimizer, scaler)
+        best_val_loss = checkpoint.get("best_val_loss")
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
         model = torch.compile(model)
@@ -106,14 +110,9 @@ def main():
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    order = torch.Generator()
-    sampler = RandomSampler(train_set, generator=order)
-
-    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num if checkpoint else None)
+    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num)
     progress = Progress(total=args.max_iters, initial=iter_num)
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 2}
-    best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
@@ -137,7 +136,10 @@ def main():
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        order.manual_seed(args.seed + epoch)
+        # the data order: epoch e visits the windows in randperm(N), drawn from a generator seeded
+        # with seed + e
+        epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
+        sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
         loader = batch_loader(
@@ -173,8 +175,7 @@ def main():
             iter_num += 1
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
-            if log_now:
+            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 loss_value = loss.item()
                 # nan/inf?
                 stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
@@ -186,9 +187,9 @@ def main():
                     **figures,
                     max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(
-                iter_num, loss_value if log_now else None, figures if log_now else None, lr
-            )
+                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
+            else:
+                progress.step(iter_num)  # the bar moves on
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
@@ -200,7 +201,8 @@ def main():
                 stop_if_diverged(
                     iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
                 )
-                best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
+                if best_val_loss is None or val_loss < best_val_loss:
+                    best_val_loss = val_loss
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"

@@ -28,9 +28,9 @@ sys.path.insert(
 )
 import torch
 
-from tools.notebook import RUNS, clean_up, compare, first_batch, plot_losses, show_setup, train
+from tools.notebook import RUNS, clean_up, compare, first_batch, plot_losses, setup, train
 
-show_setup()
+setup()
 
 # %%
 from torch import nn

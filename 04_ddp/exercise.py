@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 20
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
 #     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
@@ -15,7 +15,7 @@ run is chapter 02's.
     python 03_dataparallel/train.py --gpus 2
 """
 
-# TODO 1/21: the imports: remove (-) and add (+)
+# TODO 1/20: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
 #     - from common.dataparallel import choose_dataparallel_gpus
@@ -68,9 +68,11 @@ from common.device import (
     pick_dtype,
     setup_math,
 )
-from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
+from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.support.errors import CourseError, run_main
+from common.support.gpus import peak_flops
 from common.support.preempt import Preemption
+from common.support.progress import Progress
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -82,7 +84,7 @@ from common.training import (
 )
 
 
-# TODO 2/21: change the next 26 line(s) of code into 21:
+# TODO 2/20: change the next 26 line(s) of code into 21:
 #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
 #   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
 #   ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -133,7 +135,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 3/21: change the next 3 line(s) of code into 9:
+    # TODO 3/20: change the next 3 line(s) of code into 9:
     #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     #   ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
     #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
@@ -151,7 +153,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 4/21: change the next 3 line(s) of code into 8:
+    # TODO 4/20: change the next 3 line(s) of code into 8:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it
     #   (every rank calls one_rank_first), then find the files ready and prepare() does no work.
@@ -161,7 +163,7 @@ def main():
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
-    # TODO 5/21: change the next 1 line(s) of code:
+    # TODO 5/20: change the next 1 line(s) of code:
     #   on each of world_size ranks at the same time, each of `batch_size` sequences.
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
@@ -193,12 +195,14 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they
-    # were
-    iter_num = (
-        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
-    )
-    # TODO 6/21: change the next 1 line(s) of code:
+    iter_num = 0
+    best_val_loss = None
+    if checkpoint is not None:
+        # resuming: the optimizer's averages, the loss scale and the random state continue where
+        # they were
+        iter_num = restore_training_state(checkpoint, optimizer, scaler)
+        best_val_loss = checkpoint.get("best_val_loss")
+    # TODO 6/20: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
     #     hooks
     #   into backward to average the gradients over ranks. The wrapper keeps the real model in
@@ -211,20 +215,20 @@ def main():
     # it calls the model as it is
     model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
-    # TODO 7/21: remove the next 1 line(s) of code
+    # TODO 7/20: remove the next 1 line(s) of code
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
     peak = peak_flops(device, dtype)
-    # TODO 8/21: change the next 1 line(s) of code:
+    # TODO 8/20: change the next 1 line(s) of code:
     #     log(
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 9/21: change the next 11 line(s) of code into 7:
+    # TODO 9/20: change the next 11 line(s) of code into 7:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
@@ -245,37 +249,33 @@ def main():
             f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
         )
     if iter_num:
-        # TODO 10/21: change the next 1 line(s) of code:
-        #     log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+        # TODO 10/20: change the next 4 line(s) of code into 11:
+        #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
+        #     ----------
+        #   Every rank draws that same permutation and takes the positions rank, rank + W, rank +
+        #     2W, ...
+        #   (W = world_size): the ranks' micro-batches of one step together are the G consecutive
+        #   positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not
+        #     padded.
+        #   only rank 0 writes files and draws the progress bar
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # TODO 11/21: change the next 5 line(s) of code into 12:
-    #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
-    #     ...
-    #   (W = world_size): the ranks' micro-batches of one step together are the G consecutive
-    #   positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
-    #   only rank 0 writes files and draws the progress bar
-    order = torch.Generator()
-    sampler = RandomSampler(train_set, generator=order)
-
-    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num if checkpoint else None)
+    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num)
     progress = Progress(total=args.max_iters, initial=iter_num)
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
-    best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
     speed = Throughput(
-        # TODO 12/21: change the next 1 line(s) of code:
+        # TODO 11/20: change the next 1 line(s) of code:
         #     tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
         tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num
     )
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        # TODO 13/21: change the next 11 line(s) of code into 12:
-        #     """The checkpoint, at every evaluation and when the run is asked to stop; rank 0
-        #       writes it."""
+        # TODO 12/20: change the next 11 line(s) of code into 12:
+        #     """The checkpoint, at every evaluation and when the run is asked to stop (rank 0
+        #       writes)."""
         #     if is_rank0:
         #     save_checkpoint(
         #     out_dir,
@@ -300,7 +300,7 @@ def main():
         )
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # TODO 14/21: change the next 1 line(s) of code:
+    # TODO 13/20: change the next 1 line(s) of code:
     #   (common/support/preempt.py) The ranks agree on the step to stop at: one all-reduce of a
     #     single
     #   number per step.
@@ -309,13 +309,16 @@ def main():
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # TODO 15/21: change the next 1 line(s) of code:
+        # TODO 14/20: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
-        order.manual_seed(args.seed + epoch)
+        # the data order: epoch e visits the windows in randperm(N), drawn from a generator seeded
+        # with seed + e
+        epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
+        sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
         loader = batch_loader(
-            # TODO 16/21: change the next 1 line(s) of code:
+            # TODO 15/20: change the next 1 line(s) of code:
             #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
             train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         )
@@ -327,7 +330,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 17/21: change the next 9 line(s) of code into 14:
+            # TODO 16/20: change the next 9 line(s) of code into 14:
             #   this rank's mean loss over its share of the global batch
             #   DDP averages the gradients over ranks inside backward(). Before the last
             #   micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
@@ -365,9 +368,8 @@ def main():
             iter_num += 1
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
-            if log_now:
-                # TODO 18/21: change the next 1 line(s) of code into 2:
+            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+                # TODO 17/20: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it (SUM works on
                 #     every
                 #   backend)
@@ -382,13 +384,13 @@ def main():
                     **figures,
                     max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(
-                iter_num, loss_value if log_now else None, figures if log_now else None, lr
-            )
+                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
+            else:
+                progress.step(iter_num)  # the bar moves on
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # TODO 19/21: change the next 3 line(s) of code into 8:
+                # TODO 18/20: change the next 3 line(s) of code into 8:
                 #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
                 #   nothing for DDP to do); the loss sums and window counts are added over ranks, so
                 #   every rank gets the mean over all the windows.
@@ -401,7 +403,8 @@ def main():
                 stop_if_diverged(
                     iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
                 )
-                best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
+                if best_val_loss is None or val_loss < best_val_loss:
+                    best_val_loss = val_loss
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
@@ -411,7 +414,7 @@ def main():
                 save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 20/21: change the next 8 line(s) of code into 5:
+    # TODO 19/20: change the next 8 line(s) of code into 5:
     #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
     #     it
     #   bit for bit against rank 0's copy.
@@ -428,7 +431,7 @@ def main():
 
 
 if __name__ == "__main__":
-    # TODO 21/21: change the next 1 line(s) of code into 5:
+    # TODO 20/20: change the next 1 line(s) of code into 5:
     #   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
     #   connections to the other ranks (and NCCL's communicators) cleanly.
     run_main(main, resumable=True)

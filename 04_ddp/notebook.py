@@ -40,12 +40,12 @@ from tools.notebook import (
     clean_up,
     compare,
     plot_losses,
-    show_setup,
+    setup,
     torchrun,
     train,
 )
 
-show_setup()
+setup()
 
 # %% [markdown]
 # ## What each rank does

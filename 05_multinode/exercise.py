@@ -51,9 +51,11 @@ from common.distributed import (
     share_cpu_cores,
     start_process_group,
 )
-from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
+from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.support.errors import CourseError, run_main
+from common.support.gpus import peak_flops
 from common.support.preempt import Preemption
+from common.support.progress import Progress
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -195,11 +197,13 @@ def main():
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they
-    # were
-    iter_num = (
-        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
-    )
+    iter_num = 0
+    best_val_loss = None
+    if checkpoint is not None:
+        # resuming: the optimizer's averages, the loss scale and the random state continue where
+        # they were
+        iter_num = restore_training_state(checkpoint, optimizer, scaler)
+        best_val_loss = checkpoint.get("best_val_loss")
     # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     # into backward to average the gradients over ranks. The wrapper keeps the real model in
     # model.module. Its state dict would prefix every name with "module.", so checkpoints save
@@ -241,9 +245,7 @@ def main():
     )
 
     # only rank 0 writes files and draws the progress bar
-    metrics = MetricsLog(
-        out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num if checkpoint else None
-    )
+    metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num)
     progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
     train_config = vars(args) | {
         "global_batch": global_batch,
@@ -252,7 +254,6 @@ def main():
         #     "chapter": 5,
         "chapter": 4,
     }
-    best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
     # tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
     speed = Throughput(
@@ -261,7 +262,7 @@ def main():
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        """The checkpoint, at every evaluation and when the run is asked to stop; rank 0 writes it."""
+        """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
             save_checkpoint(
                 out_dir,
@@ -332,8 +333,7 @@ def main():
             iter_num += 1
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            log_now = iter_num % args.log_interval == 0 or iter_num == args.max_iters
-            if log_now:
+            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 # the mean over all ranks: a collective, so every rank calls it (SUM works on every
                 # backend)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
@@ -348,9 +348,9 @@ def main():
                     **figures,
                     max_mem_mb=max_memory_mb(device),
                 )
-            progress.step(
-                iter_num, loss_value if log_now else None, figures if log_now else None, lr
-            )
+                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
+            else:
+                progress.step(iter_num)  # the bar moves on
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
@@ -369,7 +369,8 @@ def main():
                 stop_if_diverged(
                     iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
                 )
-                best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
+                if best_val_loss is None or val_loss < best_val_loss:
+                    best_val_loss = val_loss
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"

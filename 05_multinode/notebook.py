@@ -39,12 +39,12 @@ from tools.notebook import (
     clean_up,
     compare,
     plot_losses,
-    show_setup,
+    setup,
     train,
     two_nodes,
 )
 
-show_setup()
+setup()
 
 # %% [markdown]
 # ## Who is who: 2 nodes x 2 processes

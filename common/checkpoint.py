@@ -1,5 +1,4 @@
-"""ckpt.pt: written atomically, read without unpickling code, holding all a resumed run needs to go
-on."""
+"""ckpt.pt: written atomically, read without unpickling code, holding all a resumed run needs."""
 
 import os
 import re
@@ -15,8 +14,8 @@ CKPT_NAME = "ckpt.pt"
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names without the prefixes wrappers add: "module." (DataParallel, DDP), "_orig_mod."
-    (compile)."""
+    """Names without the prefixes that wrappers add: "module." (DataParallel, DDP) and "_orig_mod."
+    (torch.compile)."""
     return {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}
 
 
@@ -34,18 +33,25 @@ def save_checkpoint(
     """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one
     intact."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp, cuda = Path(out_dir, f".{CKPT_NAME}.tmp.{os.getpid()}"), torch.cuda.is_initialized()
+    tmp = Path(out_dir, f".{CKPT_NAME}.tmp.{os.getpid()}")
+    # a Path or an object would need unpickling code to read back
     plain = {k: v for k, v in train_config.items() if v is None or isinstance(v, (int, float, str))}
+    # the GPUs' generators draw dropout's masks there: a resumed run continues their streams
+    gpu_rng = None
+    every_gpu_rng = None
+    if torch.cuda.is_initialized():
+        gpu_rng = torch.cuda.get_rng_state()  # this process's GPU
+        every_gpu_rng = torch.cuda.get_rng_state_all()  # chapter 03: one process, every GPU
     checkpoint = {
         "model": clean_state_dict(model_state),
         "optimizer": optimizer_state,
         "iter_num": iter_num,
         "model_config": asdict(model_config),
-        "train_config": plain,  # a Path or an object would need unpickling code
+        "train_config": plain,
         "best_val_loss": best_val_loss,
         "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state() if cuda else None,  # GPU dropout draws from it
-        "rng_cuda_all": torch.cuda.get_rng_state_all() if cuda else None,  # chapter 03: every GPU's
+        "rng_cuda": gpu_rng,
+        "rng_cuda_all": every_gpu_rng,
         # float16's loss scale: a resumed run must not restart at 65,536
         "scaler": scaler_state or {},
     }
@@ -59,7 +65,8 @@ def save_checkpoint(
 def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     """Read a checkpoint to the CPU; every way it can be missing or broken is one clear line."""
     path = Path(out_dir_or_file)
-    path = path / CKPT_NAME if path.is_dir() or path.suffix != ".pt" else path
+    if path.is_dir() or path.suffix != ".pt":
+        path = path / CKPT_NAME
     if not path.exists():
         raise CourseError(
             f"no checkpoint at {path}: train first (a run writes one at every evaluation), "
@@ -68,15 +75,13 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch.load alone is tried: whatever it raises, the file is broken
-        reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+        reason = (str(err) or type(err).__name__).splitlines()[0][:120]
         raise CourseError(
             f"checkpoint {path} is unreadable, truncated or corrupted ({reason}); "
             "delete it to start over, or restore a good copy"
         ) from None
-    if (
-        not isinstance(checkpoint, dict)
-        or not {"model", "model_config", "iter_num"} <= checkpoint.keys()
-    ):
+    required = {"model", "model_config", "iter_num"}
+    if not isinstance(checkpoint, dict) or not required.issubset(checkpoint):
         raise CourseError(
             f"{path} is not a checkpoint of this course (it lacks model, model_config or iter_num)"
         )
@@ -84,32 +89,43 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
 
 
 def restore_training_state(checkpoint: dict, optimizer: torch.optim.Optimizer, scaler) -> int:
-    """Put the optimizer, the loss scaler and the random generators back; returns the step to go on
+    """Put the optimizer, the loss scaler and the random generators back; return the step to go on
     from."""
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
         scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng_cpu"])
     if torch.cuda.is_available():
-        for index, state in gpu_rng_plan(
-            checkpoint, torch.cuda.device_count(), torch.cuda.current_device()
-        ):
+        plan = gpu_rng_plan(checkpoint, torch.cuda.device_count(), torch.cuda.current_device())
+        for index, state in plan:
             torch.cuda.set_rng_state(state, index)
     return checkpoint["iter_num"]
 
 
 def gpu_rng_plan(checkpoint: dict, gpus: int, current: int) -> list[tuple[int, torch.Tensor]]:
-    """(GPU, saved state) to set in order: each GPU its own (chapter 03), then the current GPU the
-    saver's."""
-    # DDP: rank 0 alone saved its GPU's state, and every rank's GPU has drawn as often from the same
-    # seed
-    saver = [(current, checkpoint["rng_cuda"])] if checkpoint.get("rng_cuda") is not None else []
-    return list(enumerate(checkpoint.get("rng_cuda_all") or []))[:gpus] + saver
+    """Which saved random state goes back to which GPU: (GPU index, state) pairs, set in order.
+
+    Chapter 03 (one process driving every GPU) saved each GPU's state: each GPU this machine has
+    gets its own back. Chapters 04 and 05 (one process per GPU): rank 0 alone saved, the state of
+    its own GPU. Every rank seeded its GPU alike and has drawn from it as often as rank 0, so each
+    rank's current GPU gets rank 0's state. That pair comes last: on the current GPU it is the one
+    that stays. A CPU run saved neither, and nothing is set.
+    """
+    plan = []
+    every_gpu = checkpoint.get("rng_cuda_all")
+    if every_gpu is not None:
+        for index, state in enumerate(every_gpu[:gpus]):
+            plan.append((index, state))
+    saver = checkpoint.get("rng_cuda")
+    if saver is not None:
+        plan.append((current, saver))
+    return plan
 
 
 def check_same_shape(checkpoint: dict, config: GPTConfig) -> None:
     """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
-    saved, now = checkpoint["model_config"], asdict(config)
+    saved = checkpoint["model_config"]
+    now = asdict(config)
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
     differs = [f"{f} {saved[f]} (now {now[f]})" for f in fields if saved[f] != now[f]]
     if differs:

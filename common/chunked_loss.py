@@ -1,9 +1,8 @@
 """The output layer and the loss in pieces: `F.cross_entropy(h @ W.T, targets)` without the logits
 (why: docs/deep/MEMORY.md). A few positions at a time: the chunk's logits, its loss and right away
-its
-gradient (softmax minus one-hot), turned into its share of the gradients of `h` and `W`; backward
-only
-scales them. The idea of Liger Kernel's fused linear cross-entropy, in plain PyTorch."""
+its gradient (softmax minus one-hot), turned into its share of the gradients of `h` and `W`;
+backward only scales them. The idea of Liger Kernel's fused linear cross-entropy, in plain PyTorch.
+"""
 
 import torch
 
@@ -19,17 +18,17 @@ def _loss_and_grads(
     h, weight, targets, chunk: int, dtype: torch.dtype, want_grad_h: bool, want_grad_w: bool
 ):
     """The summed loss, the number of positions that count, and (if wanted) the gradients of that
-    sum:
-    grad_h (N, C) and grad_w (V, C). h (N, C), weight (V, C), targets (N,); the products run in
-    `dtype`,
-    the softmax and the sums in float32 (float64 in a float64 run)."""
+    sum: grad_h (N, C) and grad_w (V, C). h (N, C), weight (V, C), targets (N,); the products run
+    in `dtype`, the softmax and the sums in float32 (float64 in a float64 run)."""
     acc = torch.promote_types(dtype, torch.float32)
-    h_lo, w_lo = h.to(dtype), weight.to(dtype)  # no copy when already in dtype (float32 on the CPU)
+    h_lo = h.to(dtype)  # no copy when already in dtype (float32 on the CPU)
+    w_lo = weight.to(dtype)
     # The gradient products carry no loss scale (it is known only in backward), so under float16 a
     # sum over a chunk could pass 65,504 where the plain path's GradScaler would have lowered the
     # scale. So they run in float32 there; bfloat16 has float32's range.
     grad_dtype = torch.float32 if dtype == torch.float16 else dtype
-    h_g, w_g = h.to(grad_dtype), weight.to(grad_dtype)
+    h_g = h.to(grad_dtype)
+    w_g = weight.to(grad_dtype)
     valid = targets != IGNORE_INDEX  # (N,)
     # (N, 1): an ignored position gathers column 0, counts 0
     safe_targets = targets.clamp(min=0).unsqueeze(1)
@@ -38,8 +37,9 @@ def _loss_and_grads(
     grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad_w else None
     for start in range(0, h.shape[0], chunk):
         rows = slice(start, start + chunk)
-        # (c, C), (c, 1), (c, 1)
-        h_c, y_c, keep = h_lo[rows], safe_targets[rows], valid[rows].unsqueeze(1)
+        h_c = h_lo[rows]  # (c, C)
+        y_c = safe_targets[rows]  # (c, 1)
+        keep = valid[rows].unsqueeze(1)  # (c, 1)
         # the chunk's logits, the one large tensor, in float32 for the softmax as the plain path
         # does
         log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
@@ -69,35 +69,41 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             h, weight, targets, chunk, dtype, want_h, want_w
         )
         ctx.save_for_backward(grad_h, grad_w, count)
-        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
+        ctx.acc = loss_sum.dtype  # and were summed in this
         return loss_sum / count
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, count = ctx.saved_tensors
-        # d(mean)/d(sum)
-        scale = grad_loss.to(grad_h.dtype if grad_h is not None else grad_w.dtype) / count
-        grads = [
-            None if g is None else (g * scale).to(d) for g, d in zip((grad_h, grad_w), ctx.dtypes)
-        ]
-        return *grads, None, None, None
+        h_dtype, w_dtype = ctx.dtypes
+        # d(mean)/d(sum); both gradients were summed in the same dtype
+        scale = grad_loss.to(ctx.acc) / count
+        if grad_h is not None:
+            grad_h = (grad_h * scale).to(h_dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * scale).to(w_dtype)
+        return grad_h, grad_w, None, None, None
 
 
-def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk=None):
+def chunked_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
     """`F.cross_entropy(h @ weight.T, targets)`, `chunk` positions at a time (default: by device).
 
     Under autocast the products run in the autocast dtype and the softmax in float32, as in the
-    plain
-    `F.cross_entropy(lm_head(h).float(), targets)`; the gradients come back in the inputs' dtypes
-    (float32 for the model's weight: summed over the chunks in float32, never rounded to bfloat16).
+    plain `F.cross_entropy(lm_head(h).float(), targets)`; the gradients come back in the inputs'
+    dtypes (float32 for the model's weight: summed over the chunks in float32, never rounded to
+    bfloat16).
     """
     device_type = h.device.type
-    chunk = chunk or (CPU_CHUNK if device_type == "cpu" else GPU_CHUNK)
-    # the plain path's lm_head runs in autocast's dtype when autocast is on
-    plain = torch.promote_types(h.dtype, weight.dtype)
-    dtype = (
-        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else plain
-    )
+    if chunk is None:
+        chunk = CPU_CHUNK if device_type == "cpu" else GPU_CHUNK
+    # the products in the dtype the plain path's lm_head would run in
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(h.dtype, weight.dtype)
     with torch.autocast(device_type, enabled=False):  # the function chooses its own precisions
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, dtype)

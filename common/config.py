@@ -16,14 +16,14 @@ from .support.flags import (
 from .support.preempt import stop_signal
 
 # flag -> (its first chapter, its last); other chapters hide it from --help and refuse it in one
-# line
+# line. Every other flag is in every chapter.
 CHAPTER_FLAGS = {
     "--grad-accum": (2, 5),
     "--gpus": (3, 3),
     "--backend": (4, 5),
     "--dist-timeout": (4, 5),
+    "--shared-fs": (5, 5),
 }
-CHAPTER_FLAGS["--shared-fs"] = (5, 5)
 
 
 def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
@@ -57,8 +57,10 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag("--block-size", type=positive_int, help="the context length (default: the preset's)")
     flag("--dropout", type=fraction, default=0.0, help="dropout probability")
     flag("--bias", action=argparse.BooleanOptionalAction, default=True, help="biases in layers")
-    chunked = "the output layer and the loss a few positions at a time (common/chunked_loss.py); "
-    chunked += "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory"
+    chunked = (
+        "the output layer and the loss a few positions at a time (common/chunked_loss.py); "
+        "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory"
+    )
     flag("--chunked-loss", action=argparse.BooleanOptionalAction, default=True, help=chunked)
     flag(
         "--init-from", choices=["scratch", "gpt2"], default="scratch", help="gpt2: OpenAI's weights"
@@ -79,8 +81,10 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag("--log-interval", type=positive_int, default=10, help="a metrics line every N steps")
     flag("--out-dir", default=f"out/{CHAPTERS[chapter]}", help="metrics.jsonl and ckpt.pt go here")
     flag("--resume", action="store_true", help="continue from <out-dir>/ckpt.pt")
-    stop = "besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
-    stop += "the step it is in and stop, to be resumed (exit status 75)"
+    stop = (
+        "besides SIGTERM, the signal (e.g. USR1, for sbatch --signal) that makes the run save "
+        "the step it is in and stop, to be resumed (exit status 75)"
+    )
     flag("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     flag(
         "--sample-tokens", type=non_negative_int, default=200, help="tokens to generate at the end"
@@ -90,8 +94,8 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     dtype = (
         "auto: bfloat16 on GPUs with bf16 tensor cores, float16 on older ones, float32 on the CPU; "
+        "float64: slow, to tell rounding from bugs"
     )
-    dtype += "float64: slow, to tell rounding from bugs"
     flag(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16", "float64"],
@@ -129,16 +133,18 @@ def parse_args(chapter: int, description: str, argv: list[str] | None = None) ->
             )
         if used and chapter > last:  # only --gpus, DataParallel's, retires
             raise CourseError(
-                f"{flag} is chapter 03's DataParallel flag; here each process drives one GPU and torchrun "
-                f"starts them: torchrun --standalone --nproc_per_node=N {CHAPTERS[chapter]}/train.py"
+                f"{flag} is chapter 03's DataParallel flag; here each process drives one GPU and "
+                "torchrun starts them: "
+                f"torchrun --standalone --nproc_per_node=N {CHAPTERS[chapter]}/train.py"
             )
     args.grad_accum = args.grad_accum or 1
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     path = Path(args.out_dir)
-    folder = next((folder for folder in (path, *path.parents) if folder.exists()), None)
-    if folder is not None and not folder.is_dir():
+    # the part of --out-dir that exists already must be a folder
+    existing = [folder for folder in (path, *path.parents) if folder.exists()]
+    if existing and not existing[0].is_dir():
         raise CourseError(
-            f"--out-dir {args.out_dir}: {folder} is a file, not a folder; "
+            f"--out-dir {args.out_dir}: {existing[0]} is a file, not a folder; "
             "give a folder for metrics.jsonl and ckpt.pt (new or an earlier run's)"
         )
     return args

@@ -1,12 +1,12 @@
 """From a corpus to batches: prepare once into token files (GPT-2 ids as uint16), then read windows.
 
-Window i holds tokens [i*T, i*T + T] (T = block_size, one more so targets are inputs shifted by
-one).
-Which windows a step reads is the sampler's business: this module knows nothing about ranks."""
+Window i holds tokens [i*T, i*T + T] (T = block_size, one more so that the targets are the inputs
+shifted by one). Which windows a step reads is the sampler's business: this module knows nothing
+about ranks."""
 
-import itertools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,41 +21,41 @@ FORMAT_VERSION = 1  # bump when the way files are written changes, so old folder
 
 
 def prepare(
-    corpus=DEFAULT_CORPUS,
-    data_root="data",
-    val_fraction=0.1,
-    num_proc=None,
-    text_column="text",
-    log=print,
+    corpus: str = DEFAULT_CORPUS,
+    data_root: str | Path = "data",
+    val_fraction: float = 0.1,
+    num_proc: int | None = None,
+    text_column: str = "text",
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json` once; return that
     folder."""
     kind, folder_name, fingerprint = corpus_source(corpus)
     folder = Path(data_root) / folder_name
     meta_path = folder / "meta.json"
-    expected = {"fingerprint": fingerprint, "val_fraction": val_fraction, "format": FORMAT_VERSION}
-    # no source to compare with: a folder prepared elsewhere is used as it is
-    if fingerprint is None:
-        del expected["fingerprint"]
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
-        meta = {}
-    if (
-        expected.items() <= meta.items()
-        and (folder / "train.bin").exists()
-        and (folder / "val.bin").exists()
-    ):
+        meta = {}  # not prepared yet, or cut short
+    # the folder is reused while it was prepared the same way from the same source
+    up_to_date = (
+        meta.get("format") == FORMAT_VERSION
+        and meta.get("val_fraction") == val_fraction
+        # no fingerprint, no source to compare with: a folder prepared elsewhere is used as it is
+        and (fingerprint is None or meta.get("fingerprint") == fingerprint)
+    )
+    if up_to_date and (folder / "train.bin").exists() and (folder / "val.bin").exists():
         return folder
+
     log(f"preparing corpus {corpus!r} into {folder} (once; later runs reuse it)")
     texts = read_corpus(kind, corpus, text_column)
     if not texts:
         raise CourseError(f"corpus {corpus!r} has no documents")
-    docs = get_tokenizer().encode_ordinary_batch(
-        texts, num_threads=num_proc or min(os.cpu_count() or 1, 8)
-    )
+    threads = num_proc or min(os.cpu_count() or 1, 8)
+    docs = get_tokenizer().encode_ordinary_batch(texts, num_threads=threads)
     # every document ends with <|endoftext|>, so the model sees where one text stops
-    ids = np.fromiter(itertools.chain.from_iterable(d + [eot_id()] for d in docs), dtype=np.uint16)
+    eot = eot_id()
+    ids = np.concatenate([np.array(doc + [eot], dtype=np.uint16) for doc in docs])
     if len(ids) <= len(texts):  # nothing but <|endoftext|> markers
         raise CourseError(f"corpus {corpus!r} contains no text")
     split = int(len(ids) * (1 - val_fraction))  # the last part of the token stream is held out
@@ -63,9 +63,14 @@ def prepare(
     for name, part in (("train.bin", ids[:split]), ("val.bin", ids[split:])):
         part.tofile(folder / f"{name}.tmp")
         os.replace(folder / f"{name}.tmp", folder / name)
-    meta = {"corpus": corpus, "tokenizer": "gpt2", "dtype": "uint16", "documents": len(texts)}
-    meta |= expected | {
+    meta = {
+        "corpus": corpus,
+        "tokenizer": "gpt2",
+        "dtype": "uint16",
+        "documents": len(texts),
         "fingerprint": fingerprint,
+        "val_fraction": val_fraction,
+        "format": FORMAT_VERSION,
         "train_tokens": split,
         "val_tokens": len(ids) - split,
     }
@@ -73,7 +78,8 @@ def prepare(
     # written last: its presence means the folder is complete
     os.replace(folder / "meta.json.tmp", meta_path)
     log(
-        f"prepared {len(texts)} documents: {split:,} training and {len(ids) - split:,} validation tokens"
+        f"prepared {len(texts)} documents: "
+        f"{split:,} training and {len(ids) - split:,} validation tokens"
     )
     return folder
 
@@ -82,7 +88,8 @@ class TokenWindows(Dataset):
     """Map-style dataset: item i is (x, y), window i of a token file, y shifted by one from x."""
 
     def __init__(self, bin_path: str | Path, block_size: int):
-        self.path, self.block_size = Path(bin_path), block_size
+        self.path = Path(bin_path)
+        self.block_size = block_size
         self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
         self.n_windows = (len(self.tokens) - 1) // block_size
         if self.n_windows < 1:
@@ -101,13 +108,14 @@ class TokenWindows(Dataset):
 
 
 def load_splits(folder: Path, block_size: int) -> tuple[TokenWindows, TokenWindows]:
-    return TokenWindows(folder / "train.bin", block_size), TokenWindows(
-        folder / "val.bin", block_size
-    )
+    train_set = TokenWindows(folder / "train.bin", block_size)
+    val_set = TokenWindows(folder / "val.bin", block_size)
+    return train_set, val_set
 
 
 def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order every chapter uses for epoch e: randperm(N) from a generator seeded with seed + e."""
+    """Epoch e's order of the windows, in every chapter: randperm(N) from a generator seeded with
+    seed + e."""
     return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
@@ -120,15 +128,16 @@ def batch_loader(
 ) -> DataLoader:
     """Batches in the sampler's order, starting `skip_batches` in; an incomplete last batch is
     dropped."""
-    # its own generator: building a loader must not draw from the global random state that dropout
-    # uses, so a resumed run draws the same dropout masks as an unbroken one
-    order = list(sampler)[skip_batches * batch_size :]  # a resumed run starts mid-epoch
+    # the sampler's window indices for this epoch, from where a resumed run starts
+    windows = list(sampler)[skip_batches * batch_size :]
     return DataLoader(
         dataset,
         batch_size,
-        sampler=order,
+        sampler=windows,
         drop_last=True,
         pin_memory=pin_memory,
+        # its own generator: building a loader must not draw from the global random state that
+        # dropout uses, so a resumed run draws the same dropout masks as an unbroken one
         generator=torch.Generator(),
     )
 
@@ -141,5 +150,6 @@ def validation_windows(dataset: TokenWindows, batches: int, batch_size: int) -> 
 
 def describe_global_batch(global_batch: int, block_size: int, steps_per_epoch: int) -> str:
     """What one optimizer step reads, for the line every chapter prints before training."""
-    tokens = f"{global_batch} sequences x {block_size} tokens = {global_batch * block_size:,} tokens per step"
-    return f"{tokens}; {steps_per_epoch} steps per epoch"
+    tokens = global_batch * block_size
+    sequences = f"{global_batch} sequences x {block_size} tokens = {tokens:,} tokens per step"
+    return f"{sequences}; {steps_per_epoch} steps per epoch"

@@ -1,5 +1,5 @@
-"""Which device and number format a run uses; GPU decisions take plain facts, so a CPU can test
-them."""
+"""Which device and number format a run uses; GPU decisions take plain facts, so that a CPU can
+test them."""
 
 import contextlib
 
@@ -11,13 +11,17 @@ DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float1
 
 
 def pick_device(requested: str = "auto") -> torch.device:
+    """--device: auto takes a CUDA GPU, else Apple's GPU (mps), else the CPU."""
     if requested == "auto":
-        mps = torch.backends.mps.is_available()
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-    device = parse_device(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = parse_device(requested, torch.cuda.device_count())  # 0 without CUDA
     if device.type == "cuda" and device.index is not None:
-        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be someone
-        # else's
+        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be
+        # someone else's
         torch.cuda.set_device(device)
     return device
 
@@ -31,7 +35,8 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
         ) from None
     if device.type == "cuda" and cuda_gpus == 0:
         raise CourseError(
-            f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; use --device cpu"
+            f"--device {requested} asked for CUDA, but this PyTorch sees no CUDA GPU; "
+            "use --device cpu"
         )
     if device.type == "cuda" and device.index is not None and device.index >= cuda_gpus:
         raise CourseError(f"--device {requested}: only {cuda_gpus} CUDA GPU(s) are visible")
@@ -45,9 +50,11 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
     """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones emulate it,
     slowly."""
-    if device_type == "cuda" and capability is not None:
-        return torch.bfloat16 if capability >= (8, 0) else torch.float16
-    return torch.float32
+    if device_type != "cuda" or capability is None:
+        return torch.float32
+    if capability >= (8, 0):
+        return torch.bfloat16
+    return torch.float16
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -60,16 +67,17 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
                 "--dtype float64: Apple's mps has no float64; use --device cpu for it"
             )
         return dtype
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capability = None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
     return auto_dtype(device.type, capability)
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype):
     """Mixed precision for the forward pass: matmuls in dtype, the weights stay float32."""
-    full = dtype in (torch.float32, torch.float64)
-    return (
-        contextlib.nullcontext() if full else torch.autocast(device_type=device.type, dtype=dtype)
-    )
+    if dtype in (torch.float32, torch.float64):
+        return contextlib.nullcontext()  # full precision: nothing to switch on
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def in_autocast(module, device: torch.device, dtype: torch.dtype):
@@ -89,10 +97,13 @@ def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
     elif device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
+    if device.type == "cpu":
+        return f"cpu ({torch.get_num_threads()} threads)"
+    return str(device)

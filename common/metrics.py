@@ -7,37 +7,46 @@ from pathlib import Path
 
 import torch
 
-from .support.gpus import peak_flops as peak_flops  # a table lookup; re-exported for the chapters
-from .support.progress import Progress as Progress  # plumbing; re-exported for the chapters
 
-
-def model_flops_utilization(flops_per_token: float, tokens_per_sec: float, peak, devices: int = 1):
-    """MFU: the model's FLOP/s over the hardware's: tokens of all `devices` against all their peaks."""
-    return flops_per_token * tokens_per_sec / (peak * devices) if peak else None
+def model_flops_utilization(
+    flops_per_token: float, tokens_per_sec: float, peak: float | None, devices: int = 1
+) -> float | None:
+    """MFU: the model's FLOP/s over the hardware's (all `devices`: their tokens, their peaks)."""
+    if not peak:  # a device whose peak the course does not know
+        return None
+    return flops_per_token * tokens_per_sec / (peak * devices)
 
 
 class Throughput:
-    """Milliseconds per step, tokens/s and MFU between log lines; the tokens of all `devices`
-    together."""
+    """Milliseconds per step, tokens/s and MFU between log lines; the tokens of all `devices`."""
 
     def __init__(
-        self, tokens_per_step: int, flops_per_token: float, peak, devices: int = 1, start: int = 0
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak: float | None,
+        devices: int = 1,
+        start: int = 0,
     ):
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.peak, self.devices = peak, devices
-        self.since_iter, self.since = start, time.perf_counter()
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.devices = devices
+        self.since_iter = start  # the interval's first step
+        self.since = time.perf_counter()  # and when it began
 
     def measure(self, iter_num: int) -> dict:
         """The figures since the last measure (or the start), for a metrics line; starts a new
         interval."""
-        elapsed, steps = time.perf_counter() - self.since, iter_num - self.since_iter
+        elapsed = time.perf_counter() - self.since
+        steps = iter_num - self.since_iter
         tokens_per_sec = steps * self.tokens_per_step / elapsed
         mfu = model_flops_utilization(self.flops_per_token, tokens_per_sec, self.peak, self.devices)
-        self.since_iter, self.since = iter_num, time.perf_counter()
-        dt_ms, tokens_seen = 1000 * elapsed / steps, iter_num * self.tokens_per_step
+        self.since_iter = iter_num
+        self.since = time.perf_counter()
         return {
-            "tokens_seen": tokens_seen,
-            "dt_ms": dt_ms,
+            "tokens_seen": iter_num * self.tokens_per_step,
+            "dt_ms": 1000 * elapsed / steps,
             "tokens_per_sec": tokens_per_sec,
             "mfu": mfu,
         }
@@ -48,32 +57,37 @@ class Throughput:
 
 
 def max_memory_mb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    """The most memory the run's tensors have held on a CUDA GPU, in MiB; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 METRICS_NAME = "metrics.jsonl"  # in every run's --out-dir
 
 
 class MetricsLog:
-    def __init__(self, path: str | Path, enabled: bool = True, resume_from: int | None = None):
-        self.path, self.enabled = Path(path), enabled
+    """metrics.jsonl, one JSON line per record. `resume_from`: the step a resumed run continues
+    from (0: a new run)."""
+
+    def __init__(self, path: str | Path, enabled: bool = True, resume_from: int = 0):
+        self.path = Path(path)
+        self.enabled = enabled
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # a resumed run drops what came after its checkpoint, so each iteration appears once
-        old = [] if resume_from is None or not self.path.exists() else read_metrics(self.path)
-        self.path.write_text(
-            "".join(json.dumps(r) + "\n" for r in old if r.get("iter", 0) <= resume_from)
-        )
+        if resume_from > 0 and self.path.exists():
+            # the lines after the checkpoint's step go, so that each step appears once
+            kept = [r for r in read_metrics(self.path) if r.get("iter", 0) <= resume_from]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        else:
+            self.path.write_text("")  # a new run starts an empty file
 
     def write(self, **fields) -> None:
         if not self.enabled:
             return
-        record = {
-            k: round(v, 6) if isinstance(v, float) else v
-            for k, v in fields.items()
-            if v is not None
-        }
+        # None: a figure this device cannot give (MFU, GPU memory); round() keeps an int an int
+        record = {name: round(value, 6) for name, value in fields.items() if value is not None}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 

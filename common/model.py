@@ -1,6 +1,5 @@
 """The GPT every chapter trains: GPT-2's architecture, written out as in nanoGPT. Token ids in,
-logits
-out, or a loss when targets are given; it knows nothing about devices, ranks or data."""
+logits out, or a loss when targets are given; it knows nothing about devices, ranks or data."""
 
 import math
 from dataclasses import dataclass, replace
@@ -47,7 +46,8 @@ def model_config(preset: str, **overrides) -> GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head = config.n_head
+        self.dropout = config.dropout
         # q, k, v at once
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -55,15 +55,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # batch, time, channels (n_embd)
-        # q, k, v: (B, T, C) -> (B, n_head, T, head_size)
-        q, k, v = (
-            t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(C, 2)
-        )
+        head_size = C // self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) each
+        # every head attends on its own: (B, T, C) -> (B, n_head, T, head_size)
+        q = q.view(B, T, self.n_head, head_size).transpose(1, 2)
+        k = k.view(B, T, self.n_head, head_size).transpose(1, 2)
+        v = v.view(B, T, self.n_head, head_size).transpose(1, 2)
         # flash attention where the device has it; the causal mask is built in
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y)
+        return self.resid_dropout(y)
 
 
 class MLP(nn.Module):
@@ -74,7 +77,10 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # GPT-2's GELU
+        x = self.c_fc(x)  # (B, T, 4 * C)
+        x = F.gelu(x, approximate="tanh")  # GPT-2's GELU
+        x = self.c_proj(x)  # (B, T, C)
+        return self.dropout(x)
 
 
 class Block(nn.Module):
@@ -89,7 +95,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
 
 
 class GPT(nn.Module):
@@ -120,31 +127,48 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the tied matrix once); positions left out by default."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, loss) for the token ids idx (B, T).
+
+        Without targets (generating): the last position's logits (B, 1, vocab_size), and no loss.
+        With targets (training): the mean cross-entropy loss. The logits (B, T, vocab_size) come
+        with it only with chunked_loss off: the chunked loss never builds them, so logits is None.
+        """
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence of length {T} is longer than block_size {self.config.block_size}"
             )
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        # (B, T, C)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(pos)  # (T, C)
+        x = self.transformer.drop(tok_emb + pos_emb)
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
-        if targets is None:  # generating: only the last position's prediction is needed
-            return self.lm_head(x[:, [-1], :]), None  # (B, 1, vocab_size)
-        if self.config.chunked_loss:  # the same loss; the (B, T, vocab_size) logits are never held
-            return None, chunked_cross_entropy(
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        if targets is None:
+            # generating: only the last position's prediction is needed
+            logits = self.lm_head(x[:, [-1], :])  # (B, 1, vocab_size)
+            loss = None
+        elif self.config.chunked_loss:
+            # the same loss, a few positions at a time: the (B, T, vocab_size) logits are never held
+            logits = None
+            loss = chunked_cross_entropy(
                 x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1)
             )
-        logits = self.lm_head(x)  # (B, T, vocab_size)
-        # float32 for the softmax even under bf16 autocast; float64 stays float64
-        wide = logits.view(B * T, -1).to(torch.promote_types(logits.dtype, torch.float32))
-        return logits, F.cross_entropy(wide, targets.reshape(-1))
+        else:
+            logits = self.lm_head(x)  # (B, T, vocab_size)
+            # the softmax in float32 even under bf16 autocast; float64 stays float64
+            loss_dtype = torch.promote_types(logits.dtype, torch.float32)
+            loss = F.cross_entropy(logits.view(B * T, -1).to(loss_dtype), targets.reshape(-1))
+        return logits, loss
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
@@ -161,8 +185,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature=1.0, top_k=None, generator=None
-    ):
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])  # the context the model can see
@@ -177,36 +206,38 @@ class GPT(nn.Module):
         return idx
 
 
-# Hugging Face's GPT-2 stores these as Conv1D, whose weight is the transpose of a Linear's.
+# Hugging Face's GPT-2 names its tensors as this model does, but stores these four as Conv1D, whose
+# weight is the transpose of a Linear's.
 _HF_TRANSPOSED = (
     "attn.c_attn.weight",
     "attn.c_proj.weight",
     "mlp.c_fc.weight",
     "mlp.c_proj.weight",
 )
-_HF_VOCAB = ("wte.weight", "lm_head.weight")
+_HF_VOCAB = ("transformer.wte.weight", "lm_head.weight")
 
 
 def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's layers, heads and
-    width)."""
+    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's shape)."""
     ours = model.state_dict()  # detached: copying into it needs no no_grad()
     for name, value in hf_state.items():
-        name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
             continue
-        target = ours.get(name if name == "lm_head.weight" else f"transformer.{name}")
-        if target is None:
+        if name not in ours:
             raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
-        value = value.t() if name.endswith(_HF_TRANSPOSED) else value
-        if name == "wpe.weight":  # a smaller block_size keeps the first positions
+        target = ours[name]
+        if name.endswith(_HF_TRANSPOSED):
+            value = value.t()
+        if name == "transformer.wpe.weight":  # a smaller block_size keeps the first positions
             if value.shape[0] < target.shape[0]:
                 raise ValueError(
                     f"block_size {target.shape[0]} is larger than the {value.shape[0]} positions"
                 )
             value = value[: target.shape[0]]
-        part = target[: value.shape[0]]  # a padded vocabulary keeps its extra rows
-        if part.shape != value.shape or (len(part) < len(target) and name not in _HF_VOCAB):
+        part = target
+        if name in _HF_VOCAB:  # a padded vocabulary keeps its extra rows
+            part = target[: value.shape[0]]
+        if part.shape != value.shape:
             raise ValueError(
                 f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
             )

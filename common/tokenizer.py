@@ -22,9 +22,10 @@ def gpt2_files() -> tuple[Path, Path]:
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer() -> tiktoken.Encoding:
-    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256); only where the files come
+    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256): only where the files come
     # from differs
-    ranks = data_gym_to_mergeable_bpe_ranks(*map(str, gpt2_files()))
+    vocab_bpe, encoder_json = gpt2_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
     special = {ENDOFTEXT: 50256}
     return tiktoken.Encoding(
         "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special

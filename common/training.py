@@ -1,11 +1,12 @@
-"""The pieces of a run around the loop, which each chapter writes out: model, schedule, guards,
-evaluation."""
+"""The pieces of a run around the loop that each chapter writes out: the model, the schedule, the
+guards, the evaluation."""
 
 import argparse
+import contextlib
 import math
 
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from .checkpoint import check_same_shape
 from .model import GPT, GPTConfig, load_gpt2_weights
@@ -58,45 +59,64 @@ def is_divergence(
 ) -> bool:
     """A non-finite loss, or gradient norm (unless float16's GradScaler skips such a step on
     purpose)."""
-    bad_norm = grad_norm is not None and not math.isfinite(grad_norm) and not skips_inf_steps
-    return not math.isfinite(loss) or bad_norm
+    if not math.isfinite(loss):
+        return True
+    if grad_norm is None or skips_inf_steps:
+        return False
+    return not math.isfinite(grad_norm)
 
 
 def stop_if_diverged(
-    step, loss, grad_norm=None, scaler=None, grad_clip=None, dtype=None, what="training loss"
-):
-    """Stop with one line when `loss` (a float) or `grad_norm` is not finite, advising what would
-    change."""
-    # called where the device is idle: no stall
-    norm = None if grad_norm is None else float(grad_norm)
-    if is_divergence(loss, norm, skips_inf_steps=scaler is not None and scaler.is_enabled()):
-        norm_text = "" if norm is None else f", gradient norm {norm:.4g}"
-        tries = ["a lower --lr"]
-        tries += ["--grad-clip 1.0"] if grad_clip is None or not 0 < grad_clip <= 1.0 else []
-        tries += ["--dtype float32"] if dtype not in (torch.float32, torch.float64) else []
-        advice = ", ".join(tries[:-1]) + " or " + tries[-1] if len(tries) > 1 else tries[0]
-        raise CourseError(
-            f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was written "
-            f"from it (the last one, if any, is intact); try {advice}, "
-            "with --resume to continue from the checkpoint"
-        )
+    step: int,
+    loss: float,
+    grad_norm: torch.Tensor | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    grad_clip: float | None = None,
+    dtype: torch.dtype | None = None,
+    what: str = "training loss",
+) -> None:
+    """Stop with one line when `loss` or `grad_norm` is not finite, advising what would change.
+    Called where the device is idle anyway, so reading the norm costs no wait."""
+    norm = None
+    if grad_norm is not None:
+        norm = float(grad_norm)
+    skips_inf_steps = scaler is not None and scaler.is_enabled()
+    if not is_divergence(loss, norm, skips_inf_steps):
+        return
+    norm_text = ""
+    if norm is not None:
+        norm_text = f", gradient norm {norm:.4g}"
+    tries = ["a lower --lr"]
+    if grad_clip is None or not 0 < grad_clip <= 1.0:
+        tries.append("--grad-clip 1.0")
+    if dtype not in (torch.float32, torch.float64):
+        tries.append("--dtype float32")
+    advice = tries[0]
+    if len(tries) > 1:
+        advice = ", ".join(tries[:-1]) + " or " + tries[-1]
+    raise CourseError(
+        f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was "
+        f"written from it (the last one, if any, is intact); try {advice}, "
+        "with --resume to continue from the checkpoint"
+    )
 
 
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    dataset,
+    dataset: Dataset,
     windows: list[int],
     batch_size: int,
     device: torch.device,
-    autocast,
+    autocast: contextlib.AbstractContextManager,
 ) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x = x.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
         # mean(): DataParallel returns one loss per GPU
@@ -110,9 +130,9 @@ def sample_text(
     prompt: str,
     max_new_tokens: int,
     device: torch.device,
-    temperature=0.8,
-    top_k=200,
-    seed=1337,
+    temperature: float = 0.8,
+    top_k: int = 200,
+    seed: int = 1337,
 ) -> str:
     """Text the model writes after `prompt` (seeded, so the same weights give the same text)."""
     context = torch.tensor([encode(prompt) or [50256]], dtype=torch.long, device=device)

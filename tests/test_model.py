@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from common.metrics import peak_flops
 from common.model import GPT, PRESETS, GPTConfig, load_hf_gpt2_state_dict, model_config
+from common.support.gpus import peak_flops
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
 

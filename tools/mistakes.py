@@ -184,7 +184,7 @@ MISTAKES = [
         chapter=4,
         line="dist.all_reduce(loss, op=dist.ReduceOp.SUM), then loss_value = loss.item() / world_size",
         look_for=("all_reduce(loss", "loss_value = "),
-        near="if log_now:",
+        near="if iter_num % args.log_interval == 0",
         plant=(
             ("dist.all_reduce(loss, op=dist.ReduceOp.SUM)", ""),
             ("loss_value = loss.item() / world_size", "loss_value = loss.item()"),

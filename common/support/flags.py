@@ -5,35 +5,42 @@ import math
 import sys
 
 
-def _checked(name: str, convert, ok, rule: str):
-    def check(text: str):
-        if not ok(value := convert(text)):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-
-    check.__name__ = name
-    return check
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
+    return value
 
 
-positive_int = _checked("positive_int", int, lambda v: v >= 1, "a positive whole number")
-non_negative_int = _checked("non_negative_int", int, lambda v: v >= 0, "zero or more")
-# AdamW would refuse a negative value with a traceback, or train on nan
-non_negative_float = _checked(
-    "non_negative_float",
-    float,
-    lambda v: math.isfinite(v) and v >= 0,
-    "a finite number, zero or more",
-)
-fraction = _checked("fraction", float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    # AdamW would refuse a negative value with a traceback, or train on nan
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number, zero or more, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the script's docstring as written and shows every default once."""
 
-    def _get_help_string(self, action):
-        return (
-            action.help if "(default" in (action.help or "") else super()._get_help_string(action)
-        )
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default" in (action.help or ""):  # the help says its default in its own words
+            return action.help
+        return super()._get_help_string(action)
 
 
 class OneLineParser(argparse.ArgumentParser):

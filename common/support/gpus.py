@@ -3,8 +3,8 @@
 import torch
 
 # Dense peak FLOP/s of the tensor cores from the data sheets, by dtype (float32 matmuls run as
-# tf32). The first name that matches counts: a variant before its bare name (the SXM part). Unknown:
-# no MFU.
+# tf32). The first name that matches counts: a variant before its bare name (the SXM part).
+# Unknown: no MFU.
 COLUMNS = (torch.bfloat16, torch.float16, torch.float32)
 PEAK_FLOPS = {
     "H200 NVL, H100 NVL": (835e12, 835e12, 418e12),
@@ -24,9 +24,10 @@ PEAK_FLOPS = {
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    return (
-        peak_flops_of(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
-    )
+    """The device's peak FLOP/s in `dtype`; None on a CPU, or on a GPU the table does not know."""
+    if device.type != "cuda":
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
 
 
 def peak_flops_of(name: str, dtype: torch.dtype) -> float | None:
