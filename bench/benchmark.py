@@ -30,7 +30,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import common` from anywhere
 
 import scaling_model
+from bench_tools import stop_children_on_sigterm
 from tables import cell, percent, row
 
 from common.chapters import CHAPTERS
@@ -57,7 +57,7 @@ from tools.launch import (
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 # as --setups names them, in the table's order
-SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")
+SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "06x1")
 
 
 @dataclass
@@ -110,6 +110,10 @@ def setups(args) -> list[Setup]:
             "two_nodes",
             ranks=2,
             flags=["--batch-size", g // 2, "--shared-fs"],
+        ),
+        # FSDP2 with one rank: the flags of 04's one-rank row (chapter 06 takes chapter 05's)
+        Setup(
+            "06x1", "06 FSDP2, 1 rank", "06_fsdp/train.py", "torchrun", flags=["--batch-size", g]
         ),
     ]
 
@@ -221,8 +225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs of each setup; the fastest counts")
     p.add_argument(
         "--setups",
-        default=",".join(SETUP_KEYS),
-        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks)",
+        default=",".join(SETUP_KEYS[:-1]),
+        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks; 06x1, chapter 06 on one "
+        "rank, only when named)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -516,8 +521,8 @@ def build_report(
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # stopped with SIGTERM: unwind, so that run_commands' cleanup ends the runs it started
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # stopped with SIGTERM: the runs it started are stopped too, then it exits
+    stop_children_on_sigterm()
     resolve_device(args)
     from common.data import prepare
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "02_grad_accumulation"))
 
 import torch  # noqa: E402
+from bench_tools import stop_children_on_sigterm  # noqa: E402
 from benchmark import run_commands, run_env, run_figures, run_for_result  # noqa: E402
 from measure_memory import cpu_peak_added  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
@@ -375,6 +376,8 @@ def loss_table(report: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # stopped from outside (the GPU check's `timeout`): no compiled run is left behind
+    stop_children_on_sigterm()
     if args.what == "steps":
         report = steps(args)
         text = steps_table(report)
