@@ -52,7 +52,7 @@ def update(loss: torch.Tensor, model: torch.nn.Module, optimizer, scaler, grad_c
 
 
 def write_result(path: str | Path | None, result: dict) -> None:
-    """The result as JSON at `path`, its folder made if missing; nothing when no path was asked for."""
+    """The result as JSON at `path`, its folder made if missing; nothing when no path is given."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=1) + "\n")

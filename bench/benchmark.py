@@ -1,6 +1,6 @@
 """Benchmark every chapter under identical settings and write a table of where the time goes.
 
-    python bench/benchmark.py                                   # small model, CPU or GPU, every setup
+    python bench/benchmark.py                          # small model, CPU or GPU, every setup
     python bench/benchmark.py --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
     python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
 
@@ -160,7 +160,7 @@ def run_for_result(
 
 
 def run_env(args, threads: int | None) -> dict:
-    """The environment of every run: `threads` torch threads a process (None: torch's own choice)."""
+    """The environment of every run: `threads` torch threads a process (None: torch's choice)."""
     # DataParallel would take them
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
     # the caller's kept
@@ -267,7 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
         p.error(
-            "--iters must be at least twice --log-interval: the first interval is dropped as warm-up"
+            "--iters must be at least twice --log-interval: the first interval is dropped as "
+            "warm-up"
         )
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
         batch = f"--batch-size {args.batch_size}"
@@ -533,7 +534,8 @@ def main(argv=None) -> int:
     batch = f"global batch {args.batch_size} x {block} tokens"
     steps = f"{args.iters} steps (first {args.log_interval} dropped)"
     print(
-        f"benchmark: {args.preset} preset, {batch}, {steps}, {args.repeats} repeat(s), {args.device_name}",
+        f"benchmark: {args.preset} preset, {batch}, {steps}, {args.repeats} repeat(s), "
+        f"{args.device_name}",
         flush=True,
     )
 
@@ -569,7 +571,8 @@ def main(argv=None) -> int:
                 comm[s.key].append(c)
                 if c:
                     print(
-                        f"    communication: {100 * c['comm_share']:.1f}% of a {c['sync_ms']:.1f} ms step",
+                        f"    communication: {100 * c['comm_share']:.1f}% of a "
+                        f"{c['sync_ms']:.1f} ms step",
                         flush=True,
                     )
         if not args.no_bare:
@@ -578,7 +581,8 @@ def main(argv=None) -> int:
                 bare.setdefault(key, []).append(b)
                 if b:
                     print(
-                        f"  bare step, batch {key[0]}, {b['threads']} thread(s): {b['step_ms']:.1f} ms",
+                        f"  bare step, batch {key[0]}, {b['threads']} thread(s): "
+                        f"{b['step_ms']:.1f} ms",
                         flush=True,
                     )
 
@@ -612,7 +616,8 @@ COLUMNS = [
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    batch = f"{s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens"
+    sequences = f"{s['global_batch']} sequences x {s['block_size']} tokens"
+    batch = f"{sequences} = {s['tokens_per_step']:,} tokens"
     steps = f"{s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as warm-up"
     compiled = ", torch.compile" if s["compile"] else ""
     lines = [
@@ -659,7 +664,8 @@ def markdown(report: dict) -> str:
         lines.append(
             "Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: "
             + "; ".join(
-                f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms ({c['step_cpu_ms']:.1f} ms CPU)"
+                f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms "
+                f"({c['step_cpu_ms']:.1f} ms CPU)"
                 for bs, b, c in bare
                 if b
             )

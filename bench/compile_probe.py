@@ -34,7 +34,7 @@ def probe(device: str) -> str | None:
 
 
 def first_lines(err: BaseException, count: int = 3) -> str:
-    """An exception in one line: its type and its first non-empty lines (compile errors are long)."""
+    """An exception in one line: its type and first non-empty lines (compile errors are long)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {' | '.join(lines[:count])}"[:400]
 

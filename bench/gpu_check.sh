@@ -2,11 +2,11 @@
 # A ten-minute smoke test of the course on a fresh GPU machine without a network: what to bring
 # (data/), the command, the time it needs and what it writes are in bench/GPU_CHECK.md.
 #
-#   step            limit   estimate on one H200 (how each is reckoned: bench/GPU_CHECK.md, section 4)
+#   step            limit   estimate on one H200 (reckoned in bench/GPU_CHECK.md, section 4)
 #   prepare_data      30s    ~5s  the Shakespeare token files: checked, prepared only if missing
 #   compile_probe     30s   ~10s  does a compiled `x * 2` run on the device? (gcc, Python.h, Triton)
 #   compile   COMPILE+15   ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
-#   replica_dtype     45s   ~15s  the dtype inside DataParallel's replica threads (bfloat16 expected)
+#   replica_dtype     45s   ~15s  the dtype in DataParallel's replica threads (bfloat16 expected)
 #   eager            150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04
 #                                 with 1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
 #   gpu_vs_cpu        60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
@@ -70,9 +70,10 @@ selected() {
     [[ "$STEPS" == all || ",$STEPS," == *",$1,"* ]]
 }
 
-# step NAME LIMIT [NEED] -- COMMAND...: run COMMAND under `timeout` for LIMIT seconds or what is left
-# of TOTAL, its output to $DETAIL/NAME.log and the screen, then record its row. A step that would
-# get less than NEED seconds (default 10) is skipped.
+# step NAME LIMIT [NEED] -- COMMAND...: run COMMAND under `timeout` for LIMIT seconds or what is
+# left of TOTAL, its output to $DETAIL/NAME.log and the screen, then record its row. A step that
+# would get less than NEED seconds (default 10) is skipped, and so is every step while skip_reason
+# is set.
 step() {
     local name="$1" limit="$2" need=10
     shift 2

@@ -106,7 +106,8 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
         text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
     else:
         text.append(
-            f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads compute in "
+            f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads "
+            "compute in "
             f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
             f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
         )
@@ -129,7 +130,8 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
 
 
 def steps_table(rows: list[dict]) -> str:
-    """One line per step, the last try of each; the steps that did not pass, and how to rerun them."""
+    """One line per step, the last try of each; the steps that did not pass, and how to rerun
+    them."""
     last = {r["step"]: r for r in rows}
     lines = ["| Step | Status | Seconds | Limit (s) |", "|---|---|---:|---:|"]
     lines += [

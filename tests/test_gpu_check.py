@@ -95,7 +95,9 @@ def gpu_check(
     env, data_dir, tmp_path, timeout: float, **settings: str
 ) -> subprocess.CompletedProcess:
     """`bash bench/gpu_check.sh`: its results in tmp_path/out, its work files in tmp_path/work."""
-    folders = dict(RESULTS_DIR=str(tmp_path / "out"), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir))
+    folders = dict(
+        RESULTS_DIR=str(tmp_path / "out"), WORK=str(tmp_path / "work"), DATA_DIR=str(data_dir)
+    )
     script = ["bash", str(REPO / "bench" / "gpu_check.sh")]
     env = dict(env, **folders, **settings)
     return subprocess.run(
