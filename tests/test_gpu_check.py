@@ -299,3 +299,41 @@ def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_
     assert "| prepare_data | passed |" in (out / "summary.md").read_text()
     with tarfile.open(out / "details.tar.gz") as tar:
         assert "details/prepare_data.log" in tar.getnames()
+
+
+STOPPER = """
+import subprocess, sys, time
+sys.path.insert(0, "bench")
+from bench_tools import stop_children_on_sigterm
+
+stop_children_on_sigterm(grace=5)
+# a run as tools/launch.py starts one: a session of its own, with a process of its own inside
+run = subprocess.Popen(["bash", "-c", "sleep 120 & wait"], start_new_session=True)
+print(run.pid, flush=True)
+run.wait()
+"""
+
+
+def test_a_stopped_benchmark_stops_the_runs_it_started(tmp_path):
+    """bench/loss_bench.py and bench/benchmark.py, stopped by `timeout`'s SIGTERM, stop their runs:
+    each run's whole process group gets the signal, then SIGKILL after a grace period."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", STOPPER], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        run_group = int(parent.stdout.readline())
+        time.sleep(0.5)  # the run's sleep has started
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 143
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(run_group, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(run_group, 0)  # nothing of the run is left

@@ -1,9 +1,9 @@
 """One number, one source: the texts quote only figures that bench/results/results.json holds.
 
 bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every
-measured
-figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up, an
-efficiency, a loss, a memory size) must be one the results hold. The texts are read when the test
+measured figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up,
+an efficiency, a loss, a memory size or byte count, a tolerance, a count like "11 of 28", a range,
+"about 0.4", the step an example output names) must be one the results hold. The texts are read when the test
 runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks, inline
 code (flags, settings, error messages) and the short list of figures that are not measurements,
 each with its reason (maintainer/results.py's NOT_MEASURED, also printed at the end of RESULTS.md).
@@ -94,3 +94,32 @@ def test_figures_are_recognised_and_ordinary_numbers_are_not():
     # A percentage counts when it is an efficiency, an MFU or a share, not as any number.
     assert results.figures_in("80% scaling efficiency") == [(1, "80%")]
     assert results.figures_in("a 50% discount") == []
+
+
+def test_agreements_counts_ranges_and_example_steps_are_figures():
+    """The kinds a reader cannot tell from a measurement: each is found, in its context only."""
+    text = (
+        "With four it agrees to about 1e-7, and the losses stay within 1.6·10⁻⁵ (relative).\n"
+        "lr 6e-4 and eps 1e-8 are settings.\n"
+        "Parameters: 28,994,560 bytes each, 57,989,328 in all; a float is 4 bytes.\n"
+        "The first bucket launches with 11 of 28 gradients ready; they differ by about 0.4.\n"
+        "nccl-tests report 460–480 GB/s on 8 GPUs, about 0.86 GFLOP per token.\n"
+        "The run stops at step 11 when asked.\n"
+        "```text\n"
+        "stopped by SIGTERM at step 21: checkpoint saved\n"
+        "```\n"
+    )
+    found = [f for _, f in results.figures_in(text)]
+    assert found == [
+        "1e-7",
+        "1.6·10⁻⁵",
+        "28,994,560 bytes",
+        "57,989,328",
+        "4 bytes",
+        "11 of 28",
+        "0.4",
+        "460-480 GB/s",
+        "step 21",
+    ]
+    # the results' own text: every figure in it is measured, wherever it stands
+    assert results.figures_in("step 11; lr 6e-4", measured=True) == [(1, "step 11"), (1, "6e-4")]
