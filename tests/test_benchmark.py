@@ -179,10 +179,9 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
         "efficiency": report["scaling"]["04x2"]["efficiency"],
     }
     assert f"| step (ms) | {row['step_ms']:,.1f} | {predicted['step_ms']:,.1f} | " in table
-    assert (
-        f"| communication share | {100 * row['comm_share']:.1f}% | {100 * predicted['comm_share']:.1f}% | "
-        in table
-    )
+    measured_share = f"{100 * row['comm_share']:.1f}%"
+    predicted_share = f"{100 * predicted['comm_share']:.1f}%"
+    assert f"| communication share | {measured_share} | {predicted_share} | " in table
 
 
 def test_a_missing_setup_is_a_row_that_says_so():
@@ -234,7 +233,7 @@ def compare_on_the_cpu(data_dir, steps: int, dtype: str, *more: str) -> int:
 
 
 def test_gpu_vs_cpu_runs_on_the_cpu(data_dir, tmp_path):
-    """Both sides on the CPU: float32 against float32 must agree exactly; bf16 within the tolerance."""
+    """Both sides on the CPU: float32 against float32 agree exactly; bf16 within the tolerance."""
     out = tmp_path / "same.json"
     assert compare_on_the_cpu(data_dir, 2, "float32", "--out", str(out)) == 0
     same = json.loads(out.read_text())

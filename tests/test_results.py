@@ -3,8 +3,8 @@
 bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every
 measured figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up,
 an efficiency, a loss, a memory size or byte count, a tolerance, a count like "11 of 28", a range,
-"about 0.4", the step an example output names) must be one the results hold. The texts are read when the test
-runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks, inline
+"about 0.4", the step an example output names) must be one the results hold. The texts are read
+when the test runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks, inline
 code (flags, settings, error messages) and the short list of figures that are not measurements,
 each with its reason (maintainer/results.py's NOT_MEASURED, also printed at the end of RESULTS.md).
 """
@@ -23,7 +23,8 @@ import results
 def test_results_md_is_rendered_from_the_json():
     rendered = results.render(results.load())
     assert (REPO / "bench" / "RESULTS.md").read_text() == rendered, (
-        "bench/RESULTS.md is out of step with bench/results/results.json: run `python maintainer/results.py`"
+        "bench/RESULTS.md is out of step with bench/results/results.json: "
+        "run `python maintainer/results.py`"
     )
 
 
@@ -52,9 +53,11 @@ def test_every_figure_the_texts_quote_is_in_the_results():
 
 
 def test_the_checker_finds_a_planted_figure(tmp_path):
-    """A text quoting a figure the results do not hold fails; the same figure in the results passes."""
+    """A text quoting a figure the results do not hold fails; the same figure in the results
+    passes."""
     (tmp_path / "README.md").write_text(
-        "The run took 4 min 4 s at 1,940 tokens/s,\ntwo ranks gave 1.23x and 71% scaling efficiency.\n"
+        "The run took 4 min 4 s at 1,940 tokens/s,\n"
+        "two ranks gave 1.23x and 71% scaling efficiency.\n"
         "<!-- diff:begin -->\n+ took 99 s\n<!-- diff:end -->\n```diff\n+ 3.1415 loss\n```\n"
     )
     (tmp_path / "docs").mkdir()
@@ -75,7 +78,8 @@ def test_figures_are_recognised_and_ordinary_numbers_are_not():
         f
         for _, f in results.figures_in(
             "took 9 s, 32 seconds and 1 min 22 s; 2.0 ms a step; 2,369 tokens/s; busbw 0.876 GB/s; "
-            "1.61× and 1.59x; loss 10.7934; 29 MB and 1.2 GiB; 400 steps of 1,024 tokens; lr 6e-4; 8 x 128"
+            "1.61× and 1.59x; loss 10.7934; 29 MB and 1.2 GiB; 400 steps of 1,024 tokens; lr 6e-4; "
+            "8 x 128"
         )
     ]
     assert found == [
