@@ -182,7 +182,7 @@ step from_scratch 60 -- "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl
 # chapter 06: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 06x1)
 if [[ -f 06_fsdp/train.py ]]; then
     step fsdp 60 -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 06x1 --no-bare \
-        --timeout 50 --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
+        --timeout $((50 * STRETCH)) --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
 else
     absent fsdp 06_fsdp/train.py
 fi
