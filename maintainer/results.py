@@ -226,8 +226,13 @@ def render(results: dict) -> str:
         "figure that is not here.",
         "",
     ]
-    section = None
+    # every section once, where its first entry stands; an entry appended later joins its section
+    sections: dict[str, list[dict]] = {}
     for entry in results["entries"]:
+        sections.setdefault(entry["section"], []).append(entry)
+    ordered = [entry for entries in sections.values() for entry in entries]
+    section = None
+    for entry in ordered:
         if entry["section"] != section:
             section = entry["section"]
             out += [f"## {section}", ""]
