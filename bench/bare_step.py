@@ -141,7 +141,8 @@ def main(argv=None) -> dict:
     groups = len(timer.groups())
     print(
         f"bare step: {result['step_ms']:.1f} ms (median of {groups} groups of {args.group} steps; "
-        f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, {result['dtype']})"
+        f"{args.preset}, batch {args.batch_size}, {result['threads']} threads, {device}, "
+        f"{result['dtype']})"
     )
     return result
 

@@ -1,6 +1,6 @@
 """Benchmark every chapter under identical settings and write a table of where the time goes.
 
-    python bench/benchmark.py                                   # small model, CPU or GPU, every setup
+    python bench/benchmark.py                          # small model, CPU or GPU, every setup
     python bench/benchmark.py --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
     python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
 
@@ -30,7 +30,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import common` from anywhere
 
 import scaling_model
+from bench_tools import stop_children_on_sigterm
 from tables import cell, percent, row
 
 from common.chapters import CHAPTERS
@@ -57,7 +57,7 @@ from tools.launch import (
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 # as --setups names them, in the table's order
-SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05")
+SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "06x1")
 
 
 @dataclass
@@ -111,6 +111,10 @@ def setups(args) -> list[Setup]:
             ranks=2,
             flags=["--batch-size", g // 2, "--shared-fs"],
         ),
+        # FSDP2 with one rank: the flags of 04's one-rank row (chapter 06 takes chapter 05's)
+        Setup(
+            "06x1", "06 FSDP2, 1 rank", "06_fsdp/train.py", "torchrun", flags=["--batch-size", g]
+        ),
     ]
 
 
@@ -156,7 +160,7 @@ def run_for_result(
 
 
 def run_env(args, threads: int | None) -> dict:
-    """The environment of every run: `threads` torch threads a process (None: torch's own choice)."""
+    """The environment of every run: `threads` torch threads a process (None: torch's choice)."""
     # DataParallel would take them
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
     # the caller's kept
@@ -221,8 +225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs of each setup; the fastest counts")
     p.add_argument(
         "--setups",
-        default=",".join(SETUP_KEYS),
-        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks)",
+        default=",".join(SETUP_KEYS[:-1]),
+        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks; 06x1, chapter 06 on one "
+        "rank, only when named)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -262,7 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
         p.error(
-            "--iters must be at least twice --log-interval: the first interval is dropped as warm-up"
+            "--iters must be at least twice --log-interval: the first interval is dropped as "
+            "warm-up"
         )
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
         batch = f"--batch-size {args.batch_size}"
@@ -516,8 +522,8 @@ def build_report(
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # stopped with SIGTERM: unwind, so that run_commands' cleanup ends the runs it started
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # stopped with SIGTERM: the runs it started are stopped too, then it exits
+    stop_children_on_sigterm()
     resolve_device(args)
     from common.data import prepare
 
@@ -528,7 +534,8 @@ def main(argv=None) -> int:
     batch = f"global batch {args.batch_size} x {block} tokens"
     steps = f"{args.iters} steps (first {args.log_interval} dropped)"
     print(
-        f"benchmark: {args.preset} preset, {batch}, {steps}, {args.repeats} repeat(s), {args.device_name}",
+        f"benchmark: {args.preset} preset, {batch}, {steps}, {args.repeats} repeat(s), "
+        f"{args.device_name}",
         flush=True,
     )
 
@@ -564,7 +571,8 @@ def main(argv=None) -> int:
                 comm[s.key].append(c)
                 if c:
                     print(
-                        f"    communication: {100 * c['comm_share']:.1f}% of a {c['sync_ms']:.1f} ms step",
+                        f"    communication: {100 * c['comm_share']:.1f}% of a "
+                        f"{c['sync_ms']:.1f} ms step",
                         flush=True,
                     )
         if not args.no_bare:
@@ -573,7 +581,8 @@ def main(argv=None) -> int:
                 bare.setdefault(key, []).append(b)
                 if b:
                     print(
-                        f"  bare step, batch {key[0]}, {b['threads']} thread(s): {b['step_ms']:.1f} ms",
+                        f"  bare step, batch {key[0]}, {b['threads']} thread(s): "
+                        f"{b['step_ms']:.1f} ms",
                         flush=True,
                     )
 
@@ -607,7 +616,8 @@ COLUMNS = [
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    batch = f"{s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,} tokens"
+    sequences = f"{s['global_batch']} sequences x {s['block_size']} tokens"
+    batch = f"{sequences} = {s['tokens_per_step']:,} tokens"
     steps = f"{s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as warm-up"
     compiled = ", torch.compile" if s["compile"] else ""
     lines = [
@@ -654,7 +664,8 @@ def markdown(report: dict) -> str:
         lines.append(
             "Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: "
             + "; ".join(
-                f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms ({c['step_cpu_ms']:.1f} ms CPU)"
+                f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms "
+                f"({c['step_cpu_ms']:.1f} ms CPU)"
                 for bs, b, c in bare
                 if b
             )

@@ -1,6 +1,7 @@
 """How much of a DDP step is communication: the same step with and without the gradient all-reduce.
 
-    torchrun --standalone --nproc-per-node=2 bench/ddp_worker.py --preset small --batch-size 4 --out comm.json
+    torchrun --standalone --nproc-per-node=2 bench/ddp_worker.py --preset small --batch-size 4 \
+        --out comm.json
 
 A benchmark-only twin of chapter 04's training step (the lesson scripts get no benchmark flags):
 the course model from `common`, wrapped in DistributedDataParallel as chapter 04 wraps it, fed by

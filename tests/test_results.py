@@ -1,12 +1,13 @@
 """One number, one source: the texts quote only figures that bench/results/results.json holds.
 
 bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every
-measured
-figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up, an
-efficiency, a loss, a memory size) must be one the results hold. The texts are read when the test
-runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks, inline
-code (flags, settings, error messages) and the short list of figures that are not measurements,
-each with its reason (maintainer/results.py's NOT_MEASURED, also printed at the end of RESULTS.md).
+measured figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up,
+an efficiency, a loss, a memory size or byte count, a tolerance, a count like "11 of 28", a range,
+"about 0.4", the step an example output names) must be one the results hold. The texts are read
+when the test runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff
+blocks, inline code (flags, settings, error messages) and the short list of figures that are not
+measurements, each with its reason (maintainer/results.py's NOT_MEASURED, also printed at the end
+of RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import results
 def test_results_md_is_rendered_from_the_json():
     rendered = results.render(results.load())
     assert (REPO / "bench" / "RESULTS.md").read_text() == rendered, (
-        "bench/RESULTS.md is out of step with bench/results/results.json: run `python maintainer/results.py`"
+        "bench/RESULTS.md is out of step with bench/results/results.json: "
+        "run `python maintainer/results.py`"
     )
 
 
@@ -52,9 +54,11 @@ def test_every_figure_the_texts_quote_is_in_the_results():
 
 
 def test_the_checker_finds_a_planted_figure(tmp_path):
-    """A text quoting a figure the results do not hold fails; the same figure in the results passes."""
+    """A text quoting a figure the results do not hold fails; the same figure in the results
+    passes."""
     (tmp_path / "README.md").write_text(
-        "The run took 4 min 4 s at 1,940 tokens/s,\ntwo ranks gave 1.23x and 71% scaling efficiency.\n"
+        "The run took 4 min 4 s at 1,940 tokens/s,\n"
+        "two ranks gave 1.23x and 71% scaling efficiency.\n"
         "<!-- diff:begin -->\n+ took 99 s\n<!-- diff:end -->\n```diff\n+ 3.1415 loss\n```\n"
     )
     (tmp_path / "docs").mkdir()
@@ -75,7 +79,8 @@ def test_figures_are_recognised_and_ordinary_numbers_are_not():
         f
         for _, f in results.figures_in(
             "took 9 s, 32 seconds and 1 min 22 s; 2.0 ms a step; 2,369 tokens/s; busbw 0.876 GB/s; "
-            "1.61× and 1.59x; loss 10.7934; 29 MB and 1.2 GiB; 400 steps of 1,024 tokens; lr 6e-4; 8 x 128"
+            "1.61× and 1.59x; loss 10.7934; 29 MB and 1.2 GiB; 400 steps of 1,024 tokens; lr 6e-4; "
+            "8 x 128"
         )
     ]
     assert found == [
@@ -94,3 +99,32 @@ def test_figures_are_recognised_and_ordinary_numbers_are_not():
     # A percentage counts when it is an efficiency, an MFU or a share, not as any number.
     assert results.figures_in("80% scaling efficiency") == [(1, "80%")]
     assert results.figures_in("a 50% discount") == []
+
+
+def test_agreements_counts_ranges_and_example_steps_are_figures():
+    """The kinds a reader cannot tell from a measurement: each is found, in its context only."""
+    text = (
+        "With four it agrees to about 1e-7, and the losses stay within 1.6·10⁻⁵ (relative).\n"
+        "lr 6e-4 and eps 1e-8 are settings.\n"
+        "Parameters: 28,994,560 bytes each, 57,989,328 in all; a float is 4 bytes.\n"
+        "The first bucket launches with 11 of 28 gradients ready; they differ by about 0.4.\n"
+        "nccl-tests report 460–480 GB/s on 8 GPUs, about 0.86 GFLOP per token.\n"
+        "The run stops at step 11 when asked.\n"
+        "```text\n"
+        "stopped by SIGTERM at step 21: checkpoint saved\n"
+        "```\n"
+    )
+    found = [f for _, f in results.figures_in(text)]
+    assert found == [
+        "1e-7",
+        "1.6·10⁻⁵",
+        "28,994,560 bytes",
+        "57,989,328",
+        "4 bytes",
+        "11 of 28",
+        "0.4",
+        "460-480 GB/s",
+        "step 21",
+    ]
+    # the results' own text: every figure in it is measured, wherever it stands
+    assert results.figures_in("step 11; lr 6e-4", measured=True) == [(1, "step 11"), (1, "6e-4")]
