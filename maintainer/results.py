@@ -105,6 +105,8 @@ NOT_MEASURED = {
     "1e-9": "the relative tolerance tests/test_preemption.py asserts on a resumed run, a setting",
     "10⁻⁵": "the relative tolerance tests/test_zero.py asserts on the losses (REL), a setting",
     "2·10⁻⁵": "the tolerance tests/test_zero.py asserts on the parameters (PARAM_ATOL), a setting",
+    "10⁻⁶": "the tolerance tests/test_fsdp_from_scratch.py asserts on the gradients, a setting",
+    "10⁻¹²": "the float64 tolerance tests/test_fsdp_from_scratch.py asserts, a setting",
 }
 
 
