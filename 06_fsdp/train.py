@@ -1,15 +1,15 @@
-"""Chapter 05: one training job on several machines.
+"""Chapter 06: the model's state sharded across the ranks (FSDP).
 
-Chapter 04's program, with what changes when the processes live on several machines ("nodes").
-The training step is the same: DDP averages gradients over every rank, wherever it runs. Around it:
-each process knows its node as well as its global and local rank and prefixes every line with
-them; the token files are prepared once per node, or once in all on a shared file system
-(--shared-fs); and when torchrun restarts the group after a failure (--max-restarts), the run
-continues from its last checkpoint. Launch recipes for two machines, SLURM and a two-node
-simulation on one machine are in this folder (README.md).
+Chapter 05's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
+whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
+holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
+them, for its forward and again for its backward; the gradients are summed and sharded in one
+reduce-scatter. The training is the same: each step takes the same global batch and gives the same
+loss as chapter 01's. ckpt.pt still holds the whole model, gathered to rank 0; with
+--sharded-checkpoint every rank writes its own shards instead (torch.distributed.checkpoint).
 
-    bash 05_multinode/simulate_two_nodes.sh                                 # two nodes on this machine
-    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh     # on node 0 (and 1 on node 1)
+    torchrun --standalone --nproc_per_node=2 06_fsdp/train.py
+    torchrun --standalone --nproc_per_node=2 06_fsdp/train.py --batch-size 4   # 01's run with 8
 """
 
 import contextlib
@@ -24,10 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.checkpoint import (
+    check_same_shape,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+)
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
     batch_loader,
@@ -36,15 +50,17 @@ from common.data import (
     prepare,
     validation_windows,
 )
-from common.device import autocast_context, describe, pick_dtype, setup_math
-from common.distributed import (
-    one_rank_first,
-    rank_device,
-    ranks_unlike_rank0,
-    restart_store,
-    share_cpu_cores,
-)
+from common.device import describe, pick_dtype, setup_math
+from common.distributed import one_rank_first, rank_device, restart_store, share_cpu_cores
 from common.metrics import MetricsLog, Progress, Throughput, max_memory_mb, peak_flops
+from common.sharding import (
+    SHARDED_NAME,
+    describe_held_bytes,
+    held_bytes,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    sharded_checkpoint_folder,
+)
 from common.support.errors import CourseError, run_main
 from common.support.preempt import Preemption
 from common.support.rundir import claim_out_dir
@@ -59,8 +75,8 @@ from common.training import (
 
 
 def main():
-    args = parse_args(chapter=5, description=__doc__)
-    # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
+    args = parse_args(chapter=6, description=__doc__)
+    # the same seed on every rank: every rank builds the same model, then keeps its shards of it
     torch.manual_seed(args.seed)
 
     # ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
@@ -98,7 +114,9 @@ def main():
     cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    autocast = autocast_context(device, dtype)
+    # No autocast: FSDP casts the parameters for the computation itself (MixedPrecisionPolicy,
+    # below), and evaluate() takes this context where chapter 05 passes autocast.
+    autocast = contextlib.nullcontext()
     out_dir = Path(args.out_dir)
 
     # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
@@ -132,7 +150,7 @@ def main():
     if not launched:
         log(
             "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
-            "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
+            "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
         )
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
@@ -170,26 +188,50 @@ def main():
     # torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of them
     # again. The restart count is kept per node (with c10d, a node whose peers failed rejoins
     # without counting one), so the ranks take the largest. A restarted run continues from the
-    # checkpoint written before the failure, if there is one yet. Only global rank 0 writes
-    # checkpoints, but every rank reads one to resume: across machines --out-dir must be on a file
-    # system all nodes see. So every rank says what it sees.
+    # checkpoint written before the failure, if there is one yet. Every rank reads the checkpoint
+    # to resume: across machines --out-dir must be on a file system all nodes see. So every rank
+    # says what it sees. With --sharded-checkpoint it is a folder: every rank's shards, and a
+    # ckpt.pt of the rest (the step, the settings, the random state).
+    ckpt_folder = out_dir
+    if args.sharded_checkpoint:
+        ckpt_folder = out_dir / SHARDED_NAME
     seen = [None] * world_size  # (restart count, checkpoint visible) of every rank
-    dist.all_gather_object(seen, (restart_count, (out_dir / "ckpt.pt").exists()))
+    dist.all_gather_object(seen, (restart_count, (ckpt_folder / "ckpt.pt").exists()))
     restarts = max(count for count, _ in seen)
     visible = [found for _, found in seen]
     if (args.resume or restarts) and any(visible) and not all(visible):
         raise CourseError(
-            f"ranks {[r for r, found in enumerate(visible) if not found]} cannot see {out_dir / 'ckpt.pt'}, "
-            "which rank 0 wrote: put --out-dir on a file system that every node shares"
+            f"ranks {[r for r, found in enumerate(visible) if not found]} cannot see "
+            f"{ckpt_folder / 'ckpt.pt'}, which rank 0 wrote: put --out-dir on a file system that "
+            "every node shares"
         )
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
-    checkpoint = load_checkpoint(out_dir) if args.resume or (restarts and all(visible)) else None
+    resuming = args.resume or (restarts and all(visible))
+    checkpoint = load_checkpoint(ckpt_folder) if resuming else None
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
-    model = build_model(model_config, args.init_from, checkpoint).to(device)
-    # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
+        check_same_shape(checkpoint, model_config)
+    # a checkpoint's tensors are loaded into the sharded model (below), not into this full one
+    model = build_model(model_config, args.init_from).to(device)
+    # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
+    # gathered cast to it, which also halves the bytes sent; the gradients are reduced in float32
+    # and the optimizer steps on float32 shards, the master weights. On the CPU (float32, float64)
+    # everything stays in the parameters' own type.
+    precision = MixedPrecisionPolicy()
+    if dtype in (torch.bfloat16, torch.float16):
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # Each transformer block becomes one FSDP unit: its parameters are gathered from all ranks just
+    # before its forward and freed after it, then gathered again for its backward. The root unit
+    # holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the token
+    # embedding). fully_shard changes the model in place: each parameter is now a DTensor whose
+    # local tensor is this rank's 1/W of its rows (model.parameters() yields the shards).
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    # AdamW keeps two running averages per parameter, each the shape of the parameter: built on the
+    # shards, the optimizer state is sharded too, and every rank updates only its own 1/W.
     optimizer = torch.optim.AdamW(
         model.optimizer_groups(args.weight_decay),
         lr=args.lr,
@@ -197,19 +239,29 @@ def main():
         fused=device.type == "cuda",
     )
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    # resuming: the optimizer's averages, the loss scale and the random state continue where they
-    # were
-    iter_num = (
-        restore_training_state(checkpoint, optimizer, scaler) if checkpoint is not None else 0
-    )
-    # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
-    # into backward to average the gradients over ranks. The wrapper keeps the real model in
-    # model.module. Its state dict would prefix every name with "module.", so checkpoints save
-    # model.module's, which any chapter can load.
-    # cuda:LOCAL_RANK
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    raw_model = model.module
+    # Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
+    # whether a step had an inf, so all of them skip it or none does.
+    scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
+    if checkpoint is not None and args.sharded_checkpoint:
+        # The layout of this rank's shards; DCP fills it with the pieces of the saved shards it
+        # covers, whatever number of ranks wrote them.
+        sharded = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer),
+        }
+        dcp.load(sharded, checkpoint_id=ckpt_folder)
+        set_model_state_dict(model, sharded["model"])
+        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+    elif checkpoint is not None:
+        # ckpt.pt holds the whole tensors, as every chapter writes them: each rank keeps its shards
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, checkpoint["model"], options=full)
+        optimizer_state = optimizer_state_by_name(checkpoint["optimizer"], model, optimizer)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
+    # resuming: the loss scale and the random state continue where they were
+    iter_num = restore_training_state(checkpoint, None, scaler) if checkpoint is not None else 0
+    # fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
+    raw_model = model
     if args.compile:
         model = torch.compile(model)
 
@@ -221,14 +273,13 @@ def main():
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    averaging = "gradients are averaged over ranks in buckets during backward"
+    averaging = "parameters gathered block by block, gradients reduce-scattered during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    log(
-        f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
-    )
+    share = f"1/{world_size} of the model each"
+    log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:
-        log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+        log(f"{restarted}resuming from {ckpt_folder / 'ckpt.pt'} at step {iter_num}")
     elif restarted:
         log(f"{restarted}no checkpoint was written yet, starting again from step 0")
 
@@ -248,7 +299,7 @@ def main():
     train_config = vars(args) | {
         "global_batch": global_batch,
         "world_size": world_size,
-        "chapter": 5,
+        "chapter": 6,
     }
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
     model.train()
@@ -259,12 +310,33 @@ def main():
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        """The checkpoint, at every evaluation and when the run is asked to stop; rank 0 writes it."""
+        """The checkpoint, at every evaluation and when the run is asked to stop. Every rank takes
+        part: each holds a shard of every tensor."""
+        if args.sharded_checkpoint:
+            with sharded_checkpoint_folder(out_dir) as folder:
+                # every rank writes its own shards, all at once; nothing is gathered
+                sharded = {
+                    "model": get_model_state_dict(model),
+                    "optimizer": get_optimizer_state_dict(model, optimizer),
+                }
+                dcp.save(sharded, checkpoint_id=folder)
+                # beside them, rank 0's ckpt.pt holds the rest: the step, the settings, the RNG
+                write(folder, {}, {}, step)
+            return
+        # ckpt.pt as every chapter reads it: the whole tensors, gathered from every rank's shards
+        # into rank 0's CPU memory (the other ranks get empty dicts)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=full)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=full)
+        write(out_dir, model_state, optimizer_state, step)
+
+    def write(folder: Path, model_state: dict, optimizer_state: dict, step: int) -> None:
+        """Rank 0 writes <folder>/ckpt.pt; the optimizer state numbered as chapter 01 saves it."""
         if is_rank0:
             save_checkpoint(
-                out_dir,
-                model_state=model.module.state_dict(),
-                optimizer_state=optimizer.state_dict(),
+                folder,
+                model_state=model_state,
+                optimizer_state=optimizer_state_by_index(optimizer_state),
                 iter_num=step,
                 model_config=model_config,
                 train_config=train_config,
@@ -297,28 +369,24 @@ def main():
             # this rank's mean loss over its share of the global batch
             loss = torch.zeros((), device=device)
             for micro_step in range(args.grad_accum):
-                # DDP averages the gradients over ranks inside backward(). Before the last
-                # micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
-                # up locally, and the last backward averages the sums once.
-                sync = (
-                    model.no_sync()
-                    if micro_step < args.grad_accum - 1
-                    else contextlib.nullcontext()
-                )
-                with sync:
-                    x, y = next(batches)  # (B, T) each, built in CPU memory
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    with autocast:
-                        _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
-                        # backward() adds into .grad, so K micro-steps sum K gradients; dividing
-                        # each loss by K turns that sum into the gradient of the mean over all K * B
-                        # sequences
-                        micro_loss = micro_loss / args.grad_accum
-                    # the last micro-step's backward all-reduces bucket after bucket of gradients
-                    # while it is still computing the rest; when it returns, every rank holds the
-                    # average
-                    # this micro-batch's activations are freed here
-                    scaler.scale(micro_loss).backward()
+                # FSDP reduce-scatters the gradients over ranks inside backward(). Before the last
+                # micro-step that traffic would be wasted: without sync this rank's full, unsharded
+                # gradients add up locally (more memory, as no_sync() in chapter 04), and the last
+                # backward reduce-scatters the sums once.
+                model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)
+                x, y = next(batches)  # (B, T) each, built in CPU memory
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast:
+                    _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing
+                    # each loss by K turns that sum into the gradient of the mean over all K * B
+                    # sequences
+                    micro_loss = micro_loss / args.grad_accum
+                # the last micro-step's backward reduce-scatters block after block of gradients
+                # while it is still computing the rest; when it returns, every rank holds the
+                # average of its shard
+                # this micro-batch's activations are freed here
+                scaler.scale(micro_loss).backward()
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
             if args.grad_clip > 0:
@@ -352,9 +420,9 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # Each rank evaluates every world_size-th window (with raw_model: no gradients,
-                # nothing for DDP to do); the loss sums and window counts are added over ranks, so
-                # every rank gets the mean over all the windows.
+                # Each rank evaluates every world_size-th window (no gradients, but every forward
+                # still gathers each block's parameters from all ranks); the loss sums and window
+                # counts are added over ranks, so every rank gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
                 my_loss = evaluate(
                     raw_model, val_set, my_windows, args.batch_size, device, autocast
@@ -370,22 +438,23 @@ def main():
                 best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
-                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
+                saved = f"checkpoint saved to {ckpt_folder / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
             if preemption.requested():  # a stop signal came during this step
                 save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
-    # bit for bit against rank 0's copy.
-    differing = ranks_unlike_rank0(raw_model)
-    verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
-    log(f"parameters identical on all {world_size} rank(s): {verdict}")
+    # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state
+    # (the shards of rows that W does not divide are uneven, by a row at most)
+    say(describe_held_bytes(held_bytes(raw_model, optimizer)))
 
-    if args.sample_tokens and is_rank0:
+    # every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
+    if args.sample_tokens:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        if is_rank0:
+            print(text)
 
 
 if __name__ == "__main__":

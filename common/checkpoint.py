@@ -83,10 +83,13 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     return checkpoint
 
 
-def restore_training_state(checkpoint: dict, optimizer: torch.optim.Optimizer, scaler) -> int:
+def restore_training_state(
+    checkpoint: dict, optimizer: torch.optim.Optimizer | None, scaler
+) -> int:
     """Put the optimizer, the loss scaler and the random generators back; returns the step to go on
-    from."""
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    from. optimizer None: the caller has restored it (a sharded one, chapter 06)."""
+    if optimizer is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
         scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng_cpu"])
