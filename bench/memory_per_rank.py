@@ -28,7 +28,8 @@ from tools.launch import REPO, flags, run_torchrun
 WORLD = 2
 HOLDS = re.compile(
     r"rank (\d) local \d\] holds parameters ([\d.]+) MB \(DDP ([\d.]+)\), gradients ([\d.]+) MB "
-    r"\(DDP ([\d.]+)\), optimizer state ([\d.]+) MB \(DDP ([\d.]+)\)"
+    r"\(DDP ([\d.]+)\), optimizer state ([\d.]+) MB \(DDP ([\d.]+)\): ([\d.]+) MB of DDP's "
+    r"([\d.]+) MB"
 )
 
 
@@ -53,6 +54,7 @@ def measured(preset: str, data_dir: Path, out_dir: Path) -> dict[str, list[float
         "parameters": numbers[0:2],
         "gradients": numbers[2:4],
         "optimizer state": numbers[4:6],
+        "total": numbers[6:8],
     }
 
 
@@ -70,10 +72,13 @@ def counted(preset: str) -> dict[str, list[float]]:
         full += param.numel() * 4
     tensors = len(list(model.parameters()))
     # AdamW: two averages per number, and a 4-byte step count per parameter tensor on every rank
+    state_mine = 2 * mine + 4 * tensors
+    state_full = 2 * full + 4 * tensors
     return {
         "parameters": [mine / 1e6, full / 1e6],
         "gradients": [mine / 1e6, full / 1e6],
-        "optimizer state": [(2 * mine + 4 * tensors) / 1e6, (2 * full + 4 * tensors) / 1e6],
+        "optimizer state": [state_mine / 1e6, state_full / 1e6],
+        "total": [(2 * mine + state_mine) / 1e6, (2 * full + state_full) / 1e6],
     }
 
 
@@ -92,9 +97,9 @@ def main() -> None:
             params = held["parameters"]
             grads = held["gradients"]
             state = held["optimizer state"]
-            ddp = params[1] + grads[1] + state[1]
+            fsdp = held["total"][0]
+            ddp = held["total"][1]
             zero1 = params[1] + grads[1] + state[0]
-            fsdp = params[0] + grads[0] + state[0]
             cells = [f"{figure:,.2f} MB" for figure in (params[1], ddp, zero1, fsdp)]
             rows.append(f"| `{preset}` ({how}) | {' | '.join(cells)} |")
     print(f"per rank, {WORLD} ranks; FSDP and ZeRO-1: rank 0")

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch.optim import Optimizer
 
 from .model import GPTConfig
 from .support.errors import CourseError
@@ -83,11 +84,9 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     return checkpoint
 
 
-def restore_training_state(
-    checkpoint: dict, optimizer: torch.optim.Optimizer | None, scaler
-) -> int:
-    """Put the optimizer, the loss scaler and the random generators back; returns the step to go on
-    from. optimizer None: the caller has restored it (a sharded one, chapter 06)."""
+def restore_training_state(checkpoint: dict, optimizer: Optimizer | None, scaler) -> int:
+    """Put the optimizer (None: restored already, as chapter 06's shards), the loss scaler and the
+    random generators back; returns the step to go on from."""
     if optimizer is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
