@@ -74,7 +74,8 @@ for world, batch in ((2, "6"), (3, "4")):  # a global batch of 12 either way
         show=0,
     )
     print(f"{world} ranks:")
-    for line in sorted(re.findall(r"\[node 0 rank \d local \d\] holds .*", out)):
+    # the ranks share one output, so one rank's line may run into another's: cut at each line's end
+    for line in sorted(re.findall(r"\[node 0 rank \d local \d\] holds .*?of DDP's [\d.]+ MB", out)):
         print("  " + line)
 
 # %% [markdown]
