@@ -1,4 +1,4 @@
-"""The five chapters, in order: the one list that the scripts, tests, tools and notebooks use."""
+"""The six chapters, in order: the one list that the scripts, tests, tools and notebooks use."""
 
-FOLDERS = "01_single_gpu 02_grad_accumulation 03_dataparallel 04_ddp 05_multinode".split()
+FOLDERS = "01_single_gpu 02_grad_accumulation 03_dataparallel 04_ddp 05_multinode 06_fsdp".split()
 CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (train.py, README.md)

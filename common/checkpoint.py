@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch.optim import Optimizer
 
 from .model import GPTConfig
 from .support.errors import CourseError
@@ -88,10 +89,11 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
     return checkpoint
 
 
-def restore_training_state(checkpoint: dict, optimizer: torch.optim.Optimizer, scaler) -> int:
-    """Put the optimizer, the loss scaler and the random generators back; return the step to go on
-    from."""
-    optimizer.load_state_dict(checkpoint["optimizer"])
+def restore_training_state(checkpoint: dict, optimizer: Optimizer | None, scaler) -> int:
+    """Put the optimizer (None: restored already, as chapter 06's shards are), the loss scaler and
+    the random generators back; return the step to go on from."""
+    if optimizer is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint.get("scaler") and scaler.is_enabled():  # a float32/bf16 run saved an empty one
         scaler.load_state_dict(checkpoint["scaler"])
     torch.set_rng_state(checkpoint["rng_cpu"])

@@ -18,11 +18,12 @@ from .support.preempt import stop_signal
 # flag -> (its first chapter, its last); other chapters hide it from --help and refuse it in one
 # line. Every other flag is in every chapter.
 CHAPTER_FLAGS = {
-    "--grad-accum": (2, 5),
+    "--grad-accum": (2, 6),
     "--gpus": (3, 3),
-    "--backend": (4, 5),
-    "--dist-timeout": (4, 5),
-    "--shared-fs": (5, 5),
+    "--backend": (4, 6),
+    "--dist-timeout": (4, 6),
+    "--shared-fs": (5, 6),
+    "--sharded-checkpoint": (6, 6),
 }
 
 
@@ -30,7 +31,7 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     p = OneLineParser(prog=f"{CHAPTERS[chapter]}/train.py", description=description)
 
     def flag(name: str, **kwargs):
-        first, last = CHAPTER_FLAGS.get(name, (1, 5))
+        first, last = CHAPTER_FLAGS.get(name, (1, 6))
         # another chapter's flag: hidden from --help, refused when used
         if not first <= chapter <= last:
             kwargs = {"default": None, "help": argparse.SUPPRESS, "action": kwargs.get("action")}
@@ -119,6 +120,9 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag(
         "--shared-fs", action="store_true", help="nodes share one file system: rank 0 prepares data"
     )
+    sharded = "every rank writes its own shards to <out-dir>/ckpt_sharded (torch.distributed."
+    sharded += "checkpoint) instead of gathering ckpt.pt on rank 0; --resume reads them back"
+    flag("--sharded-checkpoint", action="store_true", help=sharded)
     return p
 
 

@@ -13,6 +13,7 @@ optimizer step, launched the way it teaches:
     04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
     05  two torchrun "nodes" on 127.0.0.1, W/2 processes each:
         05_multinode/train.py --batch-size G/W
+    06  torchrun --standalone --nproc-per-node W 06_fsdp/train.py --batch-size G/W
 
 and writes <out-root>/<chapter>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
 chapters 01 and 04 once more in float64 (--float64-chapters; <out-root>/<chapter>-float64): the
@@ -54,6 +55,7 @@ from tools import launch  # noqa: E402
 
 NUMBER = {folder: number for number, folder in CHAPTERS.items()}  # 04_ddp -> 4
 NAMES = {1: "one device", 2: "gradient accumulation", 3: "DataParallel", 4: "DDP", 5: "two nodes"}
+NAMES[6] = "FSDP"
 FLOAT64 = "-float64"  # the key (and run folder) of a chapter's float64 control run: 04_ddp-float64
 
 
@@ -147,6 +149,7 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
             1,
         ),
         4: ("torchrun", W, ["--batch-size", G // W], count(W, "process"), W),
+        6: ("torchrun", W, ["--batch-size", G // W], f"{count(W, 'process')}, sharded", W),
     }
     if W % 2 == 0:
         nodes = f"2 nodes x {count(W // 2, 'process')}"

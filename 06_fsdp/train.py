@@ -1,0 +1,456 @@
+"""Chapter 06: the model's state sharded across the ranks (FSDP).
+
+Chapter 05's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
+whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
+holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
+them, for its forward and again for its backward; the gradients are summed and sharded in one
+reduce-scatter. The training is the same: each step takes the same global batch and gives the same
+loss as chapter 01's. ckpt.pt still holds the whole model, gathered to rank 0; with
+--sharded-checkpoint every rank writes its own shards instead (torch.distributed.checkpoint).
+
+    torchrun --standalone --nproc_per_node=2 06_fsdp/train.py
+    torchrun --standalone --nproc_per_node=2 06_fsdp/train.py --batch-size 4   # 01's run with 8
+"""
+
+import contextlib
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data.distributed import DistributedSampler
+
+from common.checkpoint import (
+    check_same_shape,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+)
+from common.config import gpt_config_from_args, parse_args
+from common.data import (
+    batch_loader,
+    describe_global_batch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
+from common.device import describe, pick_dtype, setup_math
+from common.distributed import (
+    agree_on_restart,
+    one_rank_first,
+    rank_device,
+    restart_store,
+    share_cpu_cores,
+    start_process_group,
+)
+from common.metrics import MetricsLog, Throughput, max_memory_mb
+from common.sharding import (
+    SHARDED_NAME,
+    describe_held_bytes,
+    held_bytes,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    sharded_checkpoint_folder,
+)
+from common.support.errors import CourseError, run_main
+from common.support.gpus import peak_flops
+from common.support.preempt import Preemption
+from common.support.progress import Progress
+from common.support.rundir import claim_out_dir
+from common.training import (
+    build_model,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+    stop_if_diverged,
+)
+
+
+def main():
+    args = parse_args(chapter=6, description=__doc__)
+    # the same seed on every rank: every rank builds the same model, then keeps its shards of it
+    torch.manual_seed(args.seed)
+
+    # ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
+    # ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    launched = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", 0))  # this process among all of them: 0 .. world_size - 1
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    # this process among those on this machine: its GPU
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
+    # launchers call it NODE_RANK). Training does not depend on it, but every line names it: "which
+    # machine?" is the first question when a job of many machines goes wrong.
+    node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0)))
+    n_nodes = world_size // local_world_size
+    # How often torchrun (--max-restarts) has restarted this node's processes after a failure.
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    is_rank0 = rank == 0
+    who = f"[node {node_rank} rank {rank} local {local_rank}]"
+
+    def say(message: str) -> None:
+        """A line from this rank, which says who is speaking."""
+        print(f"{who} {message}", flush=True)
+
+    def log(message: str) -> None:
+        """A line from rank 0, which speaks for every rank."""
+        if is_rank0:
+            say(message)
+
+    # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
+    device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or it would all land on cuda:0
+    # ranks on one CPU share its cores
+    cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device, dtype)
+    # No autocast: FSDP casts the parameters for the computation itself (MixedPrecisionPolicy,
+    # below), and evaluate() takes this context where chapter 05 passes autocast.
+    autocast = contextlib.nullcontext()
+    out_dir = Path(args.out_dir)
+
+    # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
+    # ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
+    # hanging.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # its own meeting point for every attempt: torchrun's store outlives a restart (--max-restarts)
+    store = restart_store(world_size, restart_count, timeout)
+    # Under torchrun the ranks meet at that store (or at MASTER_ADDR:MASTER_PORT); with plain
+    # `python` the world is this process alone. The backend follows the device (--backend auto),
+    # and on GPUs the ranks check that no two of them share one.
+    backend = start_process_group(args.backend, device, launched, rank, world_size, timeout, store)
+    place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
+    place += f", node {node_rank} of {n_nodes}"
+    say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
+    if not launched:
+        log(
+            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
+        )
+
+    # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
+    model_config = gpt_config_from_args(args)
+    # One-time work: the token files. On node-local disks every machine needs its own copy, so
+    # local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
+    # several machines writing the same files at once would corrupt them: global rank 0 alone
+    # prepares. The others wait for it (every rank calls one_rank_first), then find the files ready.
+    preparer = is_rank0 if args.shared_fs else local_rank == 0
+    with one_rank_first(preparer):
+        data_folder = prepare(
+            args.dataset,
+            args.data_dir,
+            num_proc=args.num_proc,
+            text_column=args.text_column,
+            log=say,
+        )
+    train_set, val_set = load_splits(data_folder, model_config.block_size)
+
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    # on each of world_size ranks at the same time, each of `batch_size` sequences.
+    global_batch = args.batch_size * args.grad_accum * world_size
+    tokens_per_step = global_batch * model_config.block_size
+    # the incomplete last batch of an epoch is dropped
+    steps_per_epoch = len(train_set) // global_batch
+    if steps_per_epoch == 0:
+        raise CourseError(
+            f"the training split has {len(train_set)} windows, fewer than one batch of "
+            f"{global_batch}; lower --batch-size or use a larger corpus"
+        )
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
+
+    # ---- model and optimizer ---------------------------------------------------------------------
+    # torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of them
+    # again. A restarted run continues from the checkpoint written before the failure, if there is
+    # one yet. The ranks agree on the restart count, and every rank says whether it sees the
+    # checkpoint: across machines --out-dir must be on a file system all nodes see. With
+    # --sharded-checkpoint it is a folder: every rank's shards, and a ckpt.pt of the rest (the
+    # step, the settings, the random state).
+    ckpt_folder = out_dir
+    if args.sharded_checkpoint:
+        ckpt_folder = out_dir / SHARDED_NAME
+    restarts, checkpoint_everywhere = agree_on_restart(
+        restart_count, ckpt_folder / "ckpt.pt", args.resume
+    )
+    # The run folder: refused if it holds another run (unless this one continues it) or another
+    # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
+    claim_out_dir(out_dir, resume=args.resume or restarts > 0)
+    checkpoint = None
+    if args.resume or (restarts > 0 and checkpoint_everywhere):
+        checkpoint = load_checkpoint(ckpt_folder)
+    if checkpoint is not None:
+        check_resume(checkpoint, global_batch, args.seed)
+        check_same_shape(checkpoint, model_config)
+    # a checkpoint's tensors are loaded into the sharded model (below), not into this full one
+    model = build_model(model_config, args.init_from).to(device)
+    # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
+    # gathered cast to it, which also halves the bytes sent; the gradients are reduced in float32
+    # and the optimizer steps on float32 shards, the master weights. On the CPU (float32, float64)
+    # everything stays in the parameters' own type.
+    precision = MixedPrecisionPolicy()
+    if dtype in (torch.bfloat16, torch.float16):
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # Each transformer block becomes one FSDP unit: its parameters are gathered from all ranks just
+    # before its forward and freed after it, then gathered again for its backward. The root unit
+    # holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the token
+    # embedding). fully_shard changes the model in place: each parameter is now a DTensor whose
+    # local tensor is this rank's 1/W of its rows (model.parameters() yields the shards).
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    # AdamW keeps two running averages per parameter, each the shape of the parameter: built on the
+    # shards, the optimizer state is sharded too, and every rank updates only its own 1/W.
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
+    # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
+    # Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
+    # whether a step had an inf, so all of them skip it or none does.
+    scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
+    if checkpoint is not None and args.sharded_checkpoint:
+        # The layout of this rank's shards; DCP fills it with the pieces of the saved shards it
+        # covers, whatever number of ranks wrote them.
+        sharded = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer),
+        }
+        dcp.load(sharded, checkpoint_id=ckpt_folder)
+        set_model_state_dict(model, sharded["model"])
+        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+    elif checkpoint is not None:
+        # ckpt.pt holds the whole tensors, as every chapter writes them: each rank keeps its shards
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, checkpoint["model"], options=full)
+        optimizer_state = optimizer_state_by_name(checkpoint["optimizer"], model, optimizer)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
+    iter_num = 0
+    best_val_loss = None
+    if checkpoint is not None:
+        # resuming: the loss scale and the random state continue where they were
+        iter_num = restore_training_state(checkpoint, None, scaler)
+        best_val_loss = checkpoint.get("best_val_loss")
+    # fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
+    raw_model = model
+    if args.compile:
+        model = torch.compile(model)
+
+    peak = peak_flops(device, dtype)
+    log(
+        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
+        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    )
+    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
+    log(f"global batch: {split} = {per_step}")
+    averaging = "parameters gathered block by block, gradients reduce-scattered during backward"
+    threads = f"; {cpu_threads}" if cpu_threads else ""
+    share = f"1/{world_size} of the model each"
+    log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
+    restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
+    if iter_num:
+        log(f"{restarted}resuming from {ckpt_folder / 'ckpt.pt'} at step {iter_num}")
+    elif restarted:
+        log(f"{restarted}no checkpoint was written yet, starting again from step 0")
+
+    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
+    # Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W, ...
+    # (W = world_size): the ranks' micro-batches of one step together are the G consecutive
+    # positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+
+    # only rank 0 writes files and draws the progress bar
+    metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num)
+    progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
+    train_config = vars(args) | {
+        "global_batch": global_batch,
+        "world_size": world_size,
+        "chapter": 6,
+    }
+    model.train()
+    # tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
+    speed = Throughput(
+        tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
+    )
+    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
+
+    def save(step: int) -> None:
+        """The checkpoint, at every evaluation and when the run is asked to stop. Every rank takes
+        part: each holds a shard of every tensor."""
+        if args.sharded_checkpoint:
+            with sharded_checkpoint_folder(out_dir) as folder:
+                # every rank writes its own shards, all at once; nothing is gathered
+                sharded = {
+                    "model": get_model_state_dict(model),
+                    "optimizer": get_optimizer_state_dict(model, optimizer),
+                }
+                dcp.save(sharded, checkpoint_id=folder)
+                # beside them, rank 0's ckpt.pt holds the rest: the step, the settings, the RNG
+                write(folder, {}, {}, step)
+            return
+        # ckpt.pt as every chapter reads it: the whole tensors, gathered from every rank's shards
+        # into rank 0's CPU memory (the other ranks get empty dicts)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=full)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=full)
+        write(out_dir, model_state, optimizer_state, step)
+
+    def write(folder: Path, model_state: dict, optimizer_state: dict, step: int) -> None:
+        """Rank 0 writes <folder>/ckpt.pt; the optimizer state numbered as chapter 01 saves it."""
+        if is_rank0:
+            save_checkpoint(
+                folder,
+                model_state=model_state,
+                optimizer_state=optimizer_state_by_index(optimizer_state),
+                iter_num=step,
+                model_config=model_config,
+                train_config=train_config,
+                best_val_loss=best_val_loss,
+                scaler_state=scaler.state_dict(),
+            )
+
+    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
+    # (common/support/preempt.py) The ranks agree on the step to stop at: one all-reduce of a single
+    # number per step.
+    preemption = Preemption(args.stop_signal, ranks_agree_within=timeout)
+
+    while iter_num < args.max_iters:
+        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        # the permutation of seed + epoch; without this every epoch repeats epoch 0
+        sampler.set_epoch(epoch)
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(
+            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
+        )
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if iter_num >= args.max_iters:
+                break
+            # ---- one training step ----
+            lr = lr_at(iter_num, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # this rank's mean loss over its share of the global batch
+            loss = torch.zeros((), device=device)
+            for micro_step in range(args.grad_accum):
+                # FSDP reduce-scatters the gradients over ranks inside backward(). Before the last
+                # micro-step that traffic would be wasted: without sync this rank's full, unsharded
+                # gradients add up locally (more memory, as no_sync() in chapter 04), and the last
+                # backward reduce-scatters the sums once.
+                model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)
+                x, y = next(batches)  # (B, T) each, built in CPU memory
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast:
+                    _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing
+                    # each loss by K turns that sum into the gradient of the mean over all K * B
+                    # sequences
+                    micro_loss = micro_loss / args.grad_accum
+                # the last micro-step's backward reduce-scatters block after block of gradients
+                # while it is still computing the rest; when it returns, every rank holds the
+                # average of its shard
+                # this micro-batch's activations are freed here
+                scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach()
+            # clipping, the optimizer step and the learning rate act once per global batch
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)  # parameters move against their gradients
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+
+            # ---- logging: .item() waits for the device, so only at log intervals ----
+            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+                # the mean over all ranks: a collective, so every rank calls it (SUM works on every
+                # backend)
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                loss_value = loss.item() / world_size
+                # nan/inf?
+                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
+                figures = speed.measure(iter_num)  # since the last log line
+                metrics.write(
+                    iter=iter_num,
+                    loss=loss_value,
+                    lr=lr,
+                    **figures,
+                    max_mem_mb=max_memory_mb(device),
+                )
+                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
+            else:
+                progress.step(iter_num)  # the bar moves on
+
+            # ---- evaluation and checkpoint ----
+            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+                # Each rank evaluates every world_size-th window (no gradients, but every forward
+                # still gathers each block's parameters from all ranks); the loss sums and window
+                # counts are added over ranks, so every rank gets the mean over all the windows.
+                my_windows = val_windows[rank::world_size]
+                my_loss = evaluate(
+                    raw_model, val_set, my_windows, args.batch_size, device, autocast
+                )
+                my_count = torch.tensor(float(len(my_windows)), device=device)
+                # the sum of my losses, their count
+                val_stats = torch.stack([my_loss * my_count, my_count])
+                dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
+                val_loss = (val_stats[0] / val_stats[1]).item()
+                stop_if_diverged(
+                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
+                )
+                if best_val_loss is None or val_loss < best_val_loss:
+                    best_val_loss = val_loss
+                metrics.write(iter=iter_num, val_loss=val_loss)
+                save(iter_num)
+                saved = f"checkpoint saved to {ckpt_folder / 'ckpt.pt'}"
+                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
+                speed.restart_clock()  # evaluation time is not training time
+            if preemption.requested():  # a stop signal came during this step
+                save(iter_num)
+                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
+    progress.close()
+    # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state
+    # (the shards of rows that W does not divide are uneven, by a row at most)
+    say(describe_held_bytes(held_bytes(raw_model, optimizer)))
+
+    # every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
+    if args.sample_tokens:
+        log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        if is_rank0:
+            print(text)
+
+
+if __name__ == "__main__":
+    try:
+        run_main(main, resumable=True)
+    finally:
+        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
+        # connections to the other ranks (and NCCL's communicators) cleanly.
+        if dist.is_initialized():
+            dist.destroy_process_group()

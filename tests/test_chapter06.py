@@ -1,0 +1,233 @@
+"""Chapter 06: FSDP2 under torchrun is chapter 01's run, with each rank holding 1/W of the state.
+
+Every test starts real processes: torchrun with 2 or 3 ranks, gloo on 127.0.0.1, the tiny model on
+the CPU. All runs take a global batch of 12 sequences (2 ranks x 6, 3 ranks x 4, 3 ranks x 2 x 2
+micro-batches) and --lr-decay-iters 8, so any run's steps are steps of chapter 01's 8-step run. Few
+runs, each checking several things:
+
+    01 --batch-size 12, 8 steps, float32                 the reference
+    06 2 ranks (1-2) -> 01 --resume (3-4) -> 06 3 ranks x 2 x 2 micro-batches --resume (5-8),
+        one folder, ckpt.pt: 2 ranks, 3 (uneven shards), accumulation; ckpt.pt 06 -> 01 -> 06
+    06 2 ranks --sharded-checkpoint, rank 1 killed after a checkpoint, torchrun --max-restarts 1
+        restarts the group, which resumes from the shards (1-6); then 3 ranks x 4 --resume (7-8):
+        a DCP checkpoint written by 2 ranks read by 3
+    01 and 06 (2 ranks) in float64, 06 stopped by SIGTERM after step 2 and resumed: the control,
+        where the runs agree to rounding (1e-12), and the stop-and-requeue path
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import start, tiny_run_args
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from common.config import parse_args
+from common.metrics import read_metrics
+from common.support.errors import CourseError
+from tools.launch import REPO, run_python, run_torchrun, stop_launchers, torchrun_command
+
+SCRIPT = REPO / "06_fsdp" / "train.py"
+CHAPTER01 = REPO / "01_single_gpu" / "train.py"
+ITERS = 8
+REL = 1e-5  # float32, dropout 0: only the order of additions differs between the runs
+# 8 steps of a fixed schedule, an evaluation and a checkpoint every 2
+SCHEDULE = {"lr_decay_iters": ITERS, "warmup_iters": 2, "eval_interval": 2}
+PER_RANK = {2: {"batch_size": 6}, 3: {"batch_size": 4}}  # a global batch of 12
+
+
+def run_flags(data_dir: Path, out_dir: Path, max_iters: int, **extra) -> list[str]:
+    return tiny_run_args(data_dir, out_dir, max_iters, **SCHEDULE, **extra)
+
+
+def losses(out_dir: Path, key: str = "loss") -> dict[int, float]:
+    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if key in m]
+    iters = [m["iter"] for m in lines]
+    assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
+    return {m["iter"]: m[key] for m in lines}
+
+
+def assert_same_losses(run: dict[int, float], reference: dict[int, float], rel: float) -> None:
+    assert sorted(run) == sorted(reference), (sorted(run), sorted(reference))
+    for it, loss in reference.items():
+        assert run[it] == pytest.approx(loss, rel=rel), f"iteration {it}: {run[it]} vs {loss}"
+
+
+def assert_same_model(state: dict, reference: dict, rtol: float, atol: float) -> None:
+    assert state.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=rtol, atol=atol, msg=name)
+
+
+def checkpoint(folder: Path) -> dict:
+    return torch.load(folder / "ckpt.pt", map_location="cpu", weights_only=True)
+
+
+def sharded_model(out_dir: Path, tmp_path: Path) -> dict:
+    """The model of a sharded checkpoint, as whole tensors (DCP's own converter, in one process)."""
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(out_dir / "ckpt_sharded", whole)
+    return torch.load(whole, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ch06_reference")
+    run_python([CHAPTER01, *run_flags(data_dir, out, ITERS, batch_size=12)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain(data_dir, tmp_path_factory) -> tuple[Path, list[str]]:
+    """One folder: 06 on 2 ranks, chapter 01, 06 on 3 ranks with accumulation, each --resume-ing
+    the ckpt.pt the one before wrote."""
+    out = tmp_path_factory.mktemp("ch06_chain")
+    first = run_torchrun(SCRIPT, 2, run_flags(data_dir, out, 2, **PER_RANK[2]))
+    run_python([CHAPTER01, *run_flags(data_dir, out, 4, batch_size=12, resume=True)])
+    accumulated = {"batch_size": 2, "grad_accum": 2, "resume": True}
+    last = run_torchrun(SCRIPT, 3, run_flags(data_dir, out, ITERS, **accumulated))
+    return out, [first.stdout, last.stdout]
+
+
+@pytest.mark.quick
+def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(chain, reference):
+    out, (two, three) = chain
+    # steps 1-2 on 2 ranks, 3-4 in chapter 01, 5-8 on 3 ranks x 2 micro-batches: chapter 01's
+    # losses, and its validation losses (each rank evaluates its share of the windows)
+    assert_same_losses(losses(out), losses(reference), REL)
+    assert_same_losses(losses(out, "val_loss"), losses(reference, "val_loss"), REL)
+    # ckpt.pt holds whole tensors under chapter 01's names, gathered from the shards: the model
+    # chapter 01 ends with, and the optimizer state numbered as chapter 01 numbers it
+    saved = checkpoint(out)
+    assert saved["iter_num"] == ITERS and saved["train_config"]["chapter"] == 6
+    assert_same_model(saved["model"], checkpoint(reference)["model"], 1e-4, 1e-5)
+    assert not any(name.startswith(("module.", "_fsdp")) for name in saved["model"])
+    assert saved["model"]["lm_head.weight"].shape == (50304, 32)  # whole, not a shard
+    assert list(saved["optimizer"]["state"]) == list(range(len(saved["optimizer"]["state"])))
+    # each rank says what it holds: 1/W of DDP's bytes, the uneven shards within a row
+    for stdout, world in ((two, 2), (three, 3)):
+        held = re.findall(
+            r"rank (\d) local \d\] holds parameters ([\d.]+) MB \(DDP ([\d.]+)\)", stdout
+        )
+        assert sorted(int(rank) for rank, _, _ in held) == list(range(world)), stdout
+        for _, mine, ddp in held:
+            assert float(mine) == pytest.approx(float(ddp) / world, abs=0.02), stdout
+        assert f"FSDP: {world} process(es), 1/{world} of the model each" in stdout
+
+
+# ---- the sharded checkpoint: a killed worker, then another number of ranks ---------------------
+
+
+@pytest.fixture(scope="module")
+def sharded(data_dir, tmp_path_factory) -> tuple[Path, str, int]:
+    """2 ranks with --sharded-checkpoint under torchrun --max-restarts 1; once the checkpoint of
+    step 2 exists and step 3 is done, rank 1 is killed (SIGKILL). Then 3 ranks --resume to the end.
+    Returns the folder, the first launch's output and the step of the kill."""
+    out = tmp_path_factory.mktemp("ch06_sharded")
+    args = run_flags(data_dir, out, 6, sharded_checkpoint=True, **PER_RANK[2])
+    cmd = torchrun_command(SCRIPT, 2, args, extra=["--max-restarts=1"])
+    proc = start(cmd, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    output, pids, killed_at = [], {}, None
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            for m in re.finditer(r"rank (\d) local \d\] process (\d+) ", line):
+                pids.setdefault(int(m.group(1)), int(m.group(2)))
+            if killed_at is None and "iter      3 |" in line:
+                assert (out / "ckpt_sharded" / "ckpt.pt").exists(), "".join(output)
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = 3
+        proc.wait(timeout=240)
+    finally:
+        stop_launchers([proc])
+    text = "".join(output)
+    assert proc.returncode == 0, text
+    resume = run_flags(data_dir, out, ITERS, sharded_checkpoint=True, resume=True, **PER_RANK[3])
+    run_torchrun(SCRIPT, 3, resume)
+    return out, text, killed_at
+
+
+def test_a_killed_worker_resumes_from_the_shards_and_three_ranks_read_two_ranks_shards(
+    sharded, reference, tmp_path
+):
+    out, text, killed_at = sharded
+    assert killed_at == 3
+    # the restarted group resumed from the last checkpoint, written by every rank's shards (step 2,
+    # or 4 if the ranks finished it before the kill landed)
+    restarted = r"restarted by torchrun \(restart 1\): resuming from (\S+) at step (\d+)"
+    resumed = re.findall(restarted, text)
+    assert len(resumed) == 1 and resumed[0][1] in ("2", "4"), text
+    assert resumed[0][0] == str(out / "ckpt_sharded" / "ckpt.pt")
+    # steps 1-6 on 2 ranks (3-6 after the restart), 7-8 on 3 ranks from 2 ranks' shards: each step
+    # logged once, with chapter 01's losses, and the model it ends with
+    assert_same_losses(losses(out), losses(reference), REL)
+    model = sharded_model(out, tmp_path)
+    assert_same_model(model, checkpoint(reference)["model"], 1e-4, 1e-5)
+    folder = out / "ckpt_sharded"
+    # the last writers were 3 ranks: a file of shards each, beside the layout and rank 0's ckpt.pt
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "ckpt.pt"]
+    )
+    assert checkpoint(folder)["iter_num"] == ITERS and checkpoint(folder)["model"] == {}
+    # no temporary folder left, and no ckpt.pt: nothing was gathered
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt_sharded", "metrics.jsonl"]
+
+
+# ---- float64: the control, and a scheduler's stop --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def float64(data_dir, tmp_path_factory) -> tuple[Path, Path, int, str, int]:
+    root = tmp_path_factory.mktemp("ch06_float64")
+    reference64, stopped = root / "ch01", root / "ch06"
+    ch01_args = run_flags(data_dir, reference64, ITERS, batch_size=12, dtype="float64")
+    run_python([CHAPTER01, *ch01_args])
+    args = run_flags(data_dir, stopped, ITERS, dtype="float64", **PER_RANK[2])
+    proc = start(torchrun_command(SCRIPT, 2, args))
+    seen = ""
+    try:
+        deadline = time.monotonic() + 240
+        while "iter      2 |" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "iter      2 |" in seen, seen
+        os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler signals every process of a job
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        stop_launchers([proc])
+    status = proc.returncode
+    step = checkpoint(stopped)["iter_num"]
+    run_torchrun(SCRIPT, 2, [*args, "--resume"])
+    return reference64, stopped, step, seen + rest, status
+
+
+def test_float64_control_and_a_stopped_run_resumes_to_chapter01s_numbers(float64):
+    reference64, stopped, step, output, status = float64
+    assert status != 0 and 2 <= step < ITERS, output
+    stop_line = f"stopped by SIGTERM at step {step}: checkpoint saved; continue with --resume"
+    assert f"[rank 0] {stop_line}" in output.splitlines(), output
+    # the ranks' own (torchrun, signalled too, prints one of its own)
+    assert "[rank 0] Traceback" not in output and "[rank 1] Traceback" not in output
+    # float64: sharded or not, 2 ranks of 6 or one process of 12 differ only by rounding
+    assert_same_losses(losses(stopped), losses(reference64), 1e-12)
+    assert_same_model(checkpoint(stopped)["model"], checkpoint(reference64)["model"], 1e-10, 1e-12)
+    assert checkpoint(stopped)["model"]["lm_head.weight"].dtype == torch.float64
+
+
+def test_sharded_checkpoint_is_chapter06s_flag(tmp_path):
+    """Chapters 01 to 05 refuse it in one line; chapter 06 takes it."""
+    flag = ["--sharded-checkpoint", "--out-dir", str(tmp_path)]
+    with pytest.raises(CourseError) as refused:
+        parse_args(chapter=5, description="", argv=flag)
+    assert str(refused.value).startswith(
+        "--sharded-checkpoint is introduced in chapter 06 (06_fsdp)"
+    )
+    assert parse_args(chapter=6, description="", argv=flag).sharded_checkpoint is True
