@@ -101,6 +101,8 @@ NOT_MEASURED = {
     "10 minutes": "the test suite's time budget (a goal)",
     "30 minutes": "gloo's default process-group timeout in torch",
     "4 bytes": "one float32 number's size (AdamW's `step` per parameter tensor)",
+    "16 bytes": "per parameter under DDP: float32 weight, gradient and AdamW's two averages "
+    "(4 + 4 + 8), arithmetic",
     "step 100": "chapter 01's default --eval-interval: the form of its first evaluation line",
     "1e-9": "the relative tolerance tests/test_preemption.py asserts on a resumed run, a setting",
     "10⁻⁵": "the relative tolerance tests/test_zero.py asserts on the losses (REL), a setting",
