@@ -9,6 +9,7 @@ import torch
 
 from .support.gpus import peak_flops as peak_flops  # a table lookup; re-exported for the chapters
 from .support.progress import Progress as Progress  # plumbing; re-exported for the chapters
+from .support.rundir import METRICS_NAME as METRICS_NAME  # in every run's --out-dir
 
 
 def model_flops_utilization(flops_per_token: float, tokens_per_sec: float, peak, devices: int = 1):
@@ -49,9 +50,6 @@ class Throughput:
 
 def max_memory_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-
-
-METRICS_NAME = "metrics.jsonl"  # in every run's --out-dir
 
 
 class MetricsLog:
