@@ -26,12 +26,12 @@ class Stopped(Exception):
 
 
 class StopNow:
-    """run_main's handler of SIGINT and SIGTERM: it stops at once. It also keeps the name of the stop
-    under way (this one's, or the one support/preempt.py is saving for), to name it in run_main's
-    last line."""
+    """run_main's handler of SIGINT and SIGTERM: it stops at once, and keeps the signal's name. It
+    also keeps the name of a stop support/preempt.py is saving for (`saving_for`)."""
 
     def __init__(self):
         self.signal_name: str | None = None
+        self.saving_for: str | None = None
 
     def __call__(self, signum, frame):
         self.signal_name = signal.Signals(signum).name
@@ -61,19 +61,19 @@ def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
         if stopped.speaks:  # rank 0 speaks for every rank
             print(f"{prefix}{stopped}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STOPPED)
-    except KeyboardInterrupt:
-        # Ctrl-C, or a SIGTERM to a script that does not save on a stop: at once
-        print(f"{prefix}stopped by {stop_now.signal_name}{intact}", file=sys.stderr, flush=True)
-        sys.exit(130)
-    except Exception as err:
-        if stop_now.signal_name is None:
+    except (KeyboardInterrupt, Exception) as err:
+        # stopped at once: a rank in a collective when its peers stopped sees a broken connection,
+        # not the signal; the same stop
+        if stop_now.signal_name is not None:
+            print(f"{prefix}stopped by {stop_now.signal_name}{intact}", file=sys.stderr, flush=True)
+            sys.exit(130)
+        if stop_now.saving_for is None or isinstance(err, KeyboardInterrupt):
             raise  # a real bug: its traceback is what the reader needs
-        # Failing while stopping (a full disk in the stop's save, a peer gone mid-collective) is
-        # not the stop: the reader must see it. A file system's refusal is one line; anything
-        # else keeps its traceback.
+        # Failing while stopping to save (a full disk, a peer gone) is not the stop: the reader
+        # must see it. A file system's refusal is one line; anything else keeps its traceback.
         if not isinstance(err, OSError):
             traceback.print_exc()
-        during = f"while stopping after {stop_now.signal_name}"
+        during = f"while stopping after {stop_now.saving_for}"
         print(f"{prefix}error {during}: {err}{intact}", file=sys.stderr, flush=True)
         sys.exit(1)
     sys.exit(status or 0)

@@ -113,7 +113,7 @@ class Preemption:
         self.received = signal.Signals(signum).name
         if isinstance(self._stop_now, StopNow):
             # an error from now on happened while stopping: run_main says so
-            self._stop_now.signal_name = self.received
+            self._stop_now.saving_for = self.received
 
     def requested(self) -> bool:
         """Whether the run should save this step and stop; the same answer on every rank. Called
