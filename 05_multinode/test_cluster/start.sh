@@ -15,7 +15,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 dir="${1:?give a folder for the configuration and the daemons state, e.g. /tmp/course-slurm}"
 if [[ "$(id -u)" != 0 ]]; then
-    echo "start.sh: run it as root (sudo): it installs packages and starts daemons" >&2
+    if command -v sudo >/dev/null; then
+        exec sudo bash "$0" "$@"  # it installs packages and starts daemons
+    fi
+    echo "start.sh: run it as root: it installs packages and starts daemons" >&2
     exit 2
 fi
 
