@@ -19,6 +19,7 @@ import errno
 import io
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -250,3 +251,36 @@ def test_an_error_while_stopping_is_an_error(restore_signal_handlers, tmp_path):
     status, output = ends(bug_while_saving)
     assert status == 1 and "Traceback" in output and "ValueError: a bug" in output, output
     assert output.splitlines()[-1] == "error while stopping after SIGTERM: a bug"
+
+
+def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):
+    """SIGTERM to the workers alone (not to torchrun): they save and exit 75, torchrun counts that
+    as a failure and restarts them (--max-restarts=1), and the restarted workers find the stop's
+    marker and stop at once, without a step more."""
+    out = tmp_path / "run"
+    args = tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
+    cmd = torchrun_command("05_multinode/train.py", 2, args, extra=["--max-restarts=1"])
+    proc = start(cmd)
+    seen = ""
+    try:
+        deadline = time.monotonic() + 240
+        while "iter      2 |" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        workers = [int(pid) for pid in re.findall(r"\] process (\d+) on ", seen)]
+        assert len(workers) == 2, seen
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        stop_launchers([proc])
+    output = seen + rest
+    step = checkpoint(out)["iter_num"]
+    assert f"[rank 0] stopped by SIGTERM at step {step}: checkpoint saved" in output, output
+    # torchrun restarted the workers, which stopped at once: the same step, no step trained after it
+    again = f"[rank 0] stopped by SIGTERM before torchrun restarted this worker at step {step}:"
+    assert again in output, output
+    assert max(logged_losses(out)) == step
+    assert proc.returncode == 1  # torchrun, its restarts used up
