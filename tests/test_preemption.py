@@ -9,6 +9,8 @@ exactly.
   late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
   it; an error while stopping is an error, with its own status), --stop-signal's names, the
   agreement's schedule, and a stop's finality (a restarted worker finds the stop's marker and stops).
+- Chapter 05 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
+  and they stop at once, without a step more (the stop's marker).
 - 05_multinode/slurm.sbatch on a real Slurm: tests/test_slurm.py.
 """
 
