@@ -39,7 +39,7 @@ sed -e "s|@HOST@|$host|g" -e "s|@DIR@|$dir|g" -e "s|@CPUS@|$(nproc)|g" \
 export SLURM_CONF="$dir/slurm.conf"
 
 # munge signs what the daemons and the commands tell each other; it needs its socket folder
-if ! pgrep -x munged >/dev/null; then
+if [[ ! -S /run/munge/munge.socket.2 ]]; then
     install -d -o munge -g munge -m 0755 /run/munge
     if [[ ! -s /etc/munge/munge.key ]]; then
         mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
