@@ -192,7 +192,7 @@ def main():
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
     # (common/support/preempt.py)
-    preemption = Preemption(args.stop_signal)
+    preemption = Preemption(args.stop_signal, out_dir)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
@@ -278,8 +278,10 @@ def main():
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
-            if preemption.requested():  # a stop signal came during this step
-                save(iter_num)
+            # a stop signal came during this step (on the last step, the run just ends)
+            if iter_num < args.max_iters and preemption.requested():
+                if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
+                    save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
     # TODO 16/16: add 6 line(s) of code here:

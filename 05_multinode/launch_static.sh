@@ -16,8 +16,10 @@
 #   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to check)
 #
 # To stop a training run so that it can continue later, send SIGTERM to torchrun on every node (a
-# scheduler does): every rank ends the step it is in, rank 0 saves it, and the training processes
-# exit with status 75. Run the same line again with --resume to continue.
+# scheduler does): torchrun passes it on, every rank ends the step it is in, rank 0 saves it, and
+# the training processes exit with status 75 (torchrun itself with 1). Run the same line again
+# with --resume to continue. exec: torchrun takes this script's place, so a signal sent to it (as
+# Kubernetes sends SIGTERM to a container's first process) reaches torchrun.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root, so the paths below work from anywhere
 

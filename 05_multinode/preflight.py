@@ -8,7 +8,8 @@ place of train.py. In a minute it tells you what a failed hour-long job would ha
    torchrun and NCCL environment variables that decide how processes find each other. If the
    job then hangs, these lines say which ranks arrived and with what settings.
 2. A correctness check: every rank contributes a known value to an all-reduce (rank + 1 as an
-   integer, and a float tensor) and checks the sum against the formula (W(W+1)/2). All ranks must
+   integer, and a float tensor) and checks the sum against the formula (W(W+1)/2). A gloo group
+   must work too, within --gloo-timeout (the training's stop agreement uses one). All ranks must
    also run the same torch and NCCL versions.
 3. The all-reduce bandwidth for a few message sizes, as nccl-tests define it: algbw = bytes /
    time, and busbw = algbw * 2(W-1)/W, the traffic every link carries in a ring all-reduce,
@@ -81,6 +82,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (default: 10)")
     p.add_argument(
+        "--gloo-timeout",
+        type=int,
+        default=30,
+        help="seconds the gloo group's check may take before it fails (default: 30)",
+    )
+    p.add_argument(
         "--timeout",
         type=int,
         default=120,
@@ -137,6 +144,24 @@ def timed_all_reduce(tensor: torch.Tensor, iters: int, device: torch.device) -> 
     )
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective is as fast as its slowest rank
     return elapsed.item()
+
+
+def check_gloo_group(rank: int, world_size: int, timeout_s: int) -> str | None:
+    """A new gloo group, an all-reduce in it and its end, within `timeout_s`; what went wrong."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        ones = torch.ones(1)
+        dist.all_reduce(ones, group=group)
+        dist.destroy_process_group(group)
+    except RuntimeError as err:  # gloo's timeouts and refused connections
+        reason = str(err).splitlines()[0][:160]
+        return (
+            f"a gloo group failed within {timeout_s} s ({reason}); set GLOO_SOCKET_IFNAME to the "
+            "interface the nodes reach each other on (as NCCL_SOCKET_IFNAME)"
+        )
+    if ones.item() != world_size:
+        return f"gloo all-reduce gave {ones.item():g}, expected {world_size}"
+    return None
 
 
 def main():
@@ -201,6 +226,14 @@ def main():
             failures.append(f"float all-reduce: {wrong:,} of {floats.numel():,} elements wrong")
         outcome = "; ".join(failures) if failures else f"OK (sum of rank+1 = {expected})"
         print(f"{prefix} all-reduce check: {outcome}", flush=True)
+
+        # a gloo group as well, whatever the backend: the stop's agreement runs on one. gloo binds
+        # to the address of the host's name, 127.0.1.1 on many clusters, so across nodes it can
+        # hang where NCCL works; a short timeout turns that hang into a failed check
+        gloo_failure = check_gloo_group(rank, world_size, args.gloo_timeout)
+        if gloo_failure:
+            failures.append(gloo_failure)
+        print(f"{prefix} gloo group check: {gloo_failure or 'OK'}", flush=True)
 
         # every rank must run the same software: a torch or NCCL mismatch breaks or hangs
         # collectives

@@ -256,9 +256,9 @@ def main():
             )
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # (common/support/preempt.py) The ranks agree on the step to stop at: one all-reduce of a single
-    # number per step.
-    preemption = Preemption(args.stop_signal, ranks_agree_within=timeout)
+    # (common/support/preempt.py). The ranks agree on the step to stop at, with an all-reduce of two
+    # numbers every few steps. A worker restarted after a stop stops here too.
+    preemption = Preemption(args.stop_signal, out_dir, ranks_agree_within=timeout)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
@@ -356,8 +356,10 @@ def main():
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
-            if preemption.requested():  # a stop signal came during this step
-                save(iter_num)
+            # a stop signal came during this step (on the last step, the run just ends)
+            if iter_num < args.max_iters and preemption.requested():
+                if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
+                    save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it

@@ -2,6 +2,7 @@
 
 import os
 import re
+import socket
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,8 +11,7 @@ from torch.optim import Optimizer
 
 from .model import GPTConfig
 from .support.errors import CourseError
-
-CKPT_NAME = "ckpt.pt"
+from .support.rundir import CKPT_NAME
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,7 +34,8 @@ def save_checkpoint(
     """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one
     intact."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(out_dir, f".{CKPT_NAME}.tmp.{os.getpid()}")
+    # the host and the process in the name: no two writers share a temporary file, even across nodes
+    tmp = Path(out_dir, f".{CKPT_NAME}.tmp.{socket.gethostname()}.{os.getpid()}")
     # a Path or an object would need unpickling code to read back
     plain = {k: v for k, v in train_config.items() if v is None or isinstance(v, (int, float, str))}
     # the GPUs' generators draw dropout's masks there: a resumed run continues their streams
@@ -56,11 +57,14 @@ def save_checkpoint(
         # float16's loss scale: a resumed run must not restart at 65,536
         "scaler": scaler_state or {},
     }
-    with open(tmp, "wb") as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    os.replace(tmp, tmp.with_name(CKPT_NAME))
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, tmp.with_name(CKPT_NAME))
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failure (a full disk): no half-written file left
 
 
 def load_checkpoint(out_dir_or_file: str | Path) -> dict:

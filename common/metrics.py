@@ -63,9 +63,6 @@ def max_memory_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
-METRICS_NAME = "metrics.jsonl"  # in every run's --out-dir
-
-
 class MetricsLog:
     """metrics.jsonl, one JSON line per record. `resume_from`: the step a resumed run continues
     from (0: a new run)."""

@@ -13,8 +13,10 @@ from tools.launch import REPO, child_env, flags, measured_run_flags, stop_launch
 
 
 def snapshot(folder: Path) -> dict:
-    """Every file of a folder with its modification time and bytes: a run left them alone."""
-    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+    """Every file of a folder with its modification time and bytes: a run left them alone. Not
+    run.lock: the folder's claim, where every run that takes the folder writes who it is."""
+    files = [p for p in sorted(folder.iterdir()) if p.name != "run.lock"]
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
 
 
 def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -> list[str]:

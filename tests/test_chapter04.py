@@ -145,7 +145,12 @@ def test_chapter04_checkpoint_continues_in_chapter01(runs):
 
 def test_only_rank0_writes_and_all_ranks_agree(runs):
     folder = runs["ddp"]
-    assert sorted(p.name for p in folder.iterdir()) == ["ckpt.pt", "metrics.jsonl", "stdout.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "ckpt.pt",
+        "metrics.jsonl",
+        "run.lock",
+        "stdout.txt",
+    ]
     metrics = read_metrics(folder / "metrics.jsonl")
     assert [m["iter"] for m in metrics if "loss" in m] == list(range(1, ITERS + 1))
     assert [m["iter"] for m in metrics if "val_loss" in m] == [ITERS]

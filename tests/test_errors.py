@@ -151,7 +151,8 @@ def test_unreadable_file(tmp_path, data_dir):
 def test_resume_without_checkpoint(data_dir, tmp_path):
     out_dir = tmp_path / "never_ran"
     fails_cleanly(tiny_run_args(data_dir, out_dir, 5, resume=True), "no checkpoint at")
-    assert not out_dir.exists() or not any(out_dir.iterdir())
+    # nothing but the claim on the folder (run.lock, tests/test_run_folder.py)
+    assert not out_dir.exists() or [f.name for f in out_dir.iterdir()] in ([], ["run.lock"])
 
 
 @pytest.mark.parametrize(

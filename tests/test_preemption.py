@@ -5,20 +5,24 @@ exactly.
   rank 0, a checkpoint of the last step finished, and `--resume` ends with the parameters of
   chapter 01's run that was never stopped (float64: equal up to rounding).
 - Chapter 01 alone: the same line, and exit status 75.
-- In-process: the signal handling itself (a repeat passed on by a launcher is the same stop, a
-  later one stops at once), run_main's lines and statuses (a script without --resume, as the
-  hang lab, does not offer it), and --stop-signal's names.
-- 05_multinode/slurm.sbatch, with stand-ins for srun and scontrol: USR1 to the batch shell becomes a
-  SIGTERM to the training, the job is requeued, and the requeued job passes --resume.
+- In-process: the signal handling itself (every copy after the first is the same stop, however
+  late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
+  it; an error while stopping is an error, with its own status), --stop-signal's names, the
+  agreement's schedule, and a stop's finality (a restarted worker finds the stop's marker and stops).
+- Chapter 05 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
+  and they stop at once, without a step more (the stop's marker).
+- 05_multinode/slurm.sbatch on a real Slurm: tests/test_slurm.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
+import math
 import os
+import re
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +33,15 @@ import torch
 from helpers import start, tiny_run_args
 
 from common.metrics import read_metrics
-from common.support import preempt
 from common.support.errors import EXIT_STOPPED, Stopped, run_main
-from common.support.preempt import Preemption, stop_signal
+from common.support.preempt import (
+    CHECK_SHARE,
+    LONGEST_WAIT_S,
+    STOP_MARKER,
+    Preemption,
+    steps_between_checks,
+    stop_signal,
+)
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
 ITERS = 8
@@ -149,22 +159,48 @@ def test_stop_signal_names():
             stop_signal(wrong)
 
 
-def test_a_repeat_is_the_same_stop_and_a_later_signal_stops_at_once(
-    restore_signal_handlers, monkeypatch
-):
-    preemption = Preemption("USR1")
+def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers, tmp_path):
+    preemption = Preemption("USR1", tmp_path)
     assert not preemption.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
     assert preemption.requested() and preemption.received == "SIGUSR1"
     os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
-    assert preemption.requested()
-    monkeypatch.setattr(preempt, "SAME_STOP_S", 0.0)
-    with pytest.raises(KeyboardInterrupt):  # a second stop, later: at once
-        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGUSR1)  # later, while saving (Slurm's own TERM): nothing changes
+    assert preemption.requested() and preemption.received == "SIGUSR1"
     with pytest.raises(
         Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved; continue with --resume"
     ):
         preemption.stop(7)
+    assert (tmp_path / STOP_MARKER).read_text() == "7 SIGUSR1\n"
+
+
+def test_a_worker_restarted_after_a_stop_stops_at_once(
+    restore_signal_handlers, tmp_path, monkeypatch
+):
+    (tmp_path / STOP_MARKER).write_text("7 SIGTERM\n")  # what the stop left
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the worker
+    with pytest.raises(Stopped, match="stopped by SIGTERM before torchrun restarted this worker"):
+        Preemption("TERM", tmp_path)
+    # a new launch (with --resume) is not a restart: the old stop is over, and its marker goes
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    Preemption("TERM", tmp_path)
+    assert not (tmp_path / STOP_MARKER).exists()
+    # a restart after a failure, with no stop asked for, trains on
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert not Preemption("TERM", tmp_path).requested()
+
+
+def test_the_agreement_comes_every_k_steps():
+    # a check of 1 ms and steps of 1 s: every step costs 0.1 %, so every step
+    assert steps_between_checks(0.001, 1.0) == 1
+    # a check of 50 ms (a thousand ranks) and steps of 0.5 s: 10 steps keep it at 1 %
+    assert steps_between_checks(0.05, 0.5) == math.ceil(0.05 / (CHECK_SHARE * 0.5)) == 10
+    # steps of 10 ms: 1 % would mean a check every 500 steps (5 s), under LONGEST_WAIT_S
+    assert steps_between_checks(0.05, 0.01) == 500
+    # a slower check: a stop still waits at most LONGEST_WAIT_S for it
+    assert steps_between_checks(1.0, 0.01) == int(LONGEST_WAIT_S / 0.01)
+    assert steps_between_checks(0.05, 60.0) == 1
 
 
 def ends(main, resumable=False) -> tuple[int, str]:
@@ -196,69 +232,57 @@ def test_run_main_lines_and_statuses(restore_signal_handlers):
     )
 
 
-# ---- 05_multinode/slurm.sbatch: the job stops, is requeued, and the next one resumes
-# ---------------
+def test_an_error_while_stopping_is_an_error(restore_signal_handlers, tmp_path):
+    """A full disk in the stop's save is one line and status 1; a bug keeps its traceback."""
 
-FAKE_SRUN = """#!/bin/bash
-# srun as far as the script needs it: the preflight ends at once; the training records its words,
-# then runs until SIGTERM, as a training run that saves and stops does (status 75)
-if [[ "$*" == *preflight* ]]; then exit 0; fi
-echo "$*" >> "$LOG"
-trap 'echo stopped >> "$LOG"; exit 75' TERM
-echo started >> "$LOG"
-while true; do sleep 0.1; done
-"""
-FAKE_SCONTROL = """#!/bin/bash
-if [[ "$1" == show ]]; then echo node1; exit 0; fi
-echo "scontrol $*" >> "$LOG"
-"""
+    def full_disk_while_saving():
+        preemption = Preemption("TERM", tmp_path)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested()
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    def bug_while_saving():
+        preemption = Preemption("TERM", tmp_path)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested()
+        raise ValueError("a bug")
+
+    status, output = ends(full_disk_while_saving, resumable=True)
+    assert status == 1 and output.count("\n") == 1, output
+    assert output.startswith("error while stopping after SIGTERM: [Errno 122] Disk quota exceeded")
+    status, output = ends(bug_while_saving)
+    assert status == 1 and "Traceback" in output and "ValueError: a bug" in output, output
+    assert output.splitlines()[-1] == "error while stopping after SIGTERM: a bug"
 
 
-def test_slurm_script_passes_the_stop_on_requeues_and_the_next_job_resumes(tmp_path):
-    bin_dir, out_dir, log = tmp_path / "bin", tmp_path / "out", tmp_path / "log"
-    bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "LOG": str(log),
-        "SLURM_JOB_ID": "42",
-        "SLURM_JOB_NODELIST": "node1",
-        "OUT_DIR": str(out_dir),
-    }
-    script = Path(__file__).resolve().parents[1] / "05_multinode" / "slurm.sbatch"
-
-    def job(restart_count: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            ["bash", str(script), "--max-iters", "9"],
-            env={**env, "SLURM_RESTART_COUNT": str(restart_count)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    first = job(0)
-    deadline = time.monotonic() + 30
-    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    first.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@90 sends, to the batch shell only
-    output, _ = first.communicate(timeout=30)
-    words = log.read_text().splitlines()
-    assert words[1:] == ["started", "stopped", "scontrol requeue 42"], output
-    assert "--resume" not in words[0] and "--max-iters 9" in words[0]
-    assert first.returncode == 75, output
-
-    # the requeued job: the same job id, so the same folder, where the stopped run left its
-    # checkpoint
-    out_dir.mkdir()
-    (out_dir / "ckpt.pt").write_bytes(b"")
-    log.unlink()
-    second = job(1)
-    deadline = time.monotonic() + 30
-    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    second.send_signal(signal.SIGUSR1)
-    second.communicate(timeout=30)
-    assert "--resume --max-iters 9" in log.read_text().splitlines()[0]
+def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):
+    """SIGTERM to the workers alone (not to torchrun): they save and exit 75, torchrun counts that
+    as a failure and restarts them (--max-restarts=1), and the restarted workers find the stop's
+    marker and stop at once, without a step more."""
+    out = tmp_path / "run"
+    args = tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
+    cmd = torchrun_command("05_multinode/train.py", 2, args, extra=["--max-restarts=1"])
+    proc = start(cmd)
+    seen = ""
+    try:
+        deadline = time.monotonic() + 240
+        while "iter      2 |" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        workers = [int(pid) for pid in re.findall(r"\] process (\d+) on ", seen)]
+        assert len(workers) == 2, seen
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        stop_launchers([proc])
+    output = seen + rest
+    step = checkpoint(out)["iter_num"]
+    assert f"[rank 0] stopped by SIGTERM at step {step}: checkpoint saved" in output, output
+    # torchrun restarted the workers, which stopped at once: the same step, no step trained after it
+    again = f"[rank 0] stopped by SIGTERM before torchrun restarted this worker at step {step}:"
+    assert again in output, output
+    assert max(logged_losses(out)) == step
+    assert proc.returncode == 1  # torchrun, its restarts used up

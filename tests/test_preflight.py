@@ -50,6 +50,7 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
 
     # the known sum (1 + 2 = 3) arrived on both ranks
     assert len(re.findall(r"all-reduce check: OK \(sum of rank\+1 = 3\)", out)) == 2
+    assert len(re.findall(r"gloo group check: OK$", out, re.MULTILINE)) == 2
     assert "preflight PASSED: 2 ranks on 2 node(s)" in nodes[0].stdout
 
     # rank 0's table: one row per size; with 2 ranks, busbw = algbw * 2(W-1)/W = algbw

@@ -8,8 +8,8 @@ shows.
 - Ctrl-C under torchrun: one `[rank R]` line from every rank; SIGTERM: one from rank 0 (the run
   saves the step it is in); no worker traceback.
 - Under a pseudo-terminal without a size, the run still prints its progress lines.
-- A file system that cannot lock (flock's ENOLCK, ENOSYS) is named, with the way on
-(COURSE_NO_LOCK=1).
+- A file system that cannot lock (lockf's ENOLCK, ENOSYS) is named, with the way on
+  (COURSE_NO_LOCK=1); the lock file names who holds the folder.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
         )
         assert second.returncode == 2 and second.stderr.startswith("error: ")
         assert "in use by a run that is still going" in second.stderr
+        # the lock file says who holds the folder
+        assert f"pid {first.pid}" in second.stderr and "run.lock" in second.stderr
         assert first.poll() is None  # the first run goes on
     finally:
         first.kill()  # kill -9: no chance to clean up
@@ -231,22 +233,22 @@ def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_pat
 def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock(
     tmp_path, monkeypatch
 ):
-    """flock's own errors, planted: only EWOULDBLOCK means another run; ENOLCK (NFS without its lock
-    service) and ENOSYS (Lustre without flock) mean the file system cannot lock."""
+    """lockf's own errors, planted: only EAGAIN (or EACCES) means another run; ENOLCK (NFS without
+    its lock service) and ENOSYS (Lustre without flock) mean the file system cannot lock."""
 
     def failing(code):
-        def flock(fd, operation):
+        def lockf(fd, operation):
             raise OSError(code, os.strerror(code))
 
-        return flock
+        return lockf
 
     for code in (errno.ENOLCK, errno.ENOSYS):
-        monkeypatch.setattr(fcntl, "flock", failing(code))
+        monkeypatch.setattr(fcntl, "lockf", failing(code))
         with pytest.raises(CourseError) as err:
             rundir.claim_out_dir(tmp_path / "run", resume=False)
         assert "cannot lock the folder" in str(err.value) and "COURSE_NO_LOCK=1" in str(err.value)
         assert "in use" not in str(err.value)
-    monkeypatch.setattr(fcntl, "flock", failing(errno.EWOULDBLOCK))
+    monkeypatch.setattr(fcntl, "lockf", failing(errno.EAGAIN))
     with pytest.raises(CourseError, match="in use by a run that is still going"):
         rundir.claim_out_dir(tmp_path / "run", resume=False)
     # the documented way on: no lock taken, and the folder's other rule still holds

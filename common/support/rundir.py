@@ -3,15 +3,20 @@
 import errno
 import fcntl
 import os
+import socket
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ..checkpoint import CKPT_NAME
-from ..metrics import METRICS_NAME
 from .errors import CourseError
 
-# On NFS a flock keeps out only the same machine's processes. Lustre without flock (ENOSYS) and NFS
+# The files of a run folder (common/checkpoint.py and common/metrics.py write the first two).
+CKPT_NAME = "ckpt.pt"
+METRICS_NAME = "metrics.jsonl"
+# The claim: a lock on this regular file, and in it who holds it (host, process id, SLURM job id).
+LOCK_NAME = "run.lock"
+# A POSIX lock (fcntl.lockf) on a file opened for writing is what NFS passes to its lock service, so
+# it keeps out processes on other machines as well. Lustre mounted without flock (ENOSYS) and NFS
 # without its lock service (ENOLCK) cannot lock: COURSE_NO_LOCK=1 goes on without it.
 NO_LOCK = "COURSE_NO_LOCK"
 
@@ -29,18 +34,21 @@ def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
 def _claim(out_dir: Path, resume: bool) -> str | None:
     """What is wrong with the folder, if anything (None: it is this run's now)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    # a flock, by a descriptor never closed: dropped however the process ends (even kill -9)
-    lock = os.open(out_dir, os.O_RDONLY)
+    # a descriptor never closed: the lock goes however the process ends (even kill -9), and closing
+    # any descriptor of the file in this process would drop it
+    lock = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if os.environ.get(NO_LOCK) != "1":
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        os.close(lock)
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # another process holds the lock
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # another process has it
+            holder = os.pread(lock, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(lock)
             return (
-                f"{out_dir} is in use by a run that is still going (it holds a lock on the folder); "
-                "wait for it to end, or give this run another --out-dir"
+                f"{out_dir} is in use by a run that is still going ({holder} holds its "
+                f"{LOCK_NAME}); wait for it to end, or give this run another --out-dir"
             )
+        os.close(lock)
         return (
             f"the file system of {out_dir} cannot lock the folder ({os.strerror(err.errno or 0)}): "
             f"use an --out-dir on another file system, or run with {NO_LOCK}=1 to go on without "
@@ -55,3 +63,9 @@ def _claim(out_dir: Path, resume: bool) -> str | None:
             f"{out_dir} already holds a run (its {CKPT_NAME} / {METRICS_NAME}); continue it "
             f"with --resume, start a new run with another --out-dir, or delete {out_dir} first"
         )
+    holder = f"host {socket.gethostname()} pid {os.getpid()}"
+    if "SLURM_JOB_ID" in os.environ:
+        holder += f" job {os.environ['SLURM_JOB_ID']}"
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, f"{holder}\n".encode(), 0)
+    return None

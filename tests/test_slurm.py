@@ -1,0 +1,171 @@
+"""05_multinode/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves the step,
+the job is requeued under its id, and the requeued job resumes from that step and completes.
+
+The cluster is 05_multinode/test_cluster/start.sh's (CI brings it up and exports SLURM_CONF). The
+script is submitted as it is, with a tiny CPU run: what differs is given on sbatch's command line
+(one node, no GPU, two cores) and in the environment the script reads (two processes per node, the
+prepared token files, the run folder).
+
+- USR1 to the batch shell (`scancel --batch --signal=USR1`), what `--signal=B:USR1@90` sends near the
+  limit, at once.
+- The real `--signal=B:USR1@90` with a three-minute `--time` (room for the start-up on a slow
+  machine): it costs minutes, so it runs only with COURSE_SLURM_TIME_LIMIT=1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_run_args
+
+from common.metrics import read_metrics
+from tools.launch import REPO, child_env, free_port
+
+START = "sudo bash 05_multinode/test_cluster/start.sh /tmp/course-slurm"
+# sbatch options that fit the script to the test cluster; the script itself is not changed
+ONE_SMALL_NODE = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2"]
+ITERS = 16
+
+
+def why_no_slurm() -> str | None:
+    """Why no Slurm can take jobs here (None: one can)."""
+    if shutil.which("sbatch") is None:
+        return "no Slurm commands (sbatch)"
+    if not os.environ.get("SLURM_CONF"):
+        return "SLURM_CONF is not set"
+    nodes = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    if nodes.returncode != 0 or not re.search(r"idle|mix|alloc", nodes.stdout):
+        return f"no Slurm node takes jobs (sinfo: {(nodes.stdout + nodes.stderr).strip()})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A Slurm that takes jobs: skipped without one, but a failure in CI, which brings one up."""
+    why = why_no_slurm()
+    if why is None:
+        return
+    message = f"{why}: bring the test cluster up with `{START}`, then export SLURM_CONF"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def submit(data_dir: Path, out_dir: Path, log: Path, sbatch_options: list, train_args: list) -> str:
+    """Submit slurm.sbatch from the repository root, as a reader does; returns the job id."""
+    env = child_env(
+        OUT_DIR=str(out_dir),
+        DATA_DIR=str(data_dir),
+        GPUS_PER_NODE="2",
+        PREFLIGHT_SIZES_MB="1",
+        MASTER_PORT=str(free_port()),
+    )
+    cmd = [
+        "sbatch",
+        "--parsable",
+        *ONE_SMALL_NODE,
+        f"--output={log}",
+        *sbatch_options,
+        "05_multinode/slurm.sbatch",
+        *map(str, train_args),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def job_fields(job: str) -> dict[str, str]:
+    """`scontrol show job`'s KEY=VALUE fields (empty once Slurm has forgotten the job)."""
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30
+    )
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+def wait_for_line(log: Path, pattern: str, job: str, limit: float) -> re.Match:
+    """The first match of `pattern` in the job's log, waiting up to `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        found = re.search(pattern, text, re.MULTILINE)
+        if found:
+            return found
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], timeout=30)
+    raise AssertionError(f"no {pattern!r} in the job's log after {limit} s:\n{text}")
+
+
+def wait_until_done(job: str, log: Path, limit: float) -> dict[str, str]:
+    deadline = time.monotonic() + limit
+    fields = job_fields(job)
+    while fields.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], timeout=30)
+            raise AssertionError(f"job {job} still {fields.get('JobState')}:\n{log.read_text()}")
+        time.sleep(1)
+        fields = job_fields(job)
+    return fields
+
+
+def test_a_stop_near_the_limit_saves_the_step_and_the_requeued_job_resumes_it(
+    slurm, data_dir, tmp_path
+):
+    out_dir = tmp_path / "out"
+    log = tmp_path / "job.log"
+    train_args = tiny_run_args(data_dir, out_dir, max_iters=ITERS, batch_size=4)
+    job = submit(data_dir, out_dir, log, [], train_args)
+    wait_for_line(log, r"\] iter +2 \|", job, limit=240)
+    # what --signal=B:USR1@90 delivers near the limit, now
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30)
+
+    fields = wait_until_done(job, log, limit=300)
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text
+    # requeued once, under the same id (the requeued job's SLURM_RESTART_COUNT is 1)
+    assert fields["Restarts"] == "1", text
+    # the training saved the step it was in, and said so
+    stopped = re.search(
+        r"^\[rank 0\] stopped by SIGTERM at step (\d+): checkpoint saved", text, re.M
+    )
+    assert stopped, text
+    step = int(stopped.group(1))
+    assert 2 <= step < ITERS, text
+    # the requeued job resumed from that step and completed; the log holds both attempts, in order
+    resumed = f"resuming from {out_dir / 'ckpt.pt'} at step {step}"
+    assert text.count(f"job {job}: 1 nodes x 2 GPUs") == 2, text
+    assert text.index(stopped.group(0)) < text.index(resumed) < text.index("all 2 rank(s): yes")
+    checkpoint = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
+    assert checkpoint["iter_num"] == ITERS
+    steps = [r["iter"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, ITERS + 1)), steps  # each step once: nothing lost, none twice
+    assert not list(out_dir.glob(".*tmp*"))
+
+
+@pytest.mark.skipif(
+    os.environ.get("COURSE_SLURM_TIME_LIMIT") != "1",
+    reason="the real time limit costs minutes: run with COURSE_SLURM_TIME_LIMIT=1",
+)
+def test_the_real_time_limit_signal_stops_and_requeues(slurm, data_dir, tmp_path):
+    out_dir = tmp_path / "out"
+    log = tmp_path / "job.log"
+    train_args = tiny_run_args(data_dir, out_dir, max_iters=1_000_000, batch_size=4)
+    options = ["--time=3", "--signal=B:USR1@90"]
+    job = submit(data_dir, out_dir, log, options, train_args)
+    try:
+        stopped = wait_for_line(
+            log, r"^\[rank 0\] stopped by SIGTERM at step (\d+): checkpoint saved", job, limit=240
+        )
+        step = int(stopped.group(1))
+        wait_for_line(
+            log, f"resuming from {re.escape(str(out_dir))}/ckpt.pt at step {step}$", job, 120
+        )
+        assert job_fields(job)["Restarts"] == "1"
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
