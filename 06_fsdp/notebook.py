@@ -29,9 +29,9 @@ sys.path.insert(
 )
 import torch
 
-from tools.notebook import RUNS, TINY, clean_up, compare, plot_losses, show_setup, torchrun, train
+from tools.notebook import RUNS, TINY, clean_up, compare, plot_losses, setup, torchrun, train
 
-show_setup()
+setup()
 
 # %% [markdown]
 # ## How a tensor is cut

@@ -176,7 +176,7 @@ def test_a_killed_worker_resumes_from_the_shards_and_three_ranks_read_two_ranks_
     )
     assert checkpoint(folder)["iter_num"] == ITERS and checkpoint(folder)["model"] == {}
     # no temporary folder left, and no ckpt.pt: nothing was gathered
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt_sharded", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt_sharded", "metrics.jsonl", "run.lock"]
 
 
 # ---- float64: the control, and a scheduler's stop --------------------------------------------

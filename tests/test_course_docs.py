@@ -241,11 +241,15 @@ def test_troubleshooting_cites_tests_that_exist():
 
 
 DEEP_DIVES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "deep").glob("*.md"))
-MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in FOLDERS)]
+# the design's main line ends at chapter 05; chapter 06 is the step after it, read when needed
+MAIN_LINE = FOLDERS[:5]
+MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in MAIN_LINE)]
+AFTER_MAIN_LINE = [f"{chapter}/README.md" for chapter in FOLDERS[5:]]
 
 
 @pytest.mark.parametrize(
-    "page", ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *DEEP_DIVES]
+    "page",
+    ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *AFTER_MAIN_LINE, *DEEP_DIVES],
 )
 def test_docs_name_files_that_exist(page):
     """Every repository path a page names (`01_single_gpu/train.py`, `maintainer/make_plots.py`,
@@ -265,6 +269,7 @@ def test_docs_name_files_that_exist(page):
 # ---- the main path: short, in five parts, with its deep dives beside it ------------------------
 
 MAIN_PATH_WORDS = 14_000
+CHAPTER_AFTER_MAIN_LINE_WORDS = 2_500
 PARTS = ["## The idea", "## Run it", "## The diff", "## Check it yourself", "## Deep dives"]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
@@ -273,6 +278,13 @@ def test_the_main_path_stays_short():
     """README + the five chapter READMEs, embedded diffs included, fit an afternoon's reading."""
     words = sum(len((REPO / page).read_text().split()) for page in MAIN_PATH)
     assert words <= MAIN_PATH_WORDS, f"the main path has {words} words, more than {MAIN_PATH_WORDS}"
+
+
+@pytest.mark.parametrize("page", AFTER_MAIN_LINE)
+def test_a_chapter_after_the_main_line_stays_short(page):
+    words = len((REPO / page).read_text().split())
+    limit = CHAPTER_AFTER_MAIN_LINE_WORDS
+    assert words <= limit, f"{page} has {words} words, more than {limit}"
 
 
 @pytest.mark.parametrize("chapter", FOLDERS)
@@ -288,7 +300,14 @@ def test_every_chapter_readme_has_the_five_parts_in_order(chapter):
 
 
 @pytest.mark.parametrize(
-    "page", [*MAIN_PATH, *DEEP_DIVES, "docs/deep/DDP_FROM_SCRATCH.md", "docs/deep/ZERO.md"]
+    "page",
+    [
+        *MAIN_PATH,
+        *AFTER_MAIN_LINE,
+        *DEEP_DIVES,
+        "docs/deep/DDP_FROM_SCRATCH.md",
+        "docs/deep/ZERO.md",
+    ],
 )
 def test_links_between_pages_resolve(page):
     path = REPO / page
@@ -302,7 +321,7 @@ def test_links_between_pages_resolve(page):
 
 def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
     linked = set()
-    for page in MAIN_PATH:
+    for page in [*MAIN_PATH, *AFTER_MAIN_LINE]:
         linked |= {
             (REPO / page).parent.joinpath(t).resolve()
             for t in LINK.findall((REPO / page).read_text())
