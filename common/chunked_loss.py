@@ -14,9 +14,7 @@ GPU_CHUNK = 1024
 IGNORE_INDEX = -100  # a target that counts for nothing, as in F.cross_entropy
 
 
-def _loss_and_grads(
-    h, weight, targets, chunk: int, dtype: torch.dtype, want_grad_h: bool, want_grad_w: bool
-):
+def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_grads: bool):
     """The summed loss, the number of positions that count, and (if wanted) the gradients of that
     sum: grad_h (N, C) and grad_w (V, C). h (N, C), weight (V, C), targets (N,); the products run
     in `dtype`, the softmax and the sums in float32 (float64 in a float64 run)."""
@@ -33,8 +31,11 @@ def _loss_and_grads(
     # (N, 1): an ignored position gathers column 0, counts 0
     safe_targets = targets.clamp(min=0).unsqueeze(1)
     loss_sum = torch.zeros((), dtype=acc, device=h.device)
-    grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if want_grad_h else None
-    grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad_w else None
+    grad_h = None
+    grad_w = None
+    if want_grads:
+        grad_h = torch.empty(h.shape, dtype=acc, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
     for start in range(0, h.shape[0], chunk):
         rows = slice(start, start + chunk)
         h_c = h_lo[rows]  # (c, C)
@@ -44,15 +45,14 @@ def _loss_and_grads(
         # does
         log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
         loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
-        if want_grad_h or want_grad_w:
+        if want_grads:
             # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
             minus_one = torch.full_like(y_c, -1, dtype=log_probs.dtype)
             grad_logits = log_probs.exp_().scatter_add_(1, y_c, minus_one).to(grad_dtype)
-            if want_grad_h:
-                grad_h[rows] = (grad_logits @ w_g) * keep  # (c, C); an ignored position gets zero
-            if want_grad_w and grad_dtype == acc:  # the product adds itself into grad_w (V, C)
+            grad_h[rows] = (grad_logits @ w_g) * keep  # (c, C); an ignored position gets zero
+            if grad_dtype == acc:  # the product adds itself into grad_w (V, C)
                 grad_w.addmm_(grad_logits.t(), h_g[rows] * keep)
-            elif want_grad_w:  # bfloat16 products, summed in float32
+            else:  # bfloat16 products, summed in float32
                 grad_w += grad_logits.t() @ (h_g[rows] * keep)
             del grad_logits
         del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
@@ -63,10 +63,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean cross-entropy of (h @ weight.T) against targets; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, dtype):
-        want_h, want_w = ctx.needs_input_grad[:2]
+    def forward(ctx, h, weight, targets, chunk, dtype, want_grads):
         loss_sum, count, grad_h, grad_w = _loss_and_grads(
-            h, weight, targets, chunk, dtype, want_h, want_w
+            h, weight, targets, chunk, dtype, want_grads
         )
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
@@ -79,11 +78,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         # d(mean)/d(sum); both gradients were summed in the same dtype
         scale = grad_loss.to(ctx.acc) / count
-        if grad_h is not None:
-            grad_h = (grad_h * scale).to(h_dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * scale).to(w_dtype)
-        return grad_h, grad_w, None, None, None
+        grad_h = (grad_h * scale).to(h_dtype)
+        grad_w = (grad_w * scale).to(w_dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -104,8 +101,7 @@ def chunked_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(h.dtype, weight.dtype)
+    # under no_grad (evaluation, generation) no gradient is computed ahead
+    want_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):  # the function chooses its own precisions
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, dtype)
-        loss_sum, count, _, _ = _loss_and_grads(h, weight, targets, chunk, dtype, False, False)
-        return loss_sum / count
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, dtype, want_grads)
