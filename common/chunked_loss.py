@@ -69,7 +69,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
-        ctx.acc = loss_sum.dtype  # and were summed in this
         return loss_sum / count
 
     @staticmethod
@@ -77,7 +76,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         # d(mean)/d(sum); both gradients were summed in the same dtype
-        scale = grad_loss.to(ctx.acc) / count
+        scale = grad_loss.to(grad_h.dtype) / count
         grad_h = (grad_h * scale).to(h_dtype)
         grad_w = (grad_w * scale).to(w_dtype)
         return grad_h, grad_w, None, None, None, None

@@ -10,7 +10,7 @@ from .support.errors import CourseError
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64")}
 
 
-def pick_device(requested: str = "auto") -> torch.device:
+def pick_device(requested: str) -> torch.device:
     """--device: auto takes a CUDA GPU, else Apple's GPU (mps), else the CPU."""
     if requested == "auto":
         if torch.cuda.is_available():
