@@ -80,17 +80,6 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def in_autocast(module, device: torch.device, dtype: torch.dtype):
-    """`module` called inside autocast: DataParallel's replica threads lose it
-    (docs/deep/AUTOCAST_TRAP.md)"""
-
-    def call(*args, **kwargs):
-        with autocast_context(device, dtype):
-            return module(*args, **kwargs)
-
-    return call
-
-
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
     """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors 1e-16, not
     1e-7."""
