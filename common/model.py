@@ -172,10 +172,11 @@ class GPT(nn.Module):
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.dim() < 2]
         return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": matrices, "weight_decay": weight_decay},
+            {"params": vectors, "weight_decay": 0.0},
         ]
 
     def flops_per_token(self) -> float:
