@@ -113,7 +113,6 @@ def evaluate(
     autocast: contextlib.AbstractContextManager,
 ) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
-    was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
@@ -123,7 +122,7 @@ def evaluate(
             _, loss = model(x, y)
         # mean(): DataParallel returns one loss per GPU
         total += loss.mean().to(total.dtype) * len(x)
-    model.train(was_training)
+    model.train()  # every caller goes on training
     return total / max(len(windows), 1)
 
 
