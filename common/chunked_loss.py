@@ -11,13 +11,12 @@ import torch
 # 1,024 keeps the temporaries near 0.5 GB (reasoned; bench/gpu_check.sh measures it).
 CPU_CHUNK = 128
 GPU_CHUNK = 1024
-IGNORE_INDEX = -100  # a target that counts for nothing, as in F.cross_entropy
 
 
 def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_grads: bool):
-    """The summed loss, the number of positions that count, and (if wanted) the gradients of that
-    sum: grad_h (N, C) and grad_w (V, C). h (N, C), weight (V, C), targets (N,); the products run
-    in `dtype`, the softmax and the sums in float32 (float64 in a float64 run)."""
+    """The summed loss and (if wanted) the gradients of that sum: grad_h (N, C) and grad_w (V, C).
+    h (N, C), weight (V, C), targets (N,); the products run in `dtype`, the softmax and the sums in
+    float32 (float64 in a float64 run)."""
     acc = torch.promote_types(dtype, torch.float32)
     h_lo = h.to(dtype)  # no copy when already in dtype (float32 on the CPU)
     w_lo = weight.to(dtype)
@@ -27,9 +26,8 @@ def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_gra
     grad_dtype = torch.float32 if dtype == torch.float16 else dtype
     h_g = h.to(grad_dtype)
     w_g = weight.to(grad_dtype)
-    valid = targets != IGNORE_INDEX  # (N,)
-    # (N, 1): an ignored position gathers column 0, counts 0
-    safe_targets = targets.clamp(min=0).unsqueeze(1)
+    # every position counts: the course's targets are all token ids (no ignore_index)
+    targets_2d = targets.unsqueeze(1)  # (N, 1)
     loss_sum = torch.zeros((), dtype=acc, device=h.device)
     grad_h = None
     grad_w = None
@@ -39,24 +37,23 @@ def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_gra
     for start in range(0, h.shape[0], chunk):
         rows = slice(start, start + chunk)
         h_c = h_lo[rows]  # (c, C)
-        y_c = safe_targets[rows]  # (c, 1)
-        keep = valid[rows].unsqueeze(1)  # (c, 1)
+        y_c = targets_2d[rows]  # (c, 1)
         # the chunk's logits, the one large tensor, in float32 for the softmax as the plain path
         # does
         log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
-        loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
+        loss_sum -= log_probs.gather(1, y_c).sum()
         if want_grads:
             # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
             minus_one = torch.full_like(y_c, -1, dtype=log_probs.dtype)
             grad_logits = log_probs.exp_().scatter_add_(1, y_c, minus_one).to(grad_dtype)
-            grad_h[rows] = (grad_logits @ w_g) * keep  # (c, C); an ignored position gets zero
+            grad_h[rows] = grad_logits @ w_g  # (c, C)
             if grad_dtype == acc:  # the product adds itself into grad_w (V, C)
-                grad_w.addmm_(grad_logits.t(), h_g[rows] * keep)
+                grad_w.addmm_(grad_logits.t(), h_g[rows])
             else:  # bfloat16 products, summed in float32
-                grad_w += grad_logits.t() @ (h_g[rows] * keep)
+                grad_w += grad_logits.t() @ h_g[rows]
             del grad_logits
         del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
-    return loss_sum, valid.sum(), grad_h, grad_w
+    return loss_sum, grad_h, grad_w
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -64,19 +61,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, dtype, want_grads):
-        loss_sum, count, grad_h, grad_w = _loss_and_grads(
-            h, weight, targets, chunk, dtype, want_grads
-        )
-        ctx.save_for_backward(grad_h, grad_w, count)
+        loss_sum, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk, dtype, want_grads)
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
-        return loss_sum / count
+        ctx.positions = h.shape[0]
+        return loss_sum / ctx.positions
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, count = ctx.saved_tensors
+        grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         # d(mean)/d(sum); both gradients were summed in the same dtype
-        scale = grad_loss.to(grad_h.dtype) / count
+        scale = grad_loss.to(grad_h.dtype) / ctx.positions
         grad_h = (grad_h * scale).to(h_dtype)
         grad_w = (grad_w * scale).to(w_dtype)
         return grad_h, grad_w, None, None, None, None
