@@ -7,6 +7,7 @@ from .chapters import CHAPTERS
 from .model import PRESETS, GPTConfig, model_config
 from .support.errors import CourseError
 from .support.flags import (
+    HelpFormatter,
     OneLineParser,
     fraction,
     non_negative_float,
@@ -27,7 +28,11 @@ CHAPTER_FLAGS = {
 
 
 def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
-    p = OneLineParser(prog=f"{CHAPTERS[chapter]}/train.py", description=description)
+    p = OneLineParser(
+        prog=f"{CHAPTERS[chapter]}/train.py",
+        description=description,
+        formatter_class=HelpFormatter,
+    )
 
     def flag(name: str, **kwargs):
         first, last = CHAPTER_FLAGS.get(name, (1, 5))
