@@ -189,17 +189,17 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
+        top_k: int,
+        generator: torch.Generator,
         temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
+        """Extend idx (B, T) by max_new_tokens tokens, each sampled among the top_k likeliest and
+        fed back in."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])  # the context the model can see
             logits = logits[:, -1, :GPT2_VOCAB_SIZE].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
             next_id = torch.multinomial(
                 F.softmax(logits, dim=-1), num_samples=1, generator=generator
             )
