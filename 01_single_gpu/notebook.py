@@ -48,7 +48,7 @@ setup()
 
 # %%
 from common.config import gpt_config_from_args, parse_args
-from common.data import epoch_permutation, load_splits, prepare
+from common.data import load_splits, prepare
 from common.model import GPT
 from common.tokenizer import decode
 
@@ -57,7 +57,7 @@ args = parse_args(chapter=1, description="", argv=TINY + ["--batch-size", "8"])
 config = gpt_config_from_args(args)
 folder = prepare(args.dataset, DATA_DIR)  # tokenizes once; later calls find the files
 train_set, val_set = load_splits(folder, config.block_size)
-order = epoch_permutation(len(train_set), args.seed, epoch=0)
+order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed))
 windows = f"{len(train_set):,} training windows of {config.block_size} tokens"
 print(f"{windows}; epoch 0 starts with windows {order[:8].tolist()}")
 

@@ -49,7 +49,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step_timer import StepTimer
-from common.data import epoch_permutation, load_splits, prepare
+from common.data import load_splits, prepare
 from common.device import DTYPES, autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.model import GPT, PRESETS, model_config
 from common.support.errors import CourseError, run_main
@@ -172,7 +172,8 @@ def main():
     # real windows of the training data, in the order the training scripts visit them
     train_set, _ = load_splits(prepare(args.dataset, args.data_dir), config.block_size)
     G, T = args.batch_size, config.block_size
-    order = epoch_permutation(len(train_set), args.seed, 0)
+    # epoch 0's order, as every chapter draws it
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed))
     if len(order) < (args.steps + 2) * G:
         raise CourseError(
             f"the training split has {len(order)} windows, fewer than {(args.steps + 2) * G}"

@@ -14,16 +14,8 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
 """
 
 # TODO 1/16: the imports: remove (-) and add (+)
-#     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 #     + from torch import nn
-#     + from common.dataparallel import choose_dataparallel_gpus
-#     + from common.device import (
-#     + autocast_context,
-#     + describe,
-#     + in_autocast,
-#     + pick_device,
-#     + pick_dtype,
-#     + setup_math,
+#     + from common.dataparallel import choose_dataparallel_gpus, in_autocast
 import sys
 from pathlib import Path
 

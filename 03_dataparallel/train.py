@@ -28,15 +28,8 @@ from common.data import (
     prepare,
     validation_windows,
 )
-from common.dataparallel import choose_dataparallel_gpus
-from common.device import (
-    autocast_context,
-    describe,
-    in_autocast,
-    pick_device,
-    pick_dtype,
-    setup_math,
-)
+from common.dataparallel import choose_dataparallel_gpus, in_autocast
+from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.support.errors import CourseError, run_main
 from common.support.gpus import peak_flops

@@ -18,14 +18,8 @@ run is chapter 02's.
 # TODO 1/20: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
-#     - from common.dataparallel import choose_dataparallel_gpus
-#     - from common.device import (
-#     - autocast_context,
-#     - describe,
-#     - in_autocast,
-#     - pick_device,
-#     - pick_dtype,
-#     - setup_math,
+#     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
+#     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 #     + import contextlib
 #     + import datetime
 #     + import os
@@ -59,15 +53,8 @@ from common.data import (
     prepare,
     validation_windows,
 )
-from common.dataparallel import choose_dataparallel_gpus
-from common.device import (
-    autocast_context,
-    describe,
-    in_autocast,
-    pick_device,
-    pick_dtype,
-    setup_math,
-)
+from common.dataparallel import choose_dataparallel_gpus, in_autocast
+from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.support.errors import CourseError, run_main
 from common.support.gpus import peak_flops

@@ -8,7 +8,7 @@ and enters autocast there without a dtype; the thread then computes in the defau
 dtype of a matmul inside its forward:
 
     plain       the way torch's parallel_apply calls a replica
-    chapter 03  wrapped as chapter 03's DataParallel wraps each replica (common.device.in_autocast)
+    chapter 03  wrapped as chapter 03's DataParallel wraps each replica (dataparallel.in_autocast)
 
 On CUDA the threads are torch's own: parallel_apply with two replicas on GPU 0 (one GPU is enough
 to start its threads), and, with two or more GPUs, chapter 03's DataParallel over GPUs 0 and 1. On
@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from common.device import DTYPES, autocast_context, in_autocast  # noqa: E402
+from common.dataparallel import in_autocast  # noqa: E402
+from common.device import DTYPES, autocast_context  # noqa: E402
 
 
 class DtypeProbe(nn.Module):

@@ -120,8 +120,7 @@ def gpu_rng_plan(checkpoint: dict, gpus: int, current: int) -> list[tuple[int, t
     plan = []
     every_gpu = checkpoint.get("rng_cuda_all")
     if every_gpu is not None:
-        for index, state in enumerate(every_gpu[:gpus]):
-            plan.append((index, state))
+        plan = list(enumerate(every_gpu[:gpus]))
     saver = checkpoint.get("rng_cuda")
     if saver is not None:
         plan.append((current, saver))

@@ -11,15 +11,12 @@ import torch
 # 1,024 keeps the temporaries near 0.5 GB (reasoned; bench/gpu_check.sh measures it).
 CPU_CHUNK = 128
 GPU_CHUNK = 1024
-IGNORE_INDEX = -100  # a target that counts for nothing, as in F.cross_entropy
 
 
-def _loss_and_grads(
-    h, weight, targets, chunk: int, dtype: torch.dtype, want_grad_h: bool, want_grad_w: bool
-):
-    """The summed loss, the number of positions that count, and (if wanted) the gradients of that
-    sum: grad_h (N, C) and grad_w (V, C). h (N, C), weight (V, C), targets (N,); the products run
-    in `dtype`, the softmax and the sums in float32 (float64 in a float64 run)."""
+def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_grads: bool):
+    """The summed loss and (if wanted) the gradients of that sum: grad_h (N, C) and grad_w (V, C).
+    h (N, C), weight (V, C), targets (N,); the products run in `dtype`, the softmax and the sums in
+    float32 (float64 in a float64 run)."""
     acc = torch.promote_types(dtype, torch.float32)
     h_lo = h.to(dtype)  # no copy when already in dtype (float32 on the CPU)
     w_lo = weight.to(dtype)
@@ -29,61 +26,56 @@ def _loss_and_grads(
     grad_dtype = torch.float32 if dtype == torch.float16 else dtype
     h_g = h.to(grad_dtype)
     w_g = weight.to(grad_dtype)
-    valid = targets != IGNORE_INDEX  # (N,)
-    # (N, 1): an ignored position gathers column 0, counts 0
-    safe_targets = targets.clamp(min=0).unsqueeze(1)
+    # every position counts: the course's targets are all token ids (no ignore_index)
+    targets_2d = targets.unsqueeze(1)  # (N, 1)
     loss_sum = torch.zeros((), dtype=acc, device=h.device)
-    grad_h = torch.empty(h.shape, dtype=acc, device=h.device) if want_grad_h else None
-    grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_grad_w else None
+    grad_h = None
+    grad_w = None
+    if want_grads:
+        grad_h = torch.empty(h.shape, dtype=acc, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
     for start in range(0, h.shape[0], chunk):
         rows = slice(start, start + chunk)
         h_c = h_lo[rows]  # (c, C)
-        y_c = safe_targets[rows]  # (c, 1)
-        keep = valid[rows].unsqueeze(1)  # (c, 1)
+        y_c = targets_2d[rows]  # (c, 1)
         # the chunk's logits, the one large tensor, in float32 for the softmax as the plain path
         # does
         log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
-        loss_sum -= (log_probs.gather(1, y_c) * keep).sum()
-        if want_grad_h or want_grad_w:
+        loss_sum -= log_probs.gather(1, y_c).sum()
+        if want_grads:
             # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
             minus_one = torch.full_like(y_c, -1, dtype=log_probs.dtype)
             grad_logits = log_probs.exp_().scatter_add_(1, y_c, minus_one).to(grad_dtype)
-            if want_grad_h:
-                grad_h[rows] = (grad_logits @ w_g) * keep  # (c, C); an ignored position gets zero
-            if want_grad_w and grad_dtype == acc:  # the product adds itself into grad_w (V, C)
-                grad_w.addmm_(grad_logits.t(), h_g[rows] * keep)
-            elif want_grad_w:  # bfloat16 products, summed in float32
-                grad_w += grad_logits.t() @ (h_g[rows] * keep)
+            grad_h[rows] = grad_logits @ w_g  # (c, C)
+            if grad_dtype == acc:  # the product adds itself into grad_w (V, C)
+                grad_w.addmm_(grad_logits.t(), h_g[rows])
+            else:  # bfloat16 products, summed in float32
+                grad_w += grad_logits.t() @ h_g[rows]
             del grad_logits
         del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
-    return loss_sum, valid.sum(), grad_h, grad_w
+    return loss_sum, grad_h, grad_w
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean cross-entropy of (h @ weight.T) against targets; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, dtype):
-        want_h, want_w = ctx.needs_input_grad[:2]
-        loss_sum, count, grad_h, grad_w = _loss_and_grads(
-            h, weight, targets, chunk, dtype, want_h, want_w
-        )
-        ctx.save_for_backward(grad_h, grad_w, count)
+    def forward(ctx, h, weight, targets, chunk, dtype, want_grads):
+        loss_sum, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk, dtype, want_grads)
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
-        ctx.acc = loss_sum.dtype  # and were summed in this
-        return loss_sum / count
+        ctx.positions = h.shape[0]
+        return loss_sum / ctx.positions
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, count = ctx.saved_tensors
+        grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         # d(mean)/d(sum); both gradients were summed in the same dtype
-        scale = grad_loss.to(ctx.acc) / count
-        if grad_h is not None:
-            grad_h = (grad_h * scale).to(h_dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * scale).to(w_dtype)
-        return grad_h, grad_w, None, None, None
+        scale = grad_loss.to(grad_h.dtype) / ctx.positions
+        grad_h = (grad_h * scale).to(h_dtype)
+        grad_w = (grad_w * scale).to(w_dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -104,8 +96,7 @@ def chunked_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(h.dtype, weight.dtype)
+    # under no_grad (evaluation, generation) no gradient is computed ahead
+    want_grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):  # the function chooses its own precisions
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, dtype)
-        loss_sum, count, _, _ = _loss_and_grads(h, weight, targets, chunk, dtype, False, False)
-        return loss_sum / count
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, dtype, want_grads)

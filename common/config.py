@@ -7,6 +7,7 @@ from .chapters import CHAPTERS
 from .model import PRESETS, GPTConfig, model_config
 from .support.errors import CourseError
 from .support.flags import (
+    HelpFormatter,
     OneLineParser,
     fraction,
     non_negative_float,
@@ -28,7 +29,11 @@ CHAPTER_FLAGS = {
 
 
 def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
-    p = OneLineParser(prog=f"{CHAPTERS[chapter]}/train.py", description=description)
+    p = OneLineParser(
+        prog=f"{CHAPTERS[chapter]}/train.py",
+        description=description,
+        formatter_class=HelpFormatter,
+    )
 
     def flag(name: str, **kwargs):
         first, last = CHAPTER_FLAGS.get(name, (1, 6))
@@ -162,14 +167,16 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
     cfg = model_config(args.preset, **sizes, chunked_loss=args.chunked_loss)
     if cfg.n_embd % cfg.n_head:
         raise CourseError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
-    gpt2 = PRESETS["gpt2"]
-    if args.init_from == "gpt2" and cfg.block_size > gpt2.block_size:
-        raise CourseError(
-            f"--block-size {cfg.block_size} is larger than GPT-2's 1024 positions; use at most that"
-        )
-    shape = (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias)
-    if args.init_from == "gpt2" and shape != (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, True):
-        raise CourseError(
-            "--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without size overrides"
-        )
+    if args.init_from == "gpt2":
+        gpt2 = PRESETS["gpt2"]
+        if cfg.block_size > gpt2.block_size:
+            raise CourseError(
+                f"--block-size {cfg.block_size} is larger than GPT-2's 1024 positions; "
+                "use at most that"
+            )
+        shape = (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias)
+        if shape != (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, True):
+            raise CourseError(
+                "--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without size overrides"
+            )
     return cfg

@@ -13,17 +13,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .support.corpus import DEFAULT_CORPUS, corpus_source, read_corpus
+from .support.corpus import corpus_source, read_corpus
 from .support.errors import CourseError
 from .tokenizer import eot_id, get_tokenizer
 
 FORMAT_VERSION = 1  # bump when the way files are written changes, so old folders are redone
+VAL_FRACTION = 0.1  # the last tenth of the token stream is held out for validation
 
 
 def prepare(
-    corpus: str = DEFAULT_CORPUS,
-    data_root: str | Path = "data",
-    val_fraction: float = 0.1,
+    corpus: str,
+    data_root: str | Path,
     num_proc: int | None = None,
     text_column: str = "text",
     log: Callable[[str], None] = print,
@@ -40,7 +40,7 @@ def prepare(
     # the folder is reused while it was prepared the same way from the same source
     up_to_date = (
         meta.get("format") == FORMAT_VERSION
-        and meta.get("val_fraction") == val_fraction
+        and meta.get("val_fraction") == VAL_FRACTION
         # no fingerprint, no source to compare with: a folder prepared elsewhere is used as it is
         and (fingerprint is None or meta.get("fingerprint") == fingerprint)
     )
@@ -49,16 +49,14 @@ def prepare(
 
     log(f"preparing corpus {corpus!r} into {folder} (once; later runs reuse it)")
     texts = read_corpus(kind, corpus, text_column)
-    if not texts:
-        raise CourseError(f"corpus {corpus!r} has no documents")
+    if not any(texts):  # no documents, or only empty ones
+        raise CourseError(f"corpus {corpus!r} contains no text")
     threads = num_proc or min(os.cpu_count() or 1, 8)
     docs = get_tokenizer().encode_ordinary_batch(texts, num_threads=threads)
     # every document ends with <|endoftext|>, so the model sees where one text stops
     eot = eot_id()
     ids = np.concatenate([np.array(doc + [eot], dtype=np.uint16) for doc in docs])
-    if len(ids) <= len(texts):  # nothing but <|endoftext|> markers
-        raise CourseError(f"corpus {corpus!r} contains no text")
-    split = int(len(ids) * (1 - val_fraction))  # the last part of the token stream is held out
+    split = int(len(ids) * (1 - VAL_FRACTION))
     folder.mkdir(parents=True, exist_ok=True)
     for name, part in (("train.bin", ids[:split]), ("val.bin", ids[split:])):
         part.tofile(folder / f"{name}.tmp")
@@ -69,7 +67,7 @@ def prepare(
         "dtype": "uint16",
         "documents": len(texts),
         "fingerprint": fingerprint,
-        "val_fraction": val_fraction,
+        "val_fraction": VAL_FRACTION,
         "format": FORMAT_VERSION,
         "train_tokens": split,
         "val_tokens": len(ids) - split,
@@ -113,12 +111,6 @@ def load_splits(folder: Path, block_size: int) -> tuple[TokenWindows, TokenWindo
     return train_set, val_set
 
 
-def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
-    """Epoch e's order of the windows, in every chapter: randperm(N) from a generator seeded with
-    seed + e."""
-    return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
-
-
 def batch_loader(
     dataset: Dataset,
     sampler: Sampler,
@@ -145,7 +137,7 @@ def batch_loader(
 def validation_windows(dataset: TokenWindows, batches: int, batch_size: int) -> list[int]:
     """The fixed windows every evaluation reads: evenly spread over the validation split."""
     count = min(len(dataset), batches * batch_size)
-    return [int(i) for i in np.linspace(0, len(dataset) - 1, count).round().astype(int)]
+    return np.linspace(0, len(dataset) - 1, count).round().astype(int).tolist()
 
 
 def describe_global_batch(global_batch: int, block_size: int, steps_per_epoch: int) -> str:

@@ -1,4 +1,5 @@
-"""What chapter 03 needs but does not teach: which GPUs nn.DataParallel may spread over.
+"""What chapter 03 adds to common/: `in_autocast`, which the chapter teaches
+(docs/deep/AUTOCAST_TRAP.md), and which GPUs nn.DataParallel may spread over, which it does not.
 
 DataParallel runs one replica per GPU in the device_ids it is given, gathers on the first one,
 and runs its replicas in threads. Each of those facts refuses a setting that would otherwise
@@ -9,7 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from .device import autocast_context
 from .support.errors import CourseError
+
+
+def in_autocast(module, device: torch.device, dtype: torch.dtype):
+    """`module` called inside autocast: DataParallel's replica threads lose it
+    (docs/deep/AUTOCAST_TRAP.md)"""
+
+    def call(*args, **kwargs):
+        with autocast_context(device, dtype):
+            return module(*args, **kwargs)
+
+    return call
 
 
 def choose_dataparallel_gpus(

@@ -10,7 +10,7 @@ from .support.errors import CourseError
 DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64")}
 
 
-def pick_device(requested: str = "auto") -> torch.device:
+def pick_device(requested: str) -> torch.device:
     """--device: auto takes a CUDA GPU, else Apple's GPU (mps), else the CPU."""
     if requested == "auto":
         if torch.cuda.is_available():
@@ -78,17 +78,6 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     if dtype in (torch.float32, torch.float64):
         return contextlib.nullcontext()  # full precision: nothing to switch on
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def in_autocast(module, device: torch.device, dtype: torch.dtype):
-    """`module` called inside autocast: DataParallel's replica threads lose it
-    (docs/deep/AUTOCAST_TRAP.md)"""
-
-    def call(*args, **kwargs):
-        with autocast_context(device, dtype):
-            return module(*args, **kwargs)
-
-    return call
 
 
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:

@@ -67,12 +67,11 @@ class MetricsLog:
     """metrics.jsonl, one JSON line per record. `resume_from`: the step a resumed run continues
     from (0: a new run)."""
 
-    def __init__(self, path: str | Path, enabled: bool = True, resume_from: int = 0):
+    def __init__(self, path: str | Path, resume_from: int, enabled: bool = True):
         self.path = Path(path)
         self.enabled = enabled
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from > 0 and self.path.exists():
             # the lines after the checkpoint's step go, so that each step appears once
             kept = [r for r in read_metrics(self.path) if r.get("iter", 0) <= resume_from]

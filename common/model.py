@@ -172,10 +172,11 @@ class GPT(nn.Module):
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (weights, embeddings); none on biases and LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.dim() < 2]
         return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": matrices, "weight_decay": weight_decay},
+            {"params": vectors, "weight_decay": 0.0},
         ]
 
     def flops_per_token(self) -> float:
@@ -188,21 +189,21 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
+        top_k: int,
+        generator: torch.Generator,
         temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each one back in."""
+        """Extend idx (B, T) by max_new_tokens tokens, each sampled among the top_k likeliest and
+        fed back in."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])  # the context the model can see
             logits = logits[:, -1, :GPT2_VOCAB_SIZE].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
             next_id = torch.multinomial(
                 F.softmax(logits, dim=-1), num_samples=1, generator=generator
             )
-            idx = torch.cat((idx, next_id.to(idx.device)), dim=1)
+            idx = torch.cat((idx, next_id), dim=1)
         return idx
 
 
@@ -223,8 +224,6 @@ def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> No
     for name, value in hf_state.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
             continue
-        if name not in ours:
-            raise ValueError(f"GPT-2 weight {name!r} has no place in this model")
         target = ours[name]
         if name.endswith(_HF_TRANSPOSED):
             value = value.t()
@@ -242,10 +241,3 @@ def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> No
                 f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
             )
         part.copy_(value)
-
-
-def load_gpt2_weights(model: GPT) -> None:
-    """OpenAI's GPT-2 small (124M) weights, fetched by `transformers` (needs the network once)."""
-    from transformers import GPT2LMHeadModel  # imported here: only this path needs it
-
-    load_hf_gpt2_state_dict(model, GPT2LMHeadModel.from_pretrained("gpt2").state_dict())

@@ -9,27 +9,30 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from .checkpoint import check_same_shape
-from .model import GPT, GPTConfig, load_gpt2_weights
+from .model import GPT, GPTConfig, load_hf_gpt2_state_dict
 from .support.errors import CourseError
 from .tokenizer import decode, encode
 
 
-def build_model(
-    config: GPTConfig, init_from: str = "scratch", checkpoint: dict | None = None
-) -> GPT:
+def build_model(config: GPTConfig, init_from: str, checkpoint: dict | None) -> GPT:
     """A fresh model, GPT-2's weights, or a checkpoint's weights (same shape required)."""
     model = GPT(config)
     if checkpoint is not None:
         check_same_shape(checkpoint, config)
         model.load_state_dict(checkpoint["model"])
     elif init_from == "gpt2":
+        # OpenAI's GPT-2 small (124M), fetched by `transformers` (needs the network once); imported
+        # here: only this path needs it
+        from transformers import GPT2LMHeadModel
+
         try:
-            load_gpt2_weights(model)
+            gpt2 = GPT2LMHeadModel.from_pretrained("gpt2")
         except OSError as err:  # transformers raises OSError when it cannot download
             reason = str(err).splitlines()[0][:100]
             raise CourseError(
                 f"could not fetch GPT-2's weights ({reason}); offline, use --init-from scratch"
             ) from None
+        load_hf_gpt2_state_dict(model, gpt2.state_dict())
     return model
 
 
@@ -50,13 +53,12 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
         return args.lr * (iteration + 1) / (args.warmup_iters + 1)
     if iteration >= args.lr_decay_iters:
         return args.min_lr
-    progress = (iteration - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    # here warmup_iters <= iteration < lr_decay_iters: the span is at least one step
+    progress = (iteration - args.warmup_iters) / (args.lr_decay_iters - args.warmup_iters)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def is_divergence(
-    loss: float, grad_norm: float | None = None, skips_inf_steps: bool = False
-) -> bool:
+def is_divergence(loss: float, grad_norm: float | None, skips_inf_steps: bool) -> bool:
     """A non-finite loss, or gradient norm (unless float16's GradScaler skips such a step on
     purpose)."""
     if not math.isfinite(loss):
@@ -111,7 +113,6 @@ def evaluate(
     autocast: contextlib.AbstractContextManager,
 ) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
-    was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
@@ -121,7 +122,7 @@ def evaluate(
             _, loss = model(x, y)
         # mean(): DataParallel returns one loss per GPU
         total += loss.mean().to(total.dtype) * len(x)
-    model.train(was_training)
+    model.train()  # every caller goes on training
     return total / max(len(windows), 1)
 
 

@@ -9,7 +9,15 @@ import ast
 import subprocess
 from pathlib import Path
 
+import torch
+
 from tools.launch import REPO, child_env, flags, measured_run_flags, stop_launchers
+
+
+def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
+    """Epoch e's order of the windows, in every chapter (README.md, "How the chapters stay the
+    same run"): randperm(N) from a generator seeded with seed + e."""
+    return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
 def snapshot(folder: Path) -> dict:

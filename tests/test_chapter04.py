@@ -26,9 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import start, tiny_run_args
+from helpers import epoch_permutation, start, tiny_run_args
 
-from common.data import epoch_permutation
 from common.metrics import read_metrics
 from tools.launch import REPO, run_python, run_torchrun, torchrun_command
 

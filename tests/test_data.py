@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import epoch_permutation
 from torch.utils.data import RandomSampler
 
 from common.data import (
     TokenWindows,
     batch_loader,
-    epoch_permutation,
     load_splits,
     prepare,
     validation_windows,
@@ -201,14 +201,6 @@ def test_validation_windows_fixed_and_spread(data_dir):
 
 # ---- the data order of README.md, "How the chapters stay the same run"
 # ----------------------------------
-
-
-@pytest.mark.quick
-def test_epoch_permutation_is_seeded_randperm():
-    for seed, epoch in ((1337, 0), (1337, 1), (7, 3)):
-        g = torch.Generator().manual_seed(seed + epoch)
-        assert torch.equal(epoch_permutation(100, seed, epoch), torch.randperm(100, generator=g))
-    assert not torch.equal(epoch_permutation(100, 1337, 0), epoch_permutation(100, 1337, 1))
 
 
 def chapter01_batches(train_set, seed: int, epoch: int, batch_size: int, skip_batches: int = 0):

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import outputs_of, replace_statement, start, tiny_run_args
+from helpers import epoch_permutation, outputs_of, replace_statement, start, tiny_run_args
 
 from common.chapters import CHAPTERS
-from common.data import TokenWindows, epoch_permutation, load_splits, prepare
+from common.data import TokenWindows, load_splits, prepare
 from common.metrics import read_metrics
 from common.support.errors import CourseError
 from common.training import is_divergence, stop_if_diverged

