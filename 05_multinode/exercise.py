@@ -82,9 +82,8 @@ def main():
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # TODO 3/14: add 3 line(s) of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
-    #   launchers call it NODE_RANK). Training does not depend on it, but every line names it:
-    #     "which
-    #   machine?" is the first question when a job of many machines goes wrong.
+    #     launchers call it NODE_RANK). Training does not depend on it, but every line names it:
+    #     "which machine?" is the first question when a job of many machines goes wrong.
     #   How often torchrun (--max-restarts) has restarted this node's processes after a failure.
     is_rank0 = rank == 0
     # TODO 4/14: change the next 1 line(s) of code:
@@ -123,16 +122,16 @@ def main():
     # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
     # hanging.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # TODO 5/14: add 2 line(s) of code here:
+    #   its own meeting point for every attempt: torchrun's store outlives a restart (--max-
+    #     restarts)
     if launched:  # the ranks meet at MASTER_ADDR:MASTER_PORT, which torchrun provides
-        # TODO 5/14: add 1 line(s) of code here:
-        #   its own meeting point for every attempt: torchrun's store outlives a restart
-        #   (--max-restarts)
         # NCCL binds this rank to its GPU from the start
         gpu = device if device.type == "cuda" else None
+        # TODO 6/14: change the next 2 line(s) of code:
+        #     dist.init_process_group(
+        #     backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
         dist.init_process_group(
-            # TODO 6/14: change the next 1 line(s) of code:
-            #     backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-            #       device_id=gpu
             backend, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
         )
     else:  # plain `python`: a world of one needs no meeting point, an in-memory store will do
@@ -145,10 +144,13 @@ def main():
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
+        # TODO 8/14: change the next 3 line(s) of code:
+        #     log(
+        #     "not started by torchrun, so this is a world of one process (chapter 01's run); for N
+        #       processes: "
+        #     "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
         log(
             "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
-            # TODO 8/14: change the next 1 line(s) of code:
-            #     "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
             "torchrun --standalone --nproc_per_node=N 04_ddp/train.py"
         )
 
@@ -156,9 +158,9 @@ def main():
     model_config = gpt_config_from_args(args)
     # TODO 9/14: change the next 1 line(s) of code into 2:
     #   One-time work: the token files. On node-local disks every machine needs its own copy, so
-    #   local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
-    #   several machines writing the same files at once would corrupt them: global rank 0 alone
-    #   prepares. The others wait for it (every rank calls one_rank_first), then find the files
+    #     local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
+    #     several machines writing the same files at once would corrupt them: global rank 0 alone
+    #     prepares. The others wait for it (every rank calls one_rank_first), then find the files
     #     ready.
     # Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
     # (every rank calls one_rank_first), then find the files ready and prepare() does no work.
@@ -189,12 +191,11 @@ def main():
     # ---- model and optimizer ---------------------------------------------------------------------
     # TODO 10/14: add 9 line(s) of code here:
     #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
-    #     them
-    #   again. The restart count is kept per node (with c10d, a node whose peers failed rejoins
-    #   without counting one), so the ranks take the largest. A restarted run continues from the
-    #   checkpoint written before the failure, if there is one yet. Only global rank 0 writes
-    #   checkpoints, but every rank reads one to resume: across machines --out-dir must be on a file
-    #   system all nodes see. So every rank says what it sees.
+    #     them again. The restart count is kept per node (with c10d, a node whose peers failed
+    #     rejoins without counting one), so the ranks take the largest. A restarted run continues
+    #     from the checkpoint written before the failure, if there is one yet. Only global rank 0
+    #     writes checkpoints, but every rank reads one to resume: across machines --out-dir must be
+    #     on a file system all nodes see. So every rank says what it sees.
     #   (restart count, checkpoint visible) of every rank
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # TODO 11/14: change the next 2 line(s) of code:
@@ -244,11 +245,12 @@ def main():
     )
     # TODO 12/14: add 1 line(s) of code here:
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
+    # TODO 13/14: change the next 2 line(s) of code into 4:
+    #     if iter_num:
+    #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+    #     elif restarted:
+    #     log(f"{restarted}no checkpoint was written yet, starting again from step 0")
     if iter_num:
-        # TODO 13/14: change the next 1 line(s) of code into 3:
-        #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
-        #     elif restarted:
-        #     log(f"{restarted}no checkpoint was written yet, starting again from step 0")
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
@@ -264,11 +266,14 @@ def main():
         out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num if checkpoint else None
     )
     progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
+    # TODO 14/14: change the next 4 line(s) of code:
+    #     train_config = vars(args) | {
+    #     "global_batch": global_batch,
+    #     "world_size": world_size,
+    #     "chapter": 5,
     train_config = vars(args) | {
         "global_batch": global_batch,
         "world_size": world_size,
-        # TODO 14/14: change the next 1 line(s) of code:
-        #     "chapter": 5,
         "chapter": 4,
     }
     best_val_loss = checkpoint.get("best_val_loss") if checkpoint else None
