@@ -1,16 +1,18 @@
 """Make the exercises: each is the previous chapter's train.py with the chapter's changes marked
 TODO.
 
-    python maintainer/make_exercises.py            # write 0N_<chapter>/exercise.py for chapters 02 to 05
-    python maintainer/make_exercises.py --check    # exit 1 if an exercise no longer matches the scripts
+    python maintainer/make_exercises.py          # write 0N_<chapter>/exercise.py, chapters 02 to 05
+    python maintainer/make_exercises.py --check  # exit 1 if one no longer matches the scripts
 
-The changes are those of the published diffs (docs/diffs/, maintainer/publish_diffs.py): difflib's, from
-chapter N-1's train.py to chapter N's. Above the lines each change touches, a TODO says how many
-lines to add, change or remove there, with the comments of the solution's new lines as the hint:
-they say why, the learner writes the code. A change without a comment (an import, a print) shows its
-code. Changes only to the docstring or to comments are left out. The solution is chapter N's own
-train.py, and `python tools/check.py 0N_<chapter>/exercise.py` tells whether the learner's is the
-same run as chapter 01's.
+The changes are difflib's, from chapter N-1's train.py to chapter N's, within each top-level
+function and class matched by name (a class the chapter drops is removed where it stands, not lined
+up with main()). A change that begins inside a statement takes the whole statement, so that no TODO
+sits inside brackets, and `ruff format` leaves the exercises as they are. Above the lines each
+change touches, a TODO says how many lines to add, change or remove there, with the comments of
+the solution's new lines as the hint: they say why, the learner writes the code. A change without
+a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
+left out. The solution is chapter N's own train.py, and `python tools/check.py
+0N_<chapter>/exercise.py` tells whether the learner's is the same run as chapter 01's.
 """
 
 from __future__ import annotations
@@ -267,9 +269,10 @@ def exercise(chapter: int) -> str:
         block = todo_block(number, total, tag, old[i1:i2], new[j1:j2], indentation(below))
         blocks.setdefault(at, []).extend(block)
     about = (
-        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s train.py; add "
-        f"chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how the lines below it "
-        "change and quotes the new comments of the solution there. Then check your script:"
+        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s "
+        f"train.py; add chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how "
+        "the lines below it change and quotes the new comments of the solution there. Then check "
+        "your script:"
     )
     solution = (
         f"The solution is {folder}/train.py (its README shows the diff). This file is made by "
