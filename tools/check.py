@@ -283,7 +283,19 @@ def finish(procs: list[subprocess.Popen], run: Run, nproc: int = 1) -> Run:
             )
     finally:
         stop(procs)  # interrupted while waiting: the run does not outlive the check
+    if run.status not in (0, 124) and finished_script(run, nproc):
+        # every rank's script returned: what failed came after it (a process that aborted on its
+        # way out of the interpreter), which is not the script's run
+        with run.log.open("a") as log:
+            log.write(f"check: exit status {run.status} after every rank's script had ended\n")
+        run.status = 0
     return run
+
+
+def finished_script(run: Run, nproc: int) -> bool:
+    """Every rank's script returned (the probe wrote status 0 for each)."""
+    ranks = run.ranks()
+    return len(ranks) == nproc and all(r.get("status") == 0 for r in ranks)
 
 
 def run_one(script: Path, launch: Launch, args: list[str], folder: Path, name: str) -> Run:
@@ -368,6 +380,11 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
         building.rename(final)
     except OSError:  # another check made it at the same time: use theirs
         shutil.rmtree(building, ignore_errors=True)
+    # made by an earlier version of the course, and not in use by a check still running
+    for older in (root / "reference").iterdir():
+        unused = time.time() - older.stat().st_mtime > 2 * RUN_TIMEOUT
+        if older != final and not older.name.startswith(".") and unused:
+            shutil.rmtree(older, ignore_errors=True)
     return Run(final / "01", final / "01_facts", final / "01.log", 0)
 
 

@@ -193,16 +193,17 @@ def where_waiting(script: str, frame) -> dict | None:
     return {"line": line, "collective": collective}
 
 
-def watch_for_hangs(script: str, folder: Path, after: float) -> None:
+def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
     """A thread that writes FACTS_DIR/rank<R>.hang.json while the main thread has waited in one
     collective, at one line of the script, for `after` seconds; removed when it moves on."""
     main_id = threading.main_thread().ident
     path = folder / f"rank{int(os.environ.get('RANK', 0))}.hang.json"
 
+    done = threading.Event()
+
     def loop():
         since, last = time.monotonic(), None
-        while True:
-            time.sleep(0.5)
+        while not done.wait(0.5):
             frame = sys._current_frames().get(main_id)
             here = where_waiting(script, frame) if frame is not None else None
             if here != last:
@@ -213,6 +214,7 @@ def watch_for_hangs(script: str, folder: Path, after: float) -> None:
                 path.write_text(json.dumps(here | {"waited_s": round(after), "pid": os.getpid()}))
 
     threading.Thread(target=loop, daemon=True).start()
+    return done
 
 
 def main() -> None:
@@ -227,9 +229,10 @@ def main() -> None:
     if os.environ.get("CHECK_KILL"):
         rank, step = os.environ["CHECK_KILL"].split(":")
         kill_after(recorder, int(rank), int(step))
+    watching = None
     if os.environ.get("CHECK_HANG_AFTER"):
         hang_after = float(os.environ["CHECK_HANG_AFTER"])
-        watch_for_hangs(os.path.abspath(script), Path(folder), hang_after)
+        watching = watch_for_hangs(os.path.abspath(script), Path(folder), hang_after)
     status: int | None = 1
     try:
         runpy.run_path(script, run_name="__main__")
@@ -238,6 +241,8 @@ def main() -> None:
         status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         raise
     finally:
+        if watching is not None:
+            watching.set()  # the thread ends before the interpreter does
         recorder.save(Path(folder), int(os.environ.get("RANK", 0)), status)
 
 
