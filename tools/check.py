@@ -161,8 +161,9 @@ class Run:
         return self.column("loss")
 
     def ranks(self) -> list[dict]:
-        files = sorted(self.facts.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-        return [json.loads(p.read_text()) for p in files if p.stem[4:].isdigit()]
+        files = [p for p in self.facts.glob("rank*.json") if p.stem[4:].isdigit()]
+        files.sort(key=lambda p: int(p.stem[4:]))
+        return [json.loads(p.read_text()) for p in files]
 
     def hangs(self) -> dict[int, dict]:
         found = {}
