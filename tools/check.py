@@ -814,7 +814,10 @@ def verdict(args, script, source, chapter, launch, split, folder, run, ref, more
         look = where_to_look(hang, source, shown(script), chapter_source)
         if look.text.startswith("look at"):  # the statement around the collective that differs
             where = look.text.split("; chapter")[0]
-            print(f"  {where}; chapter {chapter:02d} has no such statement: every rank calls it")
+            print(
+                f"  {where}; chapter {chapter:02d} has no such statement: "
+                "every rank reaches the collective"
+            )
         return 1
     losses, ref_losses = run.losses(), ref.losses()
     failure = failure_line(run, script) if run.status != 0 else None
