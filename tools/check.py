@@ -365,6 +365,7 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
     )
     final = root / "reference" / digest.hexdigest()[:16]
     if (final / "ok").exists():
+        os.utime(final)  # in use: see the pruning below
         return Run(final / "01", final / "01_facts", final / "01.log", 0)
     building = root / "reference" / f".building-{os.getpid()}-{time.time_ns()}"
     building.mkdir(parents=True)
@@ -381,7 +382,7 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
         building.rename(final)
     except OSError:  # another check made it at the same time: use theirs
         shutil.rmtree(building, ignore_errors=True)
-    # made by an earlier version of the course, and not in use by a check still running
+    # made by an earlier version of the course, and not used for longer than a check can take
     for older in (root / "reference").iterdir():
         unused = time.time() - older.stat().st_mtime > 2 * RUN_TIMEOUT
         if older != final and not older.name.startswith(".") and unused:
