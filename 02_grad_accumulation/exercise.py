@@ -172,9 +172,8 @@ def main():
                 group["lr"] = lr
             # TODO 6/6: change the next 5 line(s) of code into 9:
             #   the mean loss over the whole global batch
-            #   backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-            #   loss by K turns that sum into the gradient of the mean over all K * B
-            #   sequences
+            #   backward() adds into .grad, so K micro-steps sum K gradients; dividing each loss by
+            #     K turns that sum into the gradient of the mean over all K * B sequences
             #   this micro-batch's activations are freed here
             #   clipping, the optimizer step and the learning rate act once per global batch
             x, y = next(batches)  # (B, T) each, built in CPU memory

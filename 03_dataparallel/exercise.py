@@ -52,10 +52,10 @@ from common.training import (
 
 
 # TODO 2/16: add 22 line(s) of code here:
-#   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
-#   replicas different shares, and the plain mean of their mean losses would count each row
-#   of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
-#   all rows. An even split, as every training batch is, gets weights of exactly 1.
+#   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the replicas
+#     different shares, and the plain mean of their mean losses would count each row of the smaller
+#     share more. Weighted by its rows, the mean of the losses is the mean over all rows. An even
+#     split, as every training batch is, gets weights of exactly 1.
 def main():
     # TODO 3/16: change the next 1 line(s) of code:
     #     args = parse_args(chapter=3, description=__doc__)
@@ -66,13 +66,13 @@ def main():
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
+
     # TODO 4/16: add 3 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     #   The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
     #   --compile over several GPUs) are refused with one line each (common/dataparallel.py).
     #   on a CPU: one, the model itself
     #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
-
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
     data_folder = prepare(
@@ -82,8 +82,8 @@ def main():
 
     # TODO 5/16: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
-    #     another,
-    #   each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
+    #     another, each of `batch_size` sequences per replica, which DataParallel cuts out of one
+    #     big batch.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
@@ -123,10 +123,9 @@ def main():
         best_val_loss = checkpoint.get("best_val_loss")
     # TODO 6/16: change the next 1 line(s) of code into 3:
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
-    #   with "module.", so checkpoints save model.module's, which any chapter can load.
-    #   nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
-    #     [])
-    #   it calls the model as it is
+    #     with "module.", so checkpoints save model.module's, which any chapter can load.
+    #     nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
+    #     []) it calls the model as it is
     #   DataParallel, not compiled: see the evaluation below
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
@@ -169,10 +168,12 @@ def main():
 
     def save(step: int) -> None:
         """The checkpoint, at every evaluation and when the run is asked to stop."""
+        # TODO 11/16: change the next 3 line(s) of code:
+        #     save_checkpoint(
+        #     out_dir,
+        #     model_state=model.module.state_dict(),
         save_checkpoint(
             out_dir,
-            # TODO 11/16: change the next 1 line(s) of code:
-            #     model_state=model.module.state_dict(),
             model_state=raw_model.state_dict(),
             optimizer_state=optimizer.state_dict(),
             iter_num=step,
@@ -194,9 +195,10 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
+        # TODO 12/16: change the next 2 line(s) of code:
+        #     loader = batch_loader(
+        #     train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
-            # TODO 12/16: change the next 1 line(s) of code:
-            #     train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
             train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
         )
         batches = iter(loader)
@@ -216,8 +218,8 @@ def main():
                 with autocast:
                     # TODO 14/16: change the next 1 line(s) of code into 2:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on
-                    #   cuda:0. Every replica has B sequences, so their mean is the mean over the
-                    #   micro-batch.
+                    #     cuda:0. Every replica has B sequences, so their mean is the mean over the
+                    #     micro-batch.
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                     # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
                     # loss by K turns that sum into the gradient of the mean over all K * B
@@ -255,9 +257,10 @@ def main():
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
+                # TODO 15/16: change the next 2 line(s) of code:
+                #     val_loss = evaluate(
+                #     eval_model, val_set, val_windows, whole_batch, device, autocast
                 val_loss = evaluate(
-                    # TODO 15/16: change the next 1 line(s) of code:
-                    #     eval_model, val_set, val_windows, whole_batch, device, autocast
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
                 stop_if_diverged(
@@ -276,9 +279,9 @@ def main():
                     save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
+
     # TODO 16/16: add 6 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
-
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))

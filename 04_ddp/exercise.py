@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 20
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
 #     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
@@ -15,7 +15,7 @@ run is chapter 02's.
     python 03_dataparallel/train.py --gpus 2
 """
 
-# TODO 1/20: the imports: remove (-) and add (+)
+# TODO 1/22: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
 #     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
@@ -71,15 +71,7 @@ from common.training import (
 )
 
 
-# TODO 2/20: change the next 26 line(s) of code into 21:
-#   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
-#   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
-#   ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-#   this process among all of them: 0 .. world_size - 1
-#   this process among those on this machine: its GPU
-#   Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
-#   before any CUDA work, or it would all land on cuda:0
-#   ranks on one CPU share its cores
+# TODO 2/22: remove the next 22 line(s) of code
 class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
     and whose loss counts every row once, however the batch splits (see parallel_apply).
@@ -114,22 +106,34 @@ def row_weights(rows: list[int]) -> list[float]:
 
 
 def main():
+    # TODO 3/22: change the next 1 line(s) of code:
+    #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
     args = parse_args(chapter=3, description=__doc__)
     torch.manual_seed(args.seed)
+    # TODO 4/22: change the next 1 line(s) of code into 18:
+    #   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
+    #   ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    #     MASTER_PORT
+    #   this process among all of them: 0 .. world_size - 1
+    #   this process among those on this machine: its GPU
+    #   Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the
+    #     CPU.
+    #   before any CUDA work, or it would all land on cuda:0
+    #   ranks on one CPU share its cores
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 3/20: change the next 3 line(s) of code into 9:
+    # TODO 5/22: change the next 3 line(s) of code into 9:
     #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     #   ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
     #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
-    #   hanging.
+    #     hanging.
     #   Under torchrun the ranks meet at MASTER_ADDR:MASTER_PORT; with plain `python` the world is
-    #   this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
-    #   check that no two of them share one.
+    #     this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
+    #     check that no two of them share one.
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
     # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
@@ -140,17 +144,17 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 4/20: change the next 3 line(s) of code into 8:
+    # TODO 6/22: change the next 3 line(s) of code into 8:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
-    #     it
-    #   (every rank calls one_rank_first), then find the files ready and prepare() does no work.
+    #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
+    #     work.
     data_folder = prepare(
         args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
-    # TODO 5/20: change the next 1 line(s) of code:
+    # TODO 7/22: change the next 1 line(s) of code:
     #   on each of world_size ranks at the same time, each of `batch_size` sequences.
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
@@ -189,33 +193,31 @@ def main():
         # they were
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 6/20: change the next 1 line(s) of code:
+    # TODO 8/22: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
-    #     hooks
-    #   into backward to average the gradients over ranks. The wrapper keeps the real model in
-    #   model.module. Its state dict would prefix every name with "module.", so checkpoints save
-    #   model.module's, which any chapter can load.
-    #   cuda:LOCAL_RANK
+    #     hooks into backward to average the gradients over ranks. The wrapper keeps the real model
+    #     in model.module. Its state dict would prefix every name with "module.", so checkpoints
+    #     save model.module's, which any chapter can load. cuda:LOCAL_RANK
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
     # it calls the model as it is
     model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
-    # TODO 7/20: remove the next 1 line(s) of code
+    # TODO 9/22: remove the next 1 line(s) of code
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
     peak = peak_flops(device, dtype)
-    # TODO 8/20: change the next 1 line(s) of code:
+    # TODO 10/22: change the next 1 line(s) of code:
     #     log(
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 9/20: change the next 11 line(s) of code into 7:
+    # TODO 11/22: change the next 11 line(s) of code into 7:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
@@ -235,16 +237,14 @@ def main():
         print(
             f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
         )
+    # TODO 12/22: change the next 5 line(s) of code into 12:
+    #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
+    #     ----------
+    #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
+    #     ... (W = world_size): the ranks' micro-batches of one step together are the G consecutive
+    #     positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
+    #   only rank 0 writes files and draws the progress bar
     if iter_num:
-        # TODO 10/20: change the next 4 line(s) of code into 11:
-        #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
-        #     ----------
-        #   Every rank draws that same permutation and takes the positions rank, rank + W, rank +
-        #     2W, ...
-        #   (W = world_size): the ranks' micro-batches of one step together are the G consecutive
-        #   positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not
-        #     padded.
-        #   only rank 0 writes files and draws the progress bar
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num)
@@ -252,15 +252,16 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
     model.train()
     # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
+    # TODO 13/22: change the next 2 line(s) of code:
+    #     speed = Throughput(
+    #     tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
     speed = Throughput(
-        # TODO 11/20: change the next 1 line(s) of code:
-        #     tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
         tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num
     )
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        # TODO 12/20: change the next 11 line(s) of code into 12:
+        # TODO 14/22: change the next 11 line(s) of code into 12:
         #     """The checkpoint, at every evaluation and when the run is asked to stop (rank 0
         #       writes)."""
         #     if is_rank0:
@@ -287,16 +288,15 @@ def main():
         )
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # TODO 13/20: change the next 1 line(s) of code:
+    # TODO 15/22: change the next 1 line(s) of code:
     #   (common/support/preempt.py). The ranks agree on the step to stop at, with an all-reduce of
-    #     two
-    #   numbers every few steps. A worker restarted after a stop stops here too.
+    #     two numbers every few steps. A worker restarted after a stop stops here too.
     # (common/support/preempt.py)
     preemption = Preemption(args.stop_signal, out_dir)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # TODO 14/20: change the next 2 line(s) of code into 1:
+        # TODO 16/22: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         # the data order: epoch e visits the windows in randperm(N), drawn from a generator seeded
         # with seed + e
@@ -304,9 +304,10 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
+        # TODO 17/22: change the next 2 line(s) of code:
+        #     loader = batch_loader(
+        #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
-            # TODO 15/20: change the next 1 line(s) of code:
-            #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
             train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         )
         batches = iter(loader)
@@ -317,18 +318,16 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 16/20: change the next 9 line(s) of code into 14:
+            # TODO 18/22: change the next 9 line(s) of code into 14:
             #   this rank's mean loss over its share of the global batch
-            #   DDP averages the gradients over ranks inside backward(). Before the last
-            #   micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
-            #   up locally, and the last backward averages the sums once.
+            #   DDP averages the gradients over ranks inside backward(). Before the last micro-step
+            #     that traffic would be wasted: no_sync() lets this rank's gradients add up locally,
+            #     and the last backward averages the sums once.
             #   (B, T) each, built in CPU memory
             #   mean cross-entropy over B * T predictions
-            #   backward() adds into .grad, so K micro-steps sum K gradients; dividing
-            #   each loss by K turns that sum into the gradient of the mean over all K * B
-            #   the last micro-step's backward all-reduces bucket after bucket of gradients
-            #   while it is still computing the rest; when it returns, every rank holds the
-            #   average
+            #   the last micro-step's backward all-reduces bucket after bucket of gradients while it
+            #     is still computing the rest; when it returns, every rank holds the average this
+            #     micro-batch's activations are freed here
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
@@ -356,10 +355,9 @@ def main():
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-                # TODO 17/20: change the next 1 line(s) of code into 2:
+                # TODO 19/22: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it (SUM works on
-                #     every
-                #   backend)
+                #     every backend)
                 loss_value = loss.item()
                 # nan/inf?
                 stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
@@ -376,12 +374,12 @@ def main():
                 progress.step(iter_num)  # the bar moves on
 
             # ---- evaluation and checkpoint ----
+            # TODO 20/22: change the next 4 line(s) of code into 9:
+            #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
+            #     nothing for DDP to do); the loss sums and window counts are added over ranks, so
+            #     every rank gets the mean over all the windows.
+            #   the sum of my losses, their count
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # TODO 18/20: change the next 3 line(s) of code into 8:
-                #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
-                #   nothing for DDP to do); the loss sums and window counts are added over ranks, so
-                #   every rank gets the mean over all the windows.
-                #   the sum of my losses, their count
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(
@@ -403,10 +401,9 @@ def main():
                     save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 19/20: change the next 8 line(s) of code into 5:
+    # TODO 21/22: change the next 8 line(s) of code into 5:
     #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
-    #     it
-    #   bit for bit against rank 0's copy.
+    #     it bit for bit against rank 0's copy.
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
         peaks = [
             f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB"
@@ -419,8 +416,8 @@ def main():
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
 
+# TODO 22/22: change the next 2 line(s) of code into 6:
+#   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the connections
+#     to the other ranks (and NCCL's communicators) cleanly.
 if __name__ == "__main__":
-    # TODO 20/20: change the next 1 line(s) of code into 5:
-    #   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
-    #   connections to the other ranks (and NCCL's communicators) cleanly.
     run_main(main, resumable=True)

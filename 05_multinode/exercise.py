@@ -84,9 +84,8 @@ def main():
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # TODO 3/12: add 3 line(s) of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
-    #   launchers call it NODE_RANK). Training does not depend on it, but every line names it:
-    #     "which
-    #   machine?" is the first question when a job of many machines goes wrong.
+    #     launchers call it NODE_RANK). Training does not depend on it, but every line names it:
+    #     "which machine?" is the first question when a job of many machines goes wrong.
     #   How often torchrun (--max-restarts) has restarted this node's processes after a failure.
     is_rank0 = rank == 0
     # TODO 4/12: change the next 1 line(s) of code:
@@ -122,8 +121,8 @@ def main():
     #   its own meeting point for every attempt: torchrun's store outlives a restart (--max-
     #     restarts)
     #   Under torchrun the ranks meet at that store (or at MASTER_ADDR:MASTER_PORT); with plain
-    #   `python` the world is this process alone. The backend follows the device (--backend auto),
-    #   and on GPUs the ranks check that no two of them share one.
+    #     `python` the world is this process alone. The backend follows the device (--backend auto),
+    #     and on GPUs the ranks check that no two of them share one.
     # Under torchrun the ranks meet at MASTER_ADDR:MASTER_PORT; with plain `python` the world is
     # this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
     # check that no two of them share one.
@@ -131,10 +130,13 @@ def main():
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
+        # TODO 6/12: change the next 3 line(s) of code:
+        #     log(
+        #     "not started by torchrun, so this is a world of one process (chapter 01's run); for N
+        #       processes: "
+        #     "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
         log(
             "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
-            # TODO 6/12: change the next 1 line(s) of code:
-            #     "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
             "torchrun --standalone --nproc_per_node=N 04_ddp/train.py"
         )
 
@@ -142,9 +144,9 @@ def main():
     model_config = gpt_config_from_args(args)
     # TODO 7/12: change the next 1 line(s) of code into 2:
     #   One-time work: the token files. On node-local disks every machine needs its own copy, so
-    #   local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
-    #   several machines writing the same files at once would corrupt them: global rank 0 alone
-    #   prepares. The others wait for it (every rank calls one_rank_first), then find the files
+    #     local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
+    #     several machines writing the same files at once would corrupt them: global rank 0 alone
+    #     prepares. The others wait for it (every rank calls one_rank_first), then find the files
     #     ready.
     # Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
     # (every rank calls one_rank_first), then find the files ready and prepare() does no work.
@@ -175,10 +177,9 @@ def main():
     # ---- model and optimizer ---------------------------------------------------------------------
     # TODO 8/12: add 3 line(s) of code here:
     #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
-    #     them
-    #   again. A restarted run continues from the checkpoint written before the failure, if there is
-    #   one yet. The ranks agree on the restart count, and every rank says whether it sees the
-    #   checkpoint: across machines --out-dir must be on a file system all nodes see.
+    #     them again. A restarted run continues from the checkpoint written before the failure, if
+    #     there is one yet. The ranks agree on the restart count, and every rank says whether it
+    #     sees the checkpoint: across machines --out-dir must be on a file system all nodes see.
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # TODO 9/12: change the next 2 line(s) of code into 4:
     #   run is using it; then locked by rank 0 until it ends, so no second run writes into it.
@@ -229,11 +230,12 @@ def main():
     )
     # TODO 10/12: add 1 line(s) of code here:
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
+    # TODO 11/12: change the next 2 line(s) of code into 4:
+    #     if iter_num:
+    #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+    #     elif restarted:
+    #     log(f"{restarted}no checkpoint was written yet, starting again from step 0")
     if iter_num:
-        # TODO 11/12: change the next 1 line(s) of code into 3:
-        #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
-        #     elif restarted:
-        #     log(f"{restarted}no checkpoint was written yet, starting again from step 0")
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
@@ -247,11 +249,14 @@ def main():
     # only rank 0 writes files and draws the progress bar
     metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num)
     progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
+    # TODO 12/12: change the next 4 line(s) of code:
+    #     train_config = vars(args) | {
+    #     "global_batch": global_batch,
+    #     "world_size": world_size,
+    #     "chapter": 5,
     train_config = vars(args) | {
         "global_batch": global_batch,
         "world_size": world_size,
-        # TODO 12/12: change the next 1 line(s) of code:
-        #     "chapter": 5,
         "chapter": 4,
     }
     model.train()

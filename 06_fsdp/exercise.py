@@ -139,7 +139,7 @@ def main():
     setup_math(device, dtype)
     # TODO 3/21: change the next 1 line(s) of code:
     #   No autocast: FSDP casts the parameters for the computation itself (MixedPrecisionPolicy,
-    #   below), and evaluate() takes this context where chapter 05 passes autocast.
+    #     below), and evaluate() takes this context where chapter 05 passes autocast.
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -158,10 +158,13 @@ def main():
     place += f", node {node_rank} of {n_nodes}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
+        # TODO 4/21: change the next 3 line(s) of code:
+        #     log(
+        #     "not started by torchrun, so this is a world of one process (chapter 01's run); for N
+        #       processes: "
+        #     "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
         log(
             "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
-            # TODO 4/21: change the next 1 line(s) of code:
-            #     "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
             "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
         )
 
@@ -203,38 +206,38 @@ def main():
     # TODO 5/21: change the next 0 line(s) of code into 3:
     #   checkpoint: across machines --out-dir must be on a file system all nodes see. With
     #   --sharded-checkpoint it is a folder: every rank's shards, and a ckpt.pt of the rest (the
-    #   step, the settings, the random state).
+    #     step, the settings, the random state).
     # checkpoint: across machines --out-dir must be on a file system all nodes see.
+    # TODO 6/21: change the next 2 line(s) of code:
+    #     restarts, checkpoint_everywhere = agree_on_restart(
+    #     restart_count, ckpt_folder / "ckpt.pt", args.resume
     restarts, checkpoint_everywhere = agree_on_restart(
-        # TODO 6/21: change the next 1 line(s) of code:
-        #     restart_count, ckpt_folder / "ckpt.pt", args.resume
         restart_count, out_dir / "ckpt.pt", args.resume
     )
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
+    # TODO 7/21: change the next 2 line(s) of code:
+    #     if args.resume or (restarts > 0 and checkpoint_everywhere):
+    #     checkpoint = load_checkpoint(ckpt_folder)
     if args.resume or (restarts > 0 and checkpoint_everywhere):
-        # TODO 7/21: change the next 1 line(s) of code:
-        #     checkpoint = load_checkpoint(ckpt_folder)
         checkpoint = load_checkpoint(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
     # TODO 8/21: change the next 1 line(s) of code into 8:
     #   a checkpoint's tensors are loaded into the sharded model (below), not into this full one
     #   On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
-    #   gathered cast to it, which also halves the bytes sent; the gradients are reduced in float32
-    #   and the optimizer steps on float32 shards, the master weights. On the CPU (float32, float64)
-    #   everything stays in the parameters' own type.
+    #     gathered cast to it, which also halves the bytes sent; the gradients are reduced in
+    #     float32 and the optimizer steps on float32 shards, the master weights. On the CPU
+    #     (float32, float64) everything stays in the parameters' own type.
     #   Each transformer block becomes one FSDP unit: its parameters are gathered from all ranks
-    #     just
-    #   before its forward and freed after it, then gathered again for its backward. The root unit
-    #   holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the token
-    #   embedding). fully_shard changes the model in place: each parameter is now a DTensor whose
-    #   local tensor is this rank's 1/W of its rows (model.parameters() yields the shards).
+    #     just before its forward and freed after it, then gathered again for its backward. The root
+    #     unit holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the
+    #     token embedding). fully_shard changes the model in place: each parameter is now a DTensor
+    #     whose local tensor is this rank's 1/W of its rows (model.parameters() yields the shards).
     #   AdamW keeps two running averages per parameter, each the shape of the parameter: built on
-    #     the
-    #   shards, the optimizer state is sharded too, and every rank updates only its own 1/W.
+    #     the shards, the optimizer state is sharded too, and every rank updates only its own 1/W.
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -246,16 +249,16 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     # TODO 9/21: change the next 1 line(s) of code into 14:
     #   Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
-    #   whether a step had an inf, so all of them skip it or none does.
+    #     whether a step had an inf, so all of them skip it or none does.
     #   The layout of this rank's shards; DCP fills it with the pieces of the saved shards it
-    #   covers, whatever number of ranks wrote them.
+    #     covers, whatever number of ranks wrote them.
     #   ckpt.pt holds the whole tensors, as every chapter writes them: each rank keeps its shards
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     best_val_loss = None
+    # TODO 10/21: change the next 2 line(s) of code:
+    #   resuming: the loss scale and the random state continue where they were
     if checkpoint is not None:
-        # TODO 10/21: change the next 1 line(s) of code:
-        #   resuming: the loss scale and the random state continue where they were
         # resuming: the optimizer's averages, the loss scale and the random state continue where
         # they were
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
@@ -310,11 +313,14 @@ def main():
     # only rank 0 writes files and draws the progress bar
     metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num)
     progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
+    # TODO 15/21: change the next 4 line(s) of code:
+    #     train_config = vars(args) | {
+    #     "global_batch": global_batch,
+    #     "world_size": world_size,
+    #     "chapter": 6,
     train_config = vars(args) | {
         "global_batch": global_batch,
         "world_size": world_size,
-        # TODO 15/21: change the next 1 line(s) of code:
-        #     "chapter": 6,
         "chapter": 5,
     }
     model.train()
@@ -329,14 +335,15 @@ def main():
         #   every rank writes its own shards, all at once; nothing is gathered
         #   beside them, rank 0's ckpt.pt holds the rest: the step, the settings, the RNG
         #   ckpt.pt as every chapter reads it: the whole tensors, gathered from every rank's shards
-        #   into rank 0's CPU memory (the other ranks get empty dicts)
+        #     into rank 0's CPU memory (the other ranks get empty dicts)
         """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
+            # TODO 17/21: change the next 4 line(s) of code:
+            #     save_checkpoint(
+            #     folder,
+            #     model_state=model_state,
+            #     optimizer_state=optimizer_state_by_index(optimizer_state),
             save_checkpoint(
-                # TODO 17/21: change the next 3 line(s) of code:
-                #     folder,
-                #     model_state=model_state,
-                #     optimizer_state=optimizer_state_by_index(optimizer_state),
                 out_dir,
                 model_state=model.module.state_dict(),
                 optimizer_state=optimizer.state_dict(),
@@ -371,15 +378,15 @@ def main():
                 group["lr"] = lr
             # this rank's mean loss over its share of the global batch
             loss = torch.zeros((), device=device)
+            # TODO 18/21: change the next 13 line(s) of code into 8:
+            #   FSDP reduce-scatters the gradients over ranks inside backward(). Before the last
+            #     micro-step that traffic would be wasted: without sync this rank's full, unsharded
+            #     gradients add up locally (more memory, as no_sync() in chapter 04), and the last
+            #     backward reduce-scatters the sums once.
+            #   the last micro-step's backward reduce-scatters block after block of gradients while
+            #     it is still computing the rest; when it returns, every rank holds the average of
+            #     its shard this micro-batch's activations are freed here
             for micro_step in range(args.grad_accum):
-                # TODO 18/21: change the next 12 line(s) of code into 7:
-                #   FSDP reduce-scatters the gradients over ranks inside backward(). Before the last
-                #   micro-step that traffic would be wasted: without sync this rank's full,
-                #     unsharded
-                #   gradients add up locally (more memory, as no_sync() in chapter 04), and the last
-                #   backward reduce-scatters the sums once.
-                #   the last micro-step's backward reduce-scatters block after block of gradients
-                #   average of its shard
                 # DDP averages the gradients over ranks inside backward(). Before the last
                 # micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
                 # up locally, and the last backward averages the sums once.
@@ -466,7 +473,7 @@ def main():
     progress.close()
     # TODO 20/21: change the next 4 line(s) of code into 2:
     #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state
-    #   (the shards of rows that W does not divide are uneven, by a row at most)
+    #     (the shards of rows that W does not divide are uneven, by a row at most)
     #   every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     # bit for bit against rank 0's copy.
@@ -474,12 +481,14 @@ def main():
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
+    # TODO 21/21: change the next 3 line(s) of code into 5:
+    #     if args.sample_tokens:
+    #     log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+    #     text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+    #     if is_rank0:
+    #     print(text)
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        # TODO 21/21: change the next 1 line(s) of code into 3:
-        #     text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
-        #     if is_rank0:
-        #     print(text)
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
 

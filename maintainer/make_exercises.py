@@ -1,16 +1,18 @@
 """Make the exercises: each is the previous chapter's train.py with the chapter's changes marked
 TODO.
 
-    python maintainer/make_exercises.py            # write 0N_<chapter>/exercise.py for chapters 02 to 05
-    python maintainer/make_exercises.py --check    # exit 1 if an exercise no longer matches the scripts
+    python maintainer/make_exercises.py          # write 0N_<chapter>/exercise.py, chapters 02 to 05
+    python maintainer/make_exercises.py --check  # exit 1 if one no longer matches the scripts
 
-The changes are those of the published diffs (docs/diffs/, maintainer/publish_diffs.py): difflib's, from
-chapter N-1's train.py to chapter N's. Above the lines each change touches, a TODO says how many
-lines to add, change or remove there, with the comments of the solution's new lines as the hint:
-they say why, the learner writes the code. A change without a comment (an import, a print) shows its
-code. Changes only to the docstring or to comments are left out. The solution is chapter N's own
-train.py, and `python tools/check.py 0N_<chapter>/exercise.py` tells whether the learner's is the
-same run as chapter 01's.
+The changes are difflib's, from chapter N-1's train.py to chapter N's, within each top-level
+function and class matched by name (a class the chapter drops is removed where it stands, not lined
+up with main()). A change that begins inside a statement takes the whole statement, so that no TODO
+sits inside brackets, and `ruff format` leaves the exercises as they are. Above the lines each
+change touches, a TODO says how many lines to add, change or remove there, with the comments of
+the solution's new lines as the hint: they say why, the learner writes the code. A change without
+a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
+left out. The solution is chapter N's own train.py, and `python tools/check.py
+0N_<chapter>/exercise.py` tells whether the learner's is the same run as chapter 01's.
 """
 
 from __future__ import annotations
@@ -88,12 +90,22 @@ def docstring_end(lines: list[str]) -> int:
 
 
 def comments_of(lines: list[str]) -> list[str]:
+    """The comments of the lines, a comment that goes on over the next lines joined into one."""
     comments = []
+    joins = False  # the last line was a whole-line comment that the next one may go on
     for line in lines:
         stripped = line.strip()
         if stripped.startswith("#"):
-            comments.append(stripped.lstrip("# ").rstrip())
-        elif "  # " in line:  # a comment at the end of a line of code
+            text = stripped.lstrip("# ").rstrip()
+            goes_on = text[:1].islower() or text[:1] in "(`"
+            if joins and comments and goes_on and not text.startswith("----"):
+                comments[-1] += " " + text
+            else:
+                comments.append(text)
+            joins = not text.startswith("----")
+            continue
+        joins = False
+        if "  # " in line:  # a comment at the end of a line of code
             comments.append(line.split("  # ", 1)[1].strip())
     return comments
 
@@ -104,6 +116,80 @@ def hint_lines(old: list[str], new: list[str]) -> list[str]:
         kept = set(comments_of(old))
         return [comment for comment in comments_of(new) if comment not in kept]
     return [line.rstrip("\n") for line in new if line.strip()]
+
+
+def statement_start(tree: ast.Module, first: int, end: int) -> int:
+    """Where a TODO for the lines first..end (from 0) goes: above the outermost statement that the
+    change begins inside of and that ends within it; else above the innermost statement (or the
+    header of a compound one) that it begins inside of; else at `first`. A TODO comment inside
+    brackets would make a formatter spread the call one argument a line."""
+    outermost, innermost = None, None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
+            continue
+        if not node.lineno - 1 < first < node.end_lineno:
+            continue
+        if node.end_lineno <= end and (outermost is None or node.lineno < outermost):
+            outermost = node.lineno - 1
+        last = node.end_lineno
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
+            last = body[0].lineno - 1
+        if first < last and (innermost is None or node.lineno - 1 > innermost):
+            innermost = node.lineno - 1
+    if outermost is not None:
+        return outermost
+    return innermost if innermost is not None else first
+
+
+def blocks_of(lines: list[str]) -> list[tuple[str, int, int]]:
+    """The module cut at its top-level statements: (name, first line, end) for each function or
+    class ("def main"), and the code between them, each with the comments and blanks above it."""
+    tree = ast.parse("".join(lines))
+    blocks: list[tuple[str, int, int]] = []
+    start = 0
+    for node in tree.body:
+        end = node.end_lineno
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            blocks.append((f"{type(node).__name__} {node.name}", start, end))
+        elif blocks and blocks[-1][0] == "code":
+            blocks[-1] = ("code", blocks[-1][1], end)
+        else:
+            blocks.append(("code", start, end))
+        start = end
+    if start < len(lines):
+        blocks.append(("code", start, len(lines)))
+    return blocks
+
+
+def opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, int]]:
+    """difflib's changes from old to new, within each top-level function and class matched by
+    name: a class the new script drops is removed where it is, not lined up with main()."""
+    a, b = blocks_of(old), blocks_of(new)
+    out = []
+    matcher = difflib.SequenceMatcher(None, [n for n, *_ in a], [n for n, *_ in b], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            for (_, a1, a2), (_, b1, b2) in zip(a[i1:i2], b[j1:j2]):
+                inner = difflib.SequenceMatcher(None, old[a1:a2], new[b1:b2], autojunk=False)
+                for t, x1, x2, y1, y2 in inner.get_opcodes():
+                    out.append((t, a1 + x1, a1 + x2, b1 + y1, b1 + y2))
+            continue
+        first_old = a[i1][1] if i1 < i2 else (a[i1][1] if i1 < len(a) else len(old))
+        last_old = a[i2 - 1][2] if i1 < i2 else first_old
+        first_new = b[j1][1] if j1 < j2 else (b[j1][1] if j1 < len(b) else len(new))
+        last_new = b[j2 - 1][2] if j1 < j2 else first_new
+        if tag == "replace":  # blocks of other names in the same place: line by line
+            inner = difflib.SequenceMatcher(
+                None, old[first_old:last_old], new[first_new:last_new], autojunk=False
+            )
+            for t, x1, x2, y1, y2 in inner.get_opcodes():
+                out.append((t, first_old + x1, first_old + x2, first_new + y1, first_new + y2))
+        else:
+            out.append((tag, first_old, last_old, first_new, last_new))
+    return out
 
 
 def todo_block(
@@ -136,9 +222,7 @@ def exercise(chapter: int) -> str:
     new = (REPO / folder / "train.py").read_text().splitlines(keepends=True)
     head = docstring_end(old)
     changes = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
-        None, old, new, autojunk=False
-    ).get_opcodes():
+    for tag, i1, i2, j1, j2 in opcodes(old, new):
         if tag == "equal":
             if changes and not all(is_trivial(line) for line in old[i1:i2]):
                 changes.append(None)  # real code between two changes: they stay apart
@@ -166,18 +250,29 @@ def exercise(chapter: int) -> str:
             f"# TODO 1/{total}: the imports: remove (-) and add (+)\n",
             *import_changes,
         ]
+    tree = ast.parse("".join(old))
     for number, (tag, i1, i2, j1, j2) in enumerate(changes, 1 + bool(import_changes)):
+        while tag == "delete" and i1 < i2 and not old[i1].strip():
+            i1 += 1  # a removed block: its TODO right above its first line
+        while tag == "insert" and i1 < len(old) and not old[i1].strip():
+            i1 += 1  # a new block: its TODO above the line it goes before, not after the blanks
         at = i1
         while at in strings:  # before the line where that string starts
             at -= 1
+        # above the statement the change begins in, which it then takes whole
+        shift = at - statement_start(tree, at, i2)
+        at -= shift
+        i1 -= shift
+        j1 = max(j1 - shift, 0)
         # indented as the line it stands above (the next one that is not blank)
         below = next((line for line in old[at:] if line.strip()), "")
         block = todo_block(number, total, tag, old[i1:i2], new[j1:j2], indentation(below))
         blocks.setdefault(at, []).extend(block)
     about = (
-        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s train.py; add "
-        f"chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how the lines below it "
-        "change and quotes the new comments of the solution there. Then check your script:"
+        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s "
+        f"train.py; add chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how "
+        "the lines below it change and quotes the new comments of the solution there. Then check "
+        "your script:"
     )
     solution = (
         f"The solution is {folder}/train.py (its README shows the diff). This file is made by "

@@ -4,8 +4,19 @@
 
 tools/check.py starts the learner's script and chapter 01 through this, so that it can compare
 more than the logged loss: for every optimizer step of every rank, which training windows were
-read, the gradient's norm, how often the gradients were zeroed and a checksum of the parameters;
-at the end, every rank's parameters. It only watches: nothing of the script's run changes.
+read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients were
+zeroed, on which micro-steps DDP averaged them, and a checksum of the parameters; at the end, every
+rank's parameters. It only watches: nothing of the script's run changes, with three exceptions the
+checker asks for by environment variable:
+
+- CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
+  as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
+  missing or wrong reduction of the replicas' losses shows;
+- CHECK_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that optimizer step, once (not in a
+  process torchrun restarted);
+- CHECK_HANG_AFTER=S: a rank that waits in a collective for S seconds writes where it waits (its
+  line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
+
 Each rank writes FACTS_DIR/rank<R>.json and FACTS_DIR/rank<R>.pt, even when the script fails.
 """
 
@@ -14,7 +25,10 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +43,8 @@ class Recorder:
         self.windows: list[int] = []  # training windows read since the last optimizer step
         self.zero_grads = 0  # zero_grad calls since the last optimizer step
         self.clip_norm: float | None = None  # the norm clip_grad_norm_ measured before clipping
+        self.syncs: list[bool] = []  # per DDP forward since the last step: will backward average?
+        self.replicated = 0  # forwards split over stand-in replicas
         self.params: list[torch.Tensor] = []
 
     def pre_step(self, optimizer, args, kwargs):
@@ -41,9 +57,12 @@ class Recorder:
                 "windows": self.windows,
                 "zero_grads": self.zero_grads,
                 "grad_norm": self.clip_norm if self.clip_norm is not None else norm,
+                "clipped": self.clip_norm is not None,
+                "lr": optimizer.param_groups[0]["lr"],
+                "syncs": self.syncs,
             }
         )
-        self.windows, self.zero_grads, self.clip_norm = [], 0, None
+        self.windows, self.zero_grads, self.clip_norm, self.syncs = [], 0, None, []
 
     def post_step(self, optimizer, args, kwargs):
         flat = torch.cat([p.detach().double().reshape(-1) for p in self.params])
@@ -51,7 +70,14 @@ class Recorder:
 
     def save(self, folder: Path, rank: int, status: int | None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        facts = {"rank": rank, "status": status, "steps": self.steps}
+        facts = {
+            "rank": rank,
+            "status": status,
+            "steps": self.steps,
+            "replicated": self.replicated,
+            # torchrun's restarts of this rank's process before this one (--max-restarts)
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        }
         (folder / f"rank{rank}.json").write_text(json.dumps(facts))
         if self.params:
             flat = torch.cat([p.detach().double().reshape(-1).cpu() for p in self.params])
@@ -59,7 +85,10 @@ class Recorder:
 
 
 def watch(recorder: Recorder) -> None:
-    """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer."""
+    """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer,
+    DDP's forward."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from common.data import TokenWindows
 
     read = TokenWindows.__getitem__
@@ -88,8 +117,104 @@ def watch(recorder: Recorder) -> None:
         return norm
 
     torch.nn.utils.clip_grad_norm_ = clipping
+
+    ddp_forward = DistributedDataParallel.forward
+
+    def ddp_forwarding(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            recorder.syncs.append(bool(self.require_backward_grad_sync))
+        return ddp_forward(self, *args, **kwargs)
+
+    DistributedDataParallel.forward = ddp_forwarding
     optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
     optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
+
+
+def stand_in_replicas(recorder: Recorder, replicas: int) -> None:
+    """nn.DataParallel without GPUs splits the batch in `replicas` as scatter() would, runs the
+    shared model on each piece (through the script's parallel_apply, if it has its own) and gathers
+    as gather() does: the outputs concatenated, the 0-dim losses as a vector of one per replica."""
+    from torch import nn
+
+    def forward(self, *inputs, **kwargs):
+        if self.device_ids:
+            return real_forward(self, *inputs, **kwargs)
+        recorder.replicated += 1
+        rows = inputs[0].shape[0]
+        pieces = [
+            tuple(t.tensor_split(replicas)[i] for t in inputs) for i in range(min(replicas, rows))
+        ]
+        outputs = self.parallel_apply([self.module] * len(pieces), pieces, [kwargs] * len(pieces))
+        logits = None  # the model returns none when it computes the loss in chunks
+        if outputs[0][0] is not None:
+            logits = torch.cat([out[0] for out in outputs])
+        losses = torch.stack([out[1].reshape(()) for out in outputs])
+        return logits, losses
+
+    def parallel_apply(self, modules, inputs, kwargs):
+        if self.device_ids:
+            return real_parallel_apply(self, modules, inputs, kwargs)
+        return [m(*i, **k) for m, i, k in zip(modules, inputs, kwargs)]
+
+    real_forward = nn.DataParallel.forward
+    real_parallel_apply = nn.DataParallel.parallel_apply
+    nn.DataParallel.forward = forward
+    nn.DataParallel.parallel_apply = parallel_apply
+
+
+def kill_after(recorder: Recorder, rank: int, step: int) -> None:
+    """SIGKILL this process after optimizer step `step`, in the first attempt only."""
+    if int(os.environ.get("RANK", 0)) != rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return
+
+    def killing(optimizer, args, kwargs):
+        if len(recorder.steps) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    optim_hooks.register_optimizer_step_post_hook(killing)
+
+
+def where_waiting(script: str, frame) -> dict | None:
+    """The script's innermost line and the collective below it, if the main thread waits in one."""
+    collective, line = None, None
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if collective is None and "/torch/distributed/" in name:
+            collective = frame.f_code.co_name
+        if collective is None and "/torch/autograd/" in name:
+            collective = "backward (DDP's gradient all-reduce)"
+        if line is None and os.path.abspath(name) == script:
+            line = frame.f_lineno
+        frame = frame.f_back
+    if collective is None or line is None:
+        return None
+    return {"line": line, "collective": collective}
+
+
+def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
+    """A thread that writes FACTS_DIR/rank<R>.hang.json while the main thread has waited in one
+    collective, at one line of the script, for `after` seconds; removed when it moves on."""
+    main_id = threading.main_thread().ident
+    path = folder / f"rank{int(os.environ.get('RANK', 0))}.hang.json"
+
+    done = threading.Event()
+
+    def loop():
+        since, last = time.monotonic(), None
+        while not done.wait(0.5):
+            frame = sys._current_frames().get(main_id)
+            here = where_waiting(script, frame) if frame is not None else None
+            if here != last:
+                since, last = time.monotonic(), here
+                path.unlink(missing_ok=True)
+            elif here is not None and time.monotonic() - since >= after and not path.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(here | {"waited_s": round(after), "pid": os.getpid()}))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return done
 
 
 def main() -> None:
@@ -99,6 +224,15 @@ def main() -> None:
     sys.argv = [script, *args]
     recorder = Recorder()
     watch(recorder)
+    if os.environ.get("CHECK_REPLICAS"):
+        stand_in_replicas(recorder, int(os.environ["CHECK_REPLICAS"]))
+    if os.environ.get("CHECK_KILL"):
+        rank, step = os.environ["CHECK_KILL"].split(":")
+        kill_after(recorder, int(rank), int(step))
+    watching = None
+    if os.environ.get("CHECK_HANG_AFTER"):
+        hang_after = float(os.environ["CHECK_HANG_AFTER"])
+        watching = watch_for_hangs(os.path.abspath(script), Path(folder), hang_after)
     status: int | None = 1
     try:
         runpy.run_path(script, run_name="__main__")
@@ -107,6 +241,8 @@ def main() -> None:
         status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         raise
     finally:
+        if watching is not None:
+            watching.set()  # the thread ends before the interpreter does
         recorder.save(Path(folder), int(os.environ.get("RANK", 0)), status)
 
 
