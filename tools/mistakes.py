@@ -171,7 +171,7 @@ MISTAKES = [
         "(the check splits every DataParallel batch over 2 stand-in replicas, and saw none)",
         signature=lambda f: f.chapter == 3 and f.replicas == 0,
         chapter=3,
-        line="model = DataParallel(model, device, dtype, device_ids=gpu_ids)",
+        line="model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)",
         look_for=("DataParallel(",),
         near="raw_model = ",
         plant=(),
@@ -485,15 +485,13 @@ MISTAKES = [
             and f.resume_first_grad_diff in (None, f.resume_at + 2)
         ),
         chapter=2,
-        line="iter_num = (restore_training_state(checkpoint, optimizer, scaler) "
-        "if checkpoint is not None else 0)",
+        line="iter_num = restore_training_state(checkpoint, optimizer, scaler)",
         look_for=("restore_training_state(", "iter_num = "),
         near="checkpoint = load_checkpoint(",
         plant=(
             (
-                "iter_num = (restore_training_state(checkpoint, optimizer, scaler) "
-                "if checkpoint is not None else 0)",
-                'iter_num = checkpoint["iter_num"] if checkpoint is not None else 0',
+                "iter_num = restore_training_state(checkpoint, optimizer, scaler)",
+                'iter_num = checkpoint["iter_num"]',
             ),
         ),
         kind="resume",
@@ -505,14 +503,12 @@ MISTAKES = [
         "and resume as --resume would (chapter 05)",
         signature=lambda f: f.restart is not None,
         chapter=5,
-        line="checkpoint = load_checkpoint(out_dir) if args.resume or (restarts and all(visible)) "
-        "else None",
+        line="checkpoint = load_checkpoint(out_dir)",
         look_for=("checkpoint = load_checkpoint(", "TORCHELASTIC_RESTART_COUNT"),
         near="claim_out_dir(",
         plant=(
             (
-                "checkpoint = load_checkpoint(out_dir) if args.resume or "
-                "(restarts and all(visible)) else None",
+                "checkpoint = load_checkpoint(out_dir)",
                 "checkpoint = load_checkpoint(out_dir) if args.resume else None",
             ),
         ),
