@@ -148,7 +148,7 @@ def main():
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
     # (common/support/preempt.py)
-    preemption = Preemption(args.stop_signal, out_dir)
+    preemption = Preemption(args.stop_signal)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)

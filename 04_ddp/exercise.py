@@ -20,6 +20,7 @@ run is chapter 02's.
 #     - from torch.utils.data import RandomSampler
 #     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
 #     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
+#     - from common.support.preempt import Preemption
 #     + import contextlib
 #     + import datetime
 #     + import os
@@ -34,6 +35,7 @@ run is chapter 02's.
 #     + ranks_unlike_rank0,
 #     + share_cpu_cores,
 #     + start_process_group,
+#     + from common.support.preempt_ranks import AgreedPreemption
 import sys
 from pathlib import Path
 
@@ -289,10 +291,10 @@ def main():
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
     # TODO 15/22: change the next 1 line(s) of code:
-    #   (common/support/preempt.py). The ranks agree on the step to stop at, with an all-reduce of
-    #     two numbers every few steps. A worker restarted after a stop stops here too.
+    #   (common/support/preempt_ranks.py). The ranks agree on the step to stop at, with an all-
+    #     reduce of two numbers every few steps. A worker restarted after a stop stops here too.
     # (common/support/preempt.py)
-    preemption = Preemption(args.stop_signal, out_dir)
+    preemption = Preemption(args.stop_signal)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)

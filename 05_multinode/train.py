@@ -49,7 +49,7 @@ from common.distributed import (
 from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.support.errors import CourseError, run_main
 from common.support.gpus import peak_flops
-from common.support.preempt import Preemption
+from common.support.preempt_ranks import AgreedPreemption
 from common.support.progress import Progress
 from common.support.rundir import claim_out_dir
 from common.training import (
@@ -256,9 +256,9 @@ def main():
             )
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # (common/support/preempt.py). The ranks agree on the step to stop at, with an all-reduce of two
-    # numbers every few steps. A worker restarted after a stop stops here too.
-    preemption = Preemption(args.stop_signal, out_dir, ranks_agree_within=timeout)
+    # (common/support/preempt_ranks.py). The ranks agree on the step to stop at, with an all-reduce
+    # of two numbers every few steps. A worker restarted after a stop stops here too.
+    preemption = AgreedPreemption(args.stop_signal, out_dir, ranks_agree_within=timeout)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)

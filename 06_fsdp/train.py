@@ -70,7 +70,7 @@ from common.sharding import (
 )
 from common.support.errors import CourseError, run_main
 from common.support.gpus import peak_flops
-from common.support.preempt import Preemption
+from common.support.preempt_ranks import AgreedPreemption
 from common.support.progress import Progress
 from common.support.rundir import claim_out_dir
 from common.training import (
@@ -202,7 +202,7 @@ def main():
         check_resume(checkpoint, global_batch, args.seed)
         check_same_shape(checkpoint, model_config)
     # a checkpoint's tensors are loaded into the sharded model (below), not into this full one
-    model = build_model(model_config, args.init_from).to(device)
+    model = build_model(model_config, args.init_from, checkpoint=None).to(device)
     # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
     # gathered cast to it, which also halves the bytes sent; the gradients are reduced in float32
     # and the optimizer steps on float32 shards, the master weights. On the CPU (float32, float64)
@@ -334,9 +334,9 @@ def main():
             )
 
     # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # (common/support/preempt.py). The ranks agree on the step to stop at, with an all-reduce of two
-    # numbers every few steps. A worker restarted after a stop stops here too.
-    preemption = Preemption(args.stop_signal, out_dir, ranks_agree_within=timeout)
+    # (common/support/preempt_ranks.py). The ranks agree on the step to stop at, with an all-reduce
+    # of two numbers every few steps. A worker restarted after a stop stops here too.
+    preemption = AgreedPreemption(args.stop_signal, out_dir, ranks_agree_within=timeout)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)

@@ -1,7 +1,9 @@
-"""What the ranks' agreement on a stop costs per step (common/support/preempt.py), under torchrun.
+"""What the ranks' agreement on a stop costs per step (common/support/preempt_ranks.py), under
+torchrun.
 
 Every rank runs `--steps` stand-in steps of `--step-ms` milliseconds (a sleep: the host is free,
-as it is while a GPU computes) and asks `Preemption.requested()` after each, as the chapters do.
+as it is while a GPU computes) and asks `AgreedPreemption.requested()` after each, as the chapters
+do.
 It prints the mean time per step spent in that call, on the slowest rank: with the agreement every
 K steps (the course's), and on every step (what the chapters did before: one all-reduce per step).
 
@@ -23,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 
-from common.support import preempt
+from common.support import preempt_ranks
 
 
 def mean_check_us(steps: int, step_s: float, out_dir: str) -> tuple[float, int]:
     """The mean microseconds per step spent in requested(), and the last interval K."""
-    preemption = preempt.Preemption("TERM", out_dir, ranks_agree_within=datetime.timedelta(60))
+    preemption = preempt_ranks.AgreedPreemption(
+        "TERM", out_dir, ranks_agree_within=datetime.timedelta(60)
+    )
     spent = 0.0
     for _ in range(steps):
         time.sleep(step_s)
@@ -49,10 +53,10 @@ def main() -> None:
     rank = dist.get_rank()
     with tempfile.TemporaryDirectory() as out_dir:
         every_k, interval = mean_check_us(args.steps, args.step_ms / 1e3, out_dir)
-        every_step_plan = preempt.steps_between_checks
-        preempt.steps_between_checks = lambda check_s, step_s: 1  # the old schedule
+        every_step_plan = preempt_ranks.steps_between_checks
+        preempt_ranks.steps_between_checks = lambda check_s, step_s: 1  # the old schedule
         every_step, _ = mean_check_us(args.steps, args.step_ms / 1e3, out_dir)
-        preempt.steps_between_checks = every_step_plan
+        preempt_ranks.steps_between_checks = every_step_plan
     if rank == 0:
         world = dist.get_world_size()
         print(

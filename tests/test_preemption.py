@@ -8,7 +8,8 @@ exactly.
 - In-process: the signal handling itself (every copy after the first is the same stop, however
   late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
   it; an error while stopping is an error, with its own status), --stop-signal's names, the
-  agreement's schedule, and a stop's finality (a restarted worker finds the stop's marker and stops).
+  agreement's schedule, and a stop's finality (a restarted worker finds the stop's marker and
+  stops), the ranks' part in a real gloo world of one process.
 - Chapter 05 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
   and they stop at once, without a step more (the stop's marker).
 - 05_multinode/slurm.sbatch on a real Slurm: tests/test_slurm.py.
@@ -17,6 +18,7 @@ exactly.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import io
 import math
@@ -30,17 +32,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import start, tiny_run_args
 
 from common.metrics import read_metrics
 from common.support.errors import EXIT_STOPPED, Stopped, run_main
-from common.support.preempt import (
+from common.support.preempt import Preemption, stop_signal
+from common.support.preempt_ranks import (
     CHECK_SHARE,
     LONGEST_WAIT_S,
     STOP_MARKER,
-    Preemption,
+    AgreedPreemption,
     steps_between_checks,
-    stop_signal,
 )
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
@@ -151,6 +154,14 @@ def restore_signal_handlers():
         signal.signal(sig, handler)
 
 
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of one rank, in this process: the ranks' timeout."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield datetime.timedelta(seconds=60)
+    dist.destroy_process_group()
+
+
 def test_stop_signal_names():
     assert stop_signal("USR1") == stop_signal("sigusr1") == "SIGUSR1"
     assert stop_signal("TERM") == "SIGTERM"
@@ -159,8 +170,8 @@ def test_stop_signal_names():
             stop_signal(wrong)
 
 
-def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers, tmp_path):
-    preemption = Preemption("USR1", tmp_path)
+def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers):
+    preemption = Preemption("USR1")
     assert not preemption.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
     assert preemption.requested() and preemption.received == "SIGUSR1"
@@ -172,23 +183,33 @@ def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers,
         Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved; continue with --resume"
     ):
         preemption.stop(7)
+
+
+def test_the_ranks_stop_marks_the_run_as_stopped(restore_signal_handlers, world_of_one, tmp_path):
+    preemption = AgreedPreemption("USR1", tmp_path, ranks_agree_within=world_of_one)
+    assert not preemption.requested()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
+    assert preemption.requested() and preemption.received == "SIGUSR1"
+    with pytest.raises(Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved"):
+        preemption.stop(7)
     assert (tmp_path / STOP_MARKER).read_text() == "7 SIGUSR1\n"
 
 
 def test_a_worker_restarted_after_a_stop_stops_at_once(
-    restore_signal_handlers, tmp_path, monkeypatch
+    restore_signal_handlers, world_of_one, tmp_path, monkeypatch
 ):
     (tmp_path / STOP_MARKER).write_text("7 SIGTERM\n")  # what the stop left
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the worker
     with pytest.raises(Stopped, match="stopped by SIGTERM before torchrun restarted this worker"):
-        Preemption("TERM", tmp_path)
+        AgreedPreemption("TERM", tmp_path, ranks_agree_within=world_of_one)
     # a new launch (with --resume) is not a restart: the old stop is over, and its marker goes
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    Preemption("TERM", tmp_path)
+    AgreedPreemption("TERM", tmp_path, ranks_agree_within=world_of_one)
     assert not (tmp_path / STOP_MARKER).exists()
     # a restart after a failure, with no stop asked for, trains on
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert not Preemption("TERM", tmp_path).requested()
+    assert not AgreedPreemption("TERM", tmp_path, ranks_agree_within=world_of_one).requested()
 
 
 def test_the_agreement_comes_every_k_steps():
@@ -232,17 +253,17 @@ def test_run_main_lines_and_statuses(restore_signal_handlers):
     )
 
 
-def test_an_error_while_stopping_is_an_error(restore_signal_handlers, tmp_path):
+def test_an_error_while_stopping_is_an_error(restore_signal_handlers):
     """A full disk in the stop's save is one line and status 1; a bug keeps its traceback."""
 
     def full_disk_while_saving():
-        preemption = Preemption("TERM", tmp_path)
+        preemption = Preemption("TERM")
         os.kill(os.getpid(), signal.SIGTERM)
         assert preemption.requested()
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
     def bug_while_saving():
-        preemption = Preemption("TERM", tmp_path)
+        preemption = Preemption("TERM")
         os.kill(os.getpid(), signal.SIGTERM)
         assert preemption.requested()
         raise ValueError("a bug")

@@ -16,7 +16,7 @@ EXIT_STOPPED = 75  # os.EX_TEMPFAIL, "try again later": what a run stopped to be
 
 class Stopped(Exception):
     """The run stopped at a step's end after a stop signal, its checkpoint written
-    (support/preempt.py)."""
+    (support/preempt.py, and preempt_ranks.py for several ranks)."""
 
     def __init__(self, signal_name: str, step: int | str, speaks: bool):
         super().__init__(
@@ -43,7 +43,8 @@ class StopNow:
 def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
     """Run a script's main(): a CourseError is one line and status 2, a stop signal one line and 130
     (75 for a loop's own stop at a step's end); `resumable`: the line says to continue with
-    --resume. An error while a stop is under way is an error: its line or traceback, and status 1."""
+    --resume. An error while a stop is under way is an error: its line or traceback, and status
+    1."""
     # under torchrun: who speaks
     prefix = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""
     stop_now = StopNow()
@@ -55,17 +56,17 @@ def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
     try:
         status = main()
     except CourseError as err:
-        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        print(f"{prefix}error: {err}", file=sys.stderr)
         sys.exit(2)
     except Stopped as stopped:
         if stopped.speaks:  # rank 0 speaks for every rank
-            print(f"{prefix}{stopped}", file=sys.stderr, flush=True)
+            print(f"{prefix}{stopped}", file=sys.stderr)
         sys.exit(EXIT_STOPPED)
     except (KeyboardInterrupt, Exception) as err:
         # stopped at once: a rank in a collective when its peers stopped sees a broken connection,
         # not the signal; the same stop
         if stop_now.signal_name is not None:
-            print(f"{prefix}stopped by {stop_now.signal_name}{intact}", file=sys.stderr, flush=True)
+            print(f"{prefix}stopped by {stop_now.signal_name}{intact}", file=sys.stderr)
             sys.exit(130)
         if stop_now.saving_for is None or isinstance(err, KeyboardInterrupt):
             raise  # a real bug: its traceback is what the reader needs
@@ -74,6 +75,6 @@ def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
         if not isinstance(err, OSError):
             traceback.print_exc()
         during = f"while stopping after {stop_now.saving_for}"
-        print(f"{prefix}error {during}: {err}{intact}", file=sys.stderr, flush=True)
+        print(f"{prefix}error {during}: {err}{intact}", file=sys.stderr)
         sys.exit(1)
-    sys.exit(status or 0)
+    sys.exit(status)  # None: 0
