@@ -28,9 +28,8 @@ step, and how far it rises above the resting state.
 Time is the mean wall-clock time of --steps further steps (bench/step_timer.py), measured without
 the profiler, after one warm-up step (which creates AdamW's state and pays one-off costs). On the
 CPU the table also gives the CPU time the process used per step (all its threads): on a machine
-shared with other work the wall-clock time says as much about the neighbours as about the step,
-the CPU time less.
-"""
+shared with other work the wall-clock time says as much about the neighbours as about the step, the
+CPU time less."""
 
 from __future__ import annotations
 

@@ -161,12 +161,14 @@ def main():
     print(f"global batch: {split} = {per_step}")
     if replicas > 1:
         print(
-            f"DataParallel: 1 process, {replicas} threads, one replica per GPU on cuda:0..{replicas - 1}; "
+            f"DataParallel: 1 process, {replicas} threads, "
+            f"one replica per GPU on cuda:0..{replicas - 1}; "
             f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
         )
     else:
         print(
-            f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
+            f"DataParallel has nothing to split on one {device.type} device: "
+            "the run is chapter 02's"
         )
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")

@@ -128,7 +128,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 5/22: change the next 3 line(s) of code into 9:
+    # TODO 5/22: change the next 3 line(s) of code into 10:
     #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
     #   ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
     #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
@@ -219,25 +219,27 @@ def main():
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 11/22: change the next 11 line(s) of code into 7:
+    # TODO 11/22: change the next 13 line(s) of code into 8:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
     #     threads = f"; {cpu_threads}" if cpu_threads else ""
     #     log(
-    #     f"DDP: {world_size} process(es), one model copy each, backend {backend};
-    #       {averaging}{threads}"
+    #     f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
+    #     f"{averaging}{threads}"
     #     )
     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
     if replicas > 1:
         print(
-            f"DataParallel: 1 process, {replicas} threads, one replica per GPU on cuda:0..{replicas - 1}; "
+            f"DataParallel: 1 process, {replicas} threads, "
+            f"one replica per GPU on cuda:0..{replicas - 1}; "
             f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
         )
     else:
         print(
-            f"DataParallel has nothing to split on one {device.type} device: the run is chapter 02's"
+            f"DataParallel has nothing to split on one {device.type} device: "
+            "the run is chapter 02's"
         )
     # TODO 12/22: change the next 5 line(s) of code into 12:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e

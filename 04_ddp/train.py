@@ -7,7 +7,7 @@ copy takes the same optimizer step. Rank 0 prints, logs and writes checkpoints f
 Started with plain `python`, the script runs as a world of one process and says so.
 
     torchrun --standalone --nproc_per_node=2 04_ddp/train.py
-    torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4   # the same run as 01 with 8
+    torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4  # 01's run with 8
 """
 
 import contextlib
@@ -107,7 +107,8 @@ def main():
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
         log(
-            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "not started by torchrun, so this is a world of one process (chapter 01's run); "
+            "for N processes: "
             "torchrun --standalone --nproc_per_node=N 04_ddp/train.py"
         )
 
@@ -184,7 +185,8 @@ def main():
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
     log(
-        f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
+        f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
+        f"{averaging}{threads}"
     )
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")

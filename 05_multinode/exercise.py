@@ -13,7 +13,7 @@ copy takes the same optimizer step. Rank 0 prints, logs and writes checkpoints f
 Started with plain `python`, the script runs as a world of one process and says so.
 
     torchrun --standalone --nproc_per_node=2 04_ddp/train.py
-    torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4   # the same run as 01 with 8
+    torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4  # 01's run with 8
 """
 
 # TODO 1/12: the imports: remove (-) and add (+)
@@ -130,13 +130,14 @@ def main():
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
-        # TODO 6/12: change the next 3 line(s) of code:
+        # TODO 6/12: change the next 4 line(s) of code:
         #     log(
-        #     "not started by torchrun, so this is a world of one process (chapter 01's run); for N
-        #       processes: "
+        #     "not started by torchrun, so this is a world of one process (chapter 01's run); "
+        #     "for N processes: "
         #     "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
         log(
-            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "not started by torchrun, so this is a world of one process (chapter 01's run); "
+            "for N processes: "
             "torchrun --standalone --nproc_per_node=N 04_ddp/train.py"
         )
 
@@ -226,7 +227,8 @@ def main():
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
     log(
-        f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
+        f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
+        f"{averaging}{threads}"
     )
     # TODO 10/12: add 1 line(s) of code here:
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""

@@ -18,9 +18,9 @@ place of train.py. In a minute it tells you what a failed hour-long job would ha
 
 It exits with status 1 when a check fails, so a job script can refuse to start training.
 
-    torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py                  # one machine
-    torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 --master_addr=HOST --master_port=29500 \\
-        05_multinode/preflight.py                                                        # on each node
+    torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py    # one machine
+    torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 \\
+        --master_addr=HOST --master_port=29500 05_multinode/preflight.py   # on each node
 """
 
 import argparse

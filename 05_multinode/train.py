@@ -8,8 +8,8 @@ them; the token files are prepared once per node, or once in all on a shared fil
 continues from its last checkpoint. Launch recipes for two machines, SLURM and a two-node
 simulation on one machine are in this folder (README.md).
 
-    bash 05_multinode/simulate_two_nodes.sh                                 # two nodes on this machine
-    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh     # on node 0 (and 1 on node 1)
+    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
 import contextlib
@@ -121,7 +121,8 @@ def main():
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
         log(
-            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "not started by torchrun, so this is a world of one process (chapter 01's run); "
+            "for N processes: "
             "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
         )
 
@@ -210,7 +211,8 @@ def main():
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
     log(
-        f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
+        f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
+        f"{averaging}{threads}"
     )
     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:

@@ -14,8 +14,8 @@ them; the token files are prepared once per node, or once in all on a shared fil
 continues from its last checkpoint. Launch recipes for two machines, SLURM and a two-node
 simulation on one machine are in this folder (README.md).
 
-    bash 05_multinode/simulate_two_nodes.sh                                 # two nodes on this machine
-    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh     # on node 0 (and 1 on node 1)
+    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
 # TODO 1/21: the imports: remove (-) and add (+)
@@ -158,13 +158,14 @@ def main():
     place += f", node {node_rank} of {n_nodes}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
-        # TODO 4/21: change the next 3 line(s) of code:
+        # TODO 4/21: change the next 4 line(s) of code:
         #     log(
-        #     "not started by torchrun, so this is a world of one process (chapter 01's run); for N
-        #       processes: "
+        #     "not started by torchrun, so this is a world of one process (chapter 01's run); "
+        #     "for N processes: "
         #     "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
         log(
-            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "not started by torchrun, so this is a world of one process (chapter 01's run); "
+            "for N processes: "
             "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
         )
 
@@ -288,11 +289,12 @@ def main():
     #       backward"
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    # TODO 13/21: change the next 3 line(s) of code into 2:
+    # TODO 13/21: change the next 4 line(s) of code into 2:
     #     share = f"1/{world_size} of the model each"
     #     log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
     log(
-        f"DDP: {world_size} process(es), one model copy each, backend {backend}; {averaging}{threads}"
+        f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
+        f"{averaging}{threads}"
     )
     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:

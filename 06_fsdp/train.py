@@ -144,7 +144,8 @@ def main():
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
         log(
-            "not started by torchrun, so this is a world of one process (chapter 01's run); for N processes: "
+            "not started by torchrun, so this is a world of one process (chapter 01's run); "
+            "for N processes: "
             "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
         )
 

@@ -87,8 +87,7 @@ def stop_children_on_sigterm(grace: float = 5) -> None:
     process alone, as `timeout` sends it, would leave them running. Each child's whole process group
     gets the SIGTERM (torchrun's workers and a compile's worker processes included), has `grace`
     seconds to end, and is then killed. Exiting through SystemExit also runs the `finally` blocks
-    that wait for the runs.
-    """
+    that wait for the runs."""
 
     def stop(signum: int, frame) -> None:
         groups = _children()

@@ -9,8 +9,7 @@ minutes compiling GPT-2.
 
 Prints one line, `compile probe: passed on cuda in 8.1 s` or `compile probe: FAILED on cuda: ...`
 (the error's first lines; its traceback above it), writes the same as JSON to --out, and exits 1
-when the probe fails.
-"""
+when the probe fails."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """What the ranks' agreement on a stop costs per step (common/support/preempt_ranks.py), under
 torchrun.
 
-Every rank runs `--steps` stand-in steps of `--step-ms` milliseconds (a sleep: the host is free,
-as it is while a GPU computes) and asks `AgreedPreemption.requested()` after each, as the chapters
-do.
-It prints the mean time per step spent in that call, on the slowest rank: with the agreement every
-K steps (the course's), and on every step (what the chapters did before: one all-reduce per step).
+Every rank runs `--steps` stand-in steps of `--step-ms` milliseconds (a sleep: the host is free, as
+it is while a GPU computes) and asks `AgreedPreemption.requested()` after each, as the chapters do.
+It prints the mean time per step spent in that call, on the slowest rank: with the agreement every K
+steps (the course's), and on every step (what the chapters did before: one all-reduce per step).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/stop_check.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/stop_check.py

@@ -86,8 +86,7 @@ def chunked_cross_entropy(
     Under autocast the products run in the autocast dtype and the softmax in float32, as in the
     plain `F.cross_entropy(lm_head(h).float(), targets)`; the gradients come back in the inputs'
     dtypes (float32 for the model's weight: summed over the chunks in float32, never rounded to
-    bfloat16).
-    """
+    bfloat16)."""
     device_type = h.device.type
     if chunk is None:
         chunk = CPU_CHUNK if device_type == "cpu" else GPU_CHUNK

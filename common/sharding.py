@@ -99,8 +99,7 @@ def sharded_checkpoint_folder(out_dir: Path):
     The old checkpoint is moved aside first and deleted last, so a crash at any moment leaves a
     whole checkpoint: the old one, the new one, or (between the two renames) the new one under its
     temporary name and the old one under `.ckpt_sharded.old`. A failure inside the block leaves the
-    old one in place.
-    """
+    old one in place."""
     final = Path(out_dir) / SHARDED_NAME
     tmp = final.with_name(f".{SHARDED_NAME}.tmp")
     old = final.with_name(f".{SHARDED_NAME}.old")

@@ -14,8 +14,7 @@ holds.
 
 `record` stores the wall time ("4 min 4 s") as the value, or the first group of REGEX in what the
 command printed (`--from "val loss ([0-9.]+)"`); `--keep-output` keeps the printed lines, so a
-chapter's text can show them.
-"""
+chapter's text can show them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Plain helpers the tests share: the flags of a tiny run, a snapshot of a run folder, launches
-whose
-output is read as it comes, and edits of a script's statements (for the broken copies that show a
-check can fail)."""
+whose output is read as it comes, and edits of a script's statements (for the broken copies that
+show a check can fail)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 
 One short benchmark run of the tiny model over every setup (a chapter launched one way) that exists;
 the tests check the shape of what it writes (the table's columns, the JSON's keys and types, a row
-per
-setup), never timings.
-"""
+per setup), never timings."""
 
 from __future__ import annotations
 

@@ -6,11 +6,10 @@ CPU DataParallel has one replica) must log the same loss at every step and end w
 parameters. Three deliberately broken copies of chapter 02 must NOT pass that same comparison,
 which shows the comparison can fail. Checkpoints of the three chapters resume in each other.
 
-The runs use `--warmup-iters 2`: with the default 50-step warm-up the learning rate stays tiny
-for 10 steps and a wrongly scaled gradient would hardly move the parameters differently.
-`--lr-decay-iters 14` fixes the schedule, so a 10-step run and its resumption to 14 steps follow
-one schedule.
-"""
+The runs use `--warmup-iters 2`: with the default 50-step warm-up the learning rate stays tiny for
+10 steps and a wrongly scaled gradient would hardly move the parameters differently.
+`--lr-decay-iters 14` fixes the schedule, so a 10-step run and its resumption to 14 steps follow one
+schedule."""
 
 from __future__ import annotations
 

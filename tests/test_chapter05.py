@@ -98,8 +98,7 @@ def simulate(
 
     With kill_rank: once a checkpoint exists and a step after it is done, that global rank's process
     is killed (SIGKILL), mid-run. Returns (the script's output, both node logs, the step of the
-    kill).
-    """
+    kill)."""
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
         proc = subprocess.Popen(
@@ -142,8 +141,7 @@ def assert_two_nodes_of_two(logs: list[str]) -> None:
     """Global ranks 0-3 once each, local ranks 0 and 1 on each node, node ranks 0 and 1.
 
     Only each node's first two start lines count: processes restarted by torchrun print theirs
-    again.
-    """
+    again."""
     # (node, global rank, local rank) of each start line
     per_node = [[tuple(map(int, m[:3])) for m in START.findall(log)[:2]] for log in logs]
     starts = per_node[0] + per_node[1]

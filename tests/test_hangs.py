@@ -102,8 +102,7 @@ def ended_with_failure(run: Launch) -> str:
 
 def assert_collectives(out: str, op: str, shapes: list[int]) -> None:
     """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running: rank
-    r
-    an `op` of a tensor of shape [shapes[r]]."""
+    r an `op` of a tensor of shape [shapes[r]]."""
     for rank, shape in enumerate(shapes):
         running = rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
         assert re.search(rf"{running}OpType={op}, TensorShape=\[{shape}\]", out), out

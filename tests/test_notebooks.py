@@ -2,12 +2,10 @@
 source run.
 
 Each chapter's source, notebook.py, is executed here afresh in a real Jupyter kernel (nbclient),
-from
-its chapter folder, with the session's prepared corpus (COURSE_DATA_DIR), so a failing cell —
+from its chapter folder, with the session's prepared corpus (COURSE_DATA_DIR), so a failing cell —
 including the notebook's own checks that a chapter matches chapter 01 — fails its test. The
 committed outputs are not trusted: `maintainer/build_notebooks.py --check` only proves that each
-notebook.ipynb holds its source's cells, all run, none failed.
-"""
+notebook.ipynb holds its source's cells, all run, none failed."""
 
 from __future__ import annotations
 

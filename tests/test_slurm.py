@@ -6,8 +6,8 @@ script is submitted as it is, with a tiny CPU run: what differs is given on sbat
 (one node, no GPU, two cores) and in the environment the script reads (two processes per node, the
 prepared token files, the run folder).
 
-- USR1 to the batch shell (`scancel --batch --signal=USR1`), what `--signal=B:USR1@90` sends near the
-  limit, at once.
+- USR1 to the batch shell (`scancel --batch --signal=USR1`): at once, what `--signal=B:USR1@90`
+  sends near the limit.
 - The real `--signal=B:USR1@90` with a three-minute `--time` (room for the start-up on a slow
   machine): it costs minutes, so it runs only with COURSE_SLURM_TIME_LIMIT=1.
 """

@@ -146,8 +146,8 @@ def test_zero1_holds_one_wth_of_the_optimizer_state(runs, world, K):
 @pytest.mark.parametrize("world", WORLDS)
 def test_zero_redundancy_shards_whole_tensors(runs, world):
     """The library gives each parameter tensor to one rank. Nothing is held twice, but the GPT's
-    tied
-    embedding matrix is almost all of it, so the rank that owns it holds almost all the state."""
+    tied embedding matrix is almost all of it, so the rank that owns it holds almost all the state.
+    """
     ddp, zro = (runs["results"][world][f"{impl}/K=1"] for impl in ("ddp", "zero_redundancy"))
     assert sum(zro["state_bytes"]) == ddp["state_bytes"][0]
     assert max(zro["state_bytes"]) > 0.95 * ddp["state_bytes"][0]

@@ -2,10 +2,8 @@
 two nodes.
 
 The tests, the benchmark, the plots and the notebooks all start runs; this is the one place that
-knows
-how. No chapter imports it: a chapter is started by these commands, it does not start anything
-itself.
-"""
+knows how. No chapter imports it: a chapter is started by these commands, it does not start anything
+itself."""
 
 from __future__ import annotations
 
@@ -153,8 +151,7 @@ def run_together(commands: list[list[str]], env: dict, logs: list, timeout: floa
     all.
 
     Returns the first non-zero exit status (124 after `timeout` seconds), else 0. When one node
-    fails
-    the others are stopped at once: they would otherwise wait for it until their own timeout.
+    fails the others are stopped at once: they would otherwise wait for it until their own timeout.
     """
     procs = [
         subprocess.Popen(

@@ -209,9 +209,8 @@ def full_batch_gradient() -> tuple[list[int], torch.Tensor]:
 def results(output: str) -> list[dict]:
     """Every rank's RESULT (printed by 04_ddp/rank_worker.py), as a dict, in rank order.
 
-    Read object by object, not line by line: the ranks share one output pipe, and two lines can
-    come out glued together.
-    """
+    Read object by object, not line by line: the ranks share one output pipe, and two lines can come
+    out glued together."""
     decoder = json.JSONDecoder()
     rows = [decoder.raw_decode(part)[0] for part in output.split("RESULT ")[1:]]
     return sorted(rows, key=lambda r: r["rank"])
