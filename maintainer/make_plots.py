@@ -364,6 +364,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         3: dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
         4: dict(ls="-.", lw=1.4, color="tab:green"),
         5: dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
+        6: dict(ls="none", marker="x", ms=4, markevery=7, color="tab:brown"),
     }
     # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
     floor = 1e-7
