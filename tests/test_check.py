@@ -285,6 +285,7 @@ def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter
     assert len(out.splitlines()) == 1, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chapter", [3, 5])
 def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     capsys, out_root, tmp_path, chapter
@@ -343,7 +344,11 @@ RUN = [
 ]
 
 
-@pytest.mark.parametrize("name", RUN)
+# the suite runs the first; the others run in the slow stage (python -m pytest -m slow)
+@pytest.mark.parametrize(
+    "name",
+    [RUN[0], *(pytest.param(name, marks=pytest.mark.slow) for name in RUN[1:])],
+)
 def test_planted_mistakes_are_caught_and_named(capsys, out_root, tmp_path, name):
     mistake = BY_NAME[name]
     script = planted_copy(tmp_path / "copy", mistake)

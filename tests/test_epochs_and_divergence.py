@@ -123,7 +123,9 @@ DIVERGE = {"lr": 1e6, "warmup_iters": 0, "lr_decay_iters": 100}
 
 
 def folder_state(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    """Every file's bytes, but run.lock's: each run that takes the folder writes who it is there."""
+    files = [p for p in sorted(folder.iterdir()) if p.name != "run.lock"]
+    return {p.name: p.read_bytes() for p in files}
 
 
 # ---- the corpus and the runs, made once per module

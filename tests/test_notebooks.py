@@ -71,6 +71,7 @@ def test_check_names_a_stale_notebook_and_its_fix(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("chapter", FOLDERS)
 def test_notebook_runs(chapter, data_dir, python3_kernel):
