@@ -202,7 +202,7 @@ def main():
         check_resume(checkpoint, global_batch, args.seed)
         check_same_shape(checkpoint, model_config)
     # a checkpoint's tensors are loaded into the sharded model (below), not into this full one
-    model = build_model(model_config, args.init_from).to(device)
+    model = build_model(model_config, args.init_from, None).to(device)
     # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
     # gathered cast to it, which also halves the bytes sent; the gradients are reduced in float32
     # and the optimizer steps on float32 shards, the master weights. On the CPU (float32, float64)
