@@ -152,6 +152,13 @@ PLANT_FACTS = {
     "the learning rate advanced per micro-step": trained(
         chapter=2, world_size=1, grad_accum=4, first_lr_diff=2, lr_speed=4
     ),
+    "the gradient-sync switch off on the last micro-step": trained(
+        chapter=6,
+        sharded=True,
+        last_micro_step_unsynced=True,
+        first_grad_diff=1,
+        grad_ratio_at_1=0.56,
+    ),
     "no_sync on the wrong micro-step": trained(
         last_micro_step_unsynced=True, ranks_drift_from=1, grad_ratio_at_1=0.9
     ),

@@ -235,11 +235,30 @@ MISTAKES = [
         plant=(("lr = lr_at(iter_num, args)", "lr = lr_at(iter_num * args.grad_accum, args)"),),
     ),
     Mistake(
+        name="the gradient-sync switch off on the last micro-step",
+        did="FSDP reduce-scatters the gradients in the backward of a micro-step whose gradient "
+        "sync is on; here the last micro-step's is off, so what it adds stays in this rank's "
+        "unsharded gradient and never reaches the shards the optimizer steps on: the gradient "
+        "is not the batch's from step 1",
+        signature=lambda f: f.chapter == 6 and f.last_micro_step_unsynced,
+        chapter=6,
+        line="model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)",
+        look_for=("set_requires_gradient_sync(",),
+        near="for micro_step in range(args.grad_accum)",
+        plant=(
+            (
+                "model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)",
+                "model.set_requires_gradient_sync(micro_step == 0)",
+            ),
+        ),
+        plant_ranks=2,
+    ),
+    Mistake(
         name="no_sync on the wrong micro-step",
         did="DDP averages the gradients in the backward of a micro-step outside no_sync(); here "
         "the last micro-step is inside it, so what it adds stays this rank's own and the copies "
         "drift",
-        signature=lambda f: f.last_micro_step_unsynced,
+        signature=lambda f: f.last_micro_step_unsynced and not f.sharded,
         chapter=4,
         line="sync = (model.no_sync() if micro_step < args.grad_accum - 1 "
         "else contextlib.nullcontext())",
