@@ -142,6 +142,7 @@ PLANT_FACTS = {
         first_grad_diff=1,
     ),
     "no DataParallel": dict(chapter=3, world_size=1, grad_accum=4, replicas=0),
+    "no FSDP": dict(chapter=6, sharded=False, first_data_diff=1),
     "optimizer.step() inside the micro-loop": trained(
         chapter=2, world_size=1, grad_accum=4, optimizer_steps=32, grad_ratio_at_1=0.25
     ),
@@ -150,6 +151,13 @@ PLANT_FACTS = {
     ),
     "the learning rate advanced per micro-step": trained(
         chapter=2, world_size=1, grad_accum=4, first_lr_diff=2, lr_speed=4
+    ),
+    "the gradient-sync switch off on the last micro-step": trained(
+        chapter=6,
+        sharded=True,
+        last_micro_step_unsynced=True,
+        first_grad_diff=1,
+        grad_ratio_at_1=0.56,
     ),
     "no_sync on the wrong micro-step": trained(
         last_micro_step_unsynced=True, ranks_drift_from=1, grad_ratio_at_1=0.9
@@ -174,6 +182,16 @@ PLANT_FACTS = {
     ),
     "ranks' logged loss not averaged": dict(first_loss_diff=1, loss_ratio_at_1=2.0),
     "your evaluation differs; training is the same": dict(first_val_diff=8, val_ratio=0.998),
+    "a checkpoint of rank 0's shards only": dict(
+        chapter=6,
+        sharded=True,
+        resume_at=5,
+        resume_diff=6,
+        resume_reads_steps=[6],
+        resume_first_grad_diff=6,
+        resume_first_param_diff=6,
+        resume_start_differs=True,
+    ),
     "resume skipping steps instead of micro-batches": dict(
         chapter=2,
         world_size=1,
@@ -272,7 +290,7 @@ def test_every_check_gets_a_folder_of_its_own(tmp_path):
 # ---- real runs -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chapter", [2, 3, 4, 5])
+@pytest.mark.parametrize("chapter", [2, 3, 4, 5, 6])
 def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter):
     exercise = REPO / CHAPTERS[chapter] / "exercise.py"
     assert "TODO" in exercise.read_text()
@@ -290,7 +308,8 @@ def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter
 def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     capsys, out_root, tmp_path, chapter
 ):
-    """03: no DataParallel splits a batch; 05: a killed rank's restart does not continue."""
+    """03: no DataParallel splits a batch; 05: a killed rank's restart does not continue. (06's,
+    "no FSDP", is named from its facts above: a real run of it would add half a minute.)"""
     source = (REPO / CHAPTERS[chapter] / "exercise.py").read_text()
     source = source.replace(f"parse_args(chapter={chapter - 1},", f"parse_args(chapter={chapter},")
     (tmp_path / "exercise.py").write_text(source)
@@ -301,10 +320,11 @@ def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     assert f"diagnosis: {name}: " in out, out
 
 
-@pytest.mark.parametrize("chapter", [2, 3, 5])
+@pytest.mark.parametrize("chapter", [2, 3, 5, 6])
 def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     """02 and 03 without the resume phase (chapter 04's test below runs it); 05 as two nodes, with
-    a killed rank and torchrun's restart."""
+    a killed rank and torchrun's restart; 06 with its shards gathered whole, and resumed from its
+    ckpt.pt (where "a checkpoint of rank 0's shards only" must not fire)."""
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
     resume = ["--no-resume"] if chapter < 5 else []
     script = REPO / CHAPTERS[chapter] / "train.py"
@@ -315,6 +335,9 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
         assert "split over 2 replicas" in out, out
     if chapter == 5:
         assert "torchrun restarted the group, and it continued" in out, out
+    if chapter == 6:
+        assert "gathered whole from the shards of all 2 ranks" in out, out
+        assert "stopped at step 5 and resumed: the same end" in out, out
 
 
 def test_chapter_04_with_two_ranks_is_the_same_run_and_resumes(capsys, out_root):
@@ -341,6 +364,7 @@ RUN = [
     "optimizer.step() inside the micro-loop",  # optimizer steps per logged step
     "the replicas' losses summed, not averaged",  # chapter 03's stand-in replicas
     "a resume that does not restore the optimizer state",  # the resumed run's steps
+    "a checkpoint of rank 0's shards only",  # FSDP: the resumed run's start, gathered whole
 ]
 
 

@@ -12,7 +12,8 @@ learning rate, validation loss), the optimizer steps per logged step, the window
 every step's gradient norm and parameters, every rank's copy of them, and a run stopped at step 5
 and resumed. What a CPU cannot show is stood in for: chapter 03's DataParallel splits each batch
 over 2 replicas; chapter 05 runs as two nodes of one process each (so LOCAL_RANK is not RANK), and
-instead of a plain resume, one rank is killed after step 6 and torchrun restarts the group. A hang
+instead of a plain resume, one rank is killed after step 6 and torchrun restarts the group. Chapter
+06's ranks hold shards of the parameters (FSDP): they are gathered whole to be compared. A hang
 (ranks waiting in collectives that do not match) is named with each rank's line within seconds.
 The verdict: "same run" (exit 0), "not the same run" (exit 1) with what differs first and a
 diagnosis from tools/mistakes.py (or, where no entry fits, what the facts show), or "could not
@@ -96,7 +97,9 @@ def chapter_of(script: Path, source: str, given: int | None) -> int:
             return number
     number, _ = written_as(source)
     if number is None:
-        raise CannotRun(f"cannot tell which chapter {shown(script)} is: give --chapter N (1-5)")
+        raise CannotRun(
+            f"cannot tell which chapter {shown(script)} is: give --chapter N (1-{max(CHAPTERS)})"
+        )
     return number
 
 
@@ -568,6 +571,7 @@ def gather_facts(
         ranks_steps_differ=len({len(steps) for steps in ranks_steps}) > 1,
         last_micro_step_unsynced=unsynced_last,
         replicas=(ranks[0].get("replicated", 0) and REPLICAS) if chapter == 3 and ranks else None,
+        sharded=bool(ranks and ranks[0].get("sharded")),
     )
     if facts.first_param_diff is None and not facts.params_equal:
         facts.first_param_diff = len(rank0) or STEPS
@@ -597,6 +601,14 @@ def gather_facts(
                     != sorted(ref_steps[RESUME_AT + i]["windows"])
                 ),
                 None,
+            )
+            # the stopped run's last parameters are what its checkpoint must give the resumed run
+            ended = rank0[RESUME_AT - 1].get("checksum") if len(rank0) >= RESUME_AT else None
+            start = mine[0].get("checksum_before") if mine else None
+            facts.resume_start_differs = (
+                ended is not None
+                and start is not None
+                and any(differs(a, b, 1e-12) for a, b in zip(start, ended))
             )
             first_read = {w for steps in resumed_ranks for w in steps[0]["windows"]}
             epoch = RESUME_AT // steps_per_epoch
@@ -882,6 +894,7 @@ def verdict(args, script, source, chapter, launch, split, folder, run, ref, more
         and facts.optimizer_steps == facts.logged_steps
         and facts.replicas != 0
         and facts.restart is None
+        and (facts.sharded or chapter != 6)
     )
     first = facts.first_loss_diff
     where = None
@@ -893,6 +906,8 @@ def verdict(args, script, source, chapter, launch, split, folder, run, ref, more
         else:
             where = "plot: none (matplotlib is not installed)"
     ranks = f"on all {details['ranks']} ranks" if nproc > 1 else "in its one process"
+    if facts.sharded:
+        ranks = f"gathered whole from the shards of all {details['ranks']} ranks"
     if same:
         print(
             f"same run: all {STEPS} losses, learning rates, the validation loss and the parameters "
@@ -944,7 +959,12 @@ def verdict(args, script, source, chapter, launch, split, folder, run, ref, more
     if facts.stopped_after is not None:
         print(f"  the script stopped after step {facts.stopped_after}: {failure_line(run, script)}")
     if nproc > 1:
-        if facts.ranks_drift_from is not None:
+        if facts.sharded:
+            print(
+                f"  the ranks' parameters: sharded (each rank holds 1/{nproc}), compared whole "
+                "at every step"
+            )
+        elif facts.ranks_drift_from is not None:
             others = ", ".join(map(str, details["drifting"]))
             print(
                 f"  the ranks' copies: rank(s) {others} differ from rank 0's "
@@ -970,6 +990,8 @@ def verdict(args, script, source, chapter, launch, split, folder, run, ref, more
         )
     if facts.replicas == 0:
         print("  DataParallel: never called (the check splits its batches over stand-in replicas)")
+    if chapter == 6 and not facts.sharded:
+        print("  FSDP: no rank's parameters are shards (DTensors): the model was not sharded")
     mistake, notes, look = diagnose(facts, source, shown(script), chapter_source)
     for note in notes:
         print(f"  {note}")

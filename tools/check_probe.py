@@ -5,9 +5,12 @@
 tools/check.py starts the learner's script and chapter 01 through this, so that it can compare
 more than the logged loss: for every optimizer step of every rank, which training windows were
 read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients were
-zeroed, on which micro-steps DDP averaged them, and a checksum of the parameters; at the end, every
-rank's parameters. It only watches: nothing of the script's run changes, with three exceptions the
-checker asks for by environment variable:
+zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
+parameters before and after the step; at the end, every rank's parameters. Under FSDP a rank's
+parameters and gradients are shards (DTensors): the probe gathers them whole on every rank (a
+collective, at the optimizer step every rank takes), so the norm, the checksums and the final
+parameters are the whole model's. It only watches: nothing of the script's run changes, with
+three exceptions the checker asks for by environment variable:
 
 - CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
   as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.optim.optimizer as optim_hooks
+from torch.distributed.tensor import DTensor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,16 +48,29 @@ class Recorder:
         self.zero_grads = 0  # zero_grad calls since the last optimizer step
         self.clip_norm: float | None = None  # the norm clip_grad_norm_ measured before clipping
         self.syncs: list[bool] = []  # per DDP forward since the last step: will backward average?
+        self.sharded = False  # the parameters are FSDP's shards (DTensors)
+        self.whole: torch.Tensor | None = None  # under FSDP: the whole parameters after the step
+        # FSDP: the module whose gradient-sync switch was set last, and the switch
+        self.fsdp_root: torch.nn.Module | None = None
+        self.fsdp_sync = True
+        # torch.distributed.checkpoint's optimizer step with zero gradients, made to create AdamW's
+        # state before loading into it: not a training step
+        self.ignoring = False
         self.replicated = 0  # forwards split over stand-in replicas
         self.params: list[torch.Tensor] = []
 
     def pre_step(self, optimizer, args, kwargs):
+        if self.ignoring:
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.params = params
-        grads = [p.grad.detach().double().norm() for p in params if p.grad is not None]
+        self.sharded = any(isinstance(p, DTensor) for p in params)
+        grads = [whole(p.grad).detach().double().norm() for p in params if p.grad is not None]
         norm = torch.stack(grads).norm().item() if grads else 0.0
         self.steps.append(
             {
+                # the parameters the step starts from: after a resume, the checkpoint's
+                "checksum_before": checksum(params),
                 "windows": self.windows,
                 "zero_grads": self.zero_grads,
                 "grad_norm": self.clip_norm if self.clip_norm is not None else norm,
@@ -65,8 +82,12 @@ class Recorder:
         self.windows, self.zero_grads, self.clip_norm, self.syncs = [], 0, None, []
 
     def post_step(self, optimizer, args, kwargs):
-        flat = torch.cat([p.detach().double().reshape(-1) for p in self.params])
-        self.steps[-1]["checksum"] = [flat.sum().item(), flat.square().sum().item()]
+        if self.ignoring:
+            return
+        if self.sharded:
+            # kept: after the script the process group may be gone, and with it the other shards
+            self.whole = flat_whole(self.params).cpu()
+        self.steps[-1]["checksum"] = checksum(self.params)
 
     def save(self, folder: Path, rank: int, status: int | None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -75,18 +96,40 @@ class Recorder:
             "status": status,
             "steps": self.steps,
             "replicated": self.replicated,
+            "sharded": self.sharded,
             # torchrun's restarts of this rank's process before this one (--max-restarts)
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }
         (folder / f"rank{rank}.json").write_text(json.dumps(facts))
-        if self.params:
+        if self.whole is not None:
+            torch.save(self.whole, folder / f"rank{rank}.pt")
+        elif self.params:
             flat = torch.cat([p.detach().double().reshape(-1).cpu() for p in self.params])
             torch.save(flat, folder / f"rank{rank}.pt")
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: FSDP's shard (a DTensor) gathered from every rank, which all call this."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def flat_whole(params: list[torch.Tensor]) -> torch.Tensor:
+    """Every parameter whole, in float64, as one vector."""
+    return torch.cat([whole(p).detach().double().reshape(-1) for p in params])
+
+
+def checksum(params: list[torch.Tensor]) -> list[float]:
+    flat = flat_whole(params)
+    return [flat.sum().item(), flat.square().sum().item()]
 
 
 def watch(recorder: Recorder) -> None:
     """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer,
     DDP's forward."""
+    import torch.distributed.checkpoint.state_dict as dcp_state
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     from common.data import TokenWindows
@@ -113,7 +156,7 @@ def watch(recorder: Recorder) -> None:
 
     def clipping(*args, **kwargs):
         norm = clip(*args, **kwargs)
-        recorder.clip_norm = float(norm)
+        recorder.clip_norm = float(whole(norm))
         return norm
 
     torch.nn.utils.clip_grad_norm_ = clipping
@@ -126,6 +169,35 @@ def watch(recorder: Recorder) -> None:
         return ddp_forward(self, *args, **kwargs)
 
     DistributedDataParallel.forward = ddp_forwarding
+
+    # FSDP: the gradient-sync switch, recorded at each forward of the module it was set on
+    switch = FSDPModule.set_requires_gradient_sync
+
+    def switching(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        recorder.fsdp_root = self
+        recorder.fsdp_sync = bool(requires_gradient_sync)
+        return switch(self, requires_gradient_sync, recurse=recurse)
+
+    FSDPModule.set_requires_gradient_sync = switching
+
+    def fsdp_forwarding(module, args):
+        if module is recorder.fsdp_root and torch.is_grad_enabled():
+            recorder.syncs.append(recorder.fsdp_sync)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(fsdp_forwarding)
+
+    init_optimizer_state = dcp_state._init_optim_state
+
+    def initializing(optimizer) -> None:
+        zero_grads = recorder.zero_grads
+        recorder.ignoring = True
+        try:
+            init_optimizer_state(optimizer)
+        finally:
+            recorder.ignoring = False
+            recorder.zero_grads = zero_grads
+
+    dcp_state._init_optim_state = initializing
     optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
     optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
 
@@ -184,7 +256,7 @@ def where_waiting(script: str, frame) -> dict | None:
         if collective is None and "/torch/distributed/" in name:
             collective = frame.f_code.co_name
         if collective is None and "/torch/autograd/" in name:
-            collective = "backward (DDP's gradient all-reduce)"
+            collective = "backward (DDP's or FSDP's gradient reduction)"
         if line is None and os.path.abspath(name) == script:
             line = frame.f_lineno
         frame = frame.f_back
@@ -206,6 +278,10 @@ def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
         while not done.wait(0.5):
             frame = sys._current_frames().get(main_id)
             here = where_waiting(script, frame) if frame is not None else None
+            # Let go of the main thread's frame now: held through the wait, it could be the last
+            # reference to the script's locals when main() returns, and the model (DDP's reducer,
+            # the process group) would then be freed on this thread, which deadlocks with gloo's.
+            frame = None
             if here != last:
                 since, last = time.monotonic(), here
                 path.unlink(missing_ok=True)

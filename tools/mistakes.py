@@ -79,6 +79,10 @@ class Facts:
     resume_first_grad_diff: int | None = None
     resume_first_param_diff: int | None = None
     restart: str | None = None  # chapter 05: what the killed-and-restarted run did wrong
+    # the ranks' parameters are shards (FSDP's DTensors), compared whole (gathered from every rank)
+    sharded: bool = False
+    # the resumed run's first step starts from other parameters than the stopped run ended with
+    resume_start_differs: bool = False
 
 
 @dataclass
@@ -178,6 +182,19 @@ MISTAKES = [
         kind="idea",
     ),
     Mistake(
+        name="no FSDP",
+        did="the model is never sharded with fully_shard: every rank still holds the whole model "
+        "(the script is still chapter 05's); under FSDP each rank's parameters are shards "
+        "(DTensors), and the check found none",
+        signature=lambda f: f.chapter == 6 and not f.sharded and f.optimizer_steps > 0,
+        chapter=6,
+        line="fully_shard(model, mp_policy=precision)",
+        look_for=("fully_shard(",),
+        near="raw_model = ",
+        plant=(),
+        kind="idea",
+    ),
+    Mistake(
         name="optimizer.step() inside the micro-loop",
         did="the optimizer steps after every micro-batch instead of once per global batch: more "
         "optimizer steps than logged steps, each on a part of the batch",
@@ -218,11 +235,30 @@ MISTAKES = [
         plant=(("lr = lr_at(iter_num, args)", "lr = lr_at(iter_num * args.grad_accum, args)"),),
     ),
     Mistake(
+        name="the gradient-sync switch off on the last micro-step",
+        did="FSDP reduce-scatters the gradients in the backward of a micro-step whose gradient "
+        "sync is on; here the last micro-step's is off, so what it adds stays in this rank's "
+        "unsharded gradient and never reaches the shards the optimizer steps on: the gradient "
+        "is not the batch's from step 1",
+        signature=lambda f: f.chapter == 6 and f.last_micro_step_unsynced,
+        chapter=6,
+        line="model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)",
+        look_for=("set_requires_gradient_sync(",),
+        near="for micro_step in range(args.grad_accum)",
+        plant=(
+            (
+                "model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)",
+                "model.set_requires_gradient_sync(micro_step == 0)",
+            ),
+        ),
+        plant_ranks=2,
+    ),
+    Mistake(
         name="no_sync on the wrong micro-step",
         did="DDP averages the gradients in the backward of a micro-step outside no_sync(); here "
         "the last micro-step is inside it, so what it adds stays this rank's own and the copies "
         "drift",
-        signature=lambda f: f.last_micro_step_unsynced,
+        signature=lambda f: f.last_micro_step_unsynced and not f.sharded,
         chapter=4,
         line="sync = (model.no_sync() if micro_step < args.grad_accum - 1 "
         "else contextlib.nullcontext())",
@@ -437,6 +473,26 @@ MISTAKES = [
         plant=(("dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)", ""),),
         plant_ranks=2,
         kind="evaluation",
+    ),
+    Mistake(
+        name="a checkpoint of rank 0's shards only",
+        did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
+        "rank 0's shards, not the model. Saved as ckpt.pt, the resumed run starts from other "
+        "parameters than the stopped run ended with; the whole tensors must be gathered from "
+        "every rank first (get_model_state_dict with full_state_dict=True, on every rank)",
+        signature=lambda f: f.chapter == 6 and f.resume_start_differs,
+        chapter=6,
+        line="model_state = get_model_state_dict(model, options=full)",
+        look_for=("model_state = ", "state_dict()"),
+        near="full = StateDictOptions(",
+        plant=(
+            (
+                "model_state = get_model_state_dict(model, options=full)",
+                "model_state = model.state_dict()",
+            ),
+        ),
+        plant_ranks=2,
+        kind="resume",
     ),
     Mistake(
         name="resume skipping steps instead of micro-batches",
@@ -723,7 +779,9 @@ def describe(f: Facts) -> list[str]:
     if f.optimizer_steps != f.logged_steps and f.logged_steps:
         out.append(f"{f.optimizer_steps} optimizer steps for {f.logged_steps} logged steps")
     if f.world_size > 1:
-        if f.ranks_drift_from is None:
+        if f.sharded:
+            out.append("the ranks hold shards of the parameters (FSDP), compared whole")
+        elif f.ranks_drift_from is None:
             out.append("the ranks' copies agree at every step")
         else:
             out.append(f"the ranks' copies differ from step {f.ranks_drift_from}")
@@ -731,4 +789,6 @@ def describe(f: Facts) -> list[str]:
         out.append("only the logging differs: the parameters equal chapter 01's after every step")
     if f.resume_diff is not None:
         out.append(f"after the resume at step {f.resume_at}: differs from step {f.resume_diff}")
+    if f.resume_start_differs:
+        out.append("the resumed run starts from other parameters than the stopped run ended with")
     return out
