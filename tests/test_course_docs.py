@@ -167,6 +167,7 @@ def assert_png(path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     runs, figures = tmp_path / "runs", tmp_path / "figures"
     # the plotting command itself: run two chapters with the same global batch, then draw

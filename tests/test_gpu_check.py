@@ -140,6 +140,7 @@ def rehearsal(image_env, data_dir, tmp_path_factory):
     return gpu_check(image_env, data_dir, tmp, timeout=900, **TINY), tmp / "out", tmp / "work"
 
 
+@pytest.mark.slow
 def test_every_step_passes_on_the_image(rehearsal):
     proc, out, _ = rehearsal
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -152,6 +153,7 @@ def test_every_step_passes_on_the_image(rehearsal):
     assert "torch" in (out / "environment.txt").read_text()
 
 
+@pytest.mark.slow
 def test_the_results_are_four_small_files(rehearsal):
     """Four small files to copy off the machine; the checkpoints stay in the work folder."""
     _, out, work = rehearsal
@@ -175,6 +177,7 @@ def test_the_results_are_four_small_files(rehearsal):
     } <= set(names)
 
 
+@pytest.mark.slow
 def test_rows_and_summary_hold_the_figures(rehearsal):
     _, out, _ = rehearsal
     rows = {r["step"]: r for r in json.loads((out / "rows.json").read_text())["rows"]}
