@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,19 @@ def start(
         text=True,
         start_new_session=new_session,
     )
+
+
+def read_until(proc: subprocess.Popen, text: str, timeout: float = 240) -> str:
+    """A started process's output, line by line, up to the first line holding `text` (or until it
+    ends, or `timeout` seconds pass: the caller checks that `text` came)."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while text not in seen and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+    return seen
 
 
 def outputs_of(procs: list[subprocess.Popen], timeout: float) -> list[str]:

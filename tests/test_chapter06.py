@@ -20,12 +20,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import start, tiny_run_args
+from helpers import read_until, start, tiny_run_args
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.config import parse_args
@@ -190,14 +189,8 @@ def float64(data_dir, tmp_path_factory) -> tuple[Path, Path, int, str, int]:
     run_python([CHAPTER01, *ch01_args])
     args = run_flags(data_dir, stopped, ITERS, dtype="float64", **PER_RANK[2])
     proc = start(torchrun_command(SCRIPT, 2, args))
-    seen = ""
     try:
-        deadline = time.monotonic() + 240
-        while "iter      2 |" not in seen and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen += line
+        seen = read_until(proc, "iter      2 |")
         assert "iter      2 |" in seen, seen
         os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler signals every process of a job
         rest, _ = proc.communicate(timeout=120)

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import start, tiny_run_args
+from helpers import read_until, start, tiny_run_args
 
 from common.metrics import read_metrics
 from common.support.errors import EXIT_STOPPED, Stopped, run_main
@@ -71,14 +71,8 @@ def stopped_after_step_two(cmd: list) -> tuple[int | None, str]:
     """Start `cmd` in a session of its own; once step 2 is logged, SIGTERM its whole process group
     (as a scheduler signals every process of a job). Returns its exit status and output."""
     proc = start(cmd)
-    seen = ""
     try:
-        deadline = time.monotonic() + 240
-        while "iter      2 |" not in seen and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen += line
+        seen = read_until(proc, "iter      2 |")
         assert "iter      2 |" in seen, seen
         os.killpg(proc.pid, signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
@@ -284,14 +278,8 @@ def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):
     args = tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
     cmd = torchrun_command("05_multinode/train.py", 2, args, extra=["--max-restarts=1"])
     proc = start(cmd)
-    seen = ""
     try:
-        deadline = time.monotonic() + 240
-        while "iter      2 |" not in seen and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen += line
+        seen = read_until(proc, "iter      2 |")
         workers = [int(pid) for pid in re.findall(r"\] process (\d+) on ", seen)]
         assert len(workers) == 2, seen
         for pid in workers:
