@@ -43,7 +43,8 @@ def full_run(data_dir, tmp_path_factory):
 def test_prints_the_global_batch(full_run):
     _, proc = full_run
     assert "global batch: 8 sequences x 32 tokens = 256 tokens per step" in proc.stdout
-    assert "tiny" in proc.stdout and "parameters" in proc.stdout
+    assert "tiny" in proc.stdout
+    assert "parameters" in proc.stdout
     assert "Traceback" not in proc.stderr
 
 
@@ -55,9 +56,10 @@ def test_metrics_lines(full_run):
     for m in lines:
         assert TRAIN_KEYS <= m.keys(), m
         assert m["tokens_seen"] == m["iter"] * 8 * 32
-        assert (
-            math.isfinite(m["loss"]) and m["lr"] > 0 and m["dt_ms"] > 0 and m["tokens_per_sec"] > 0
-        )
+        assert math.isfinite(m["loss"])
+        assert m["lr"] > 0
+        assert m["dt_ms"] > 0
+        assert m["tokens_per_sec"] > 0
         assert "mfu" not in m  # no peak is known for a CPU, so no MFU is claimed
     assert abs(lines[0]["loss"] - math.log(50304)) < 0.2  # the first loss: a uniform guess
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3  # it learns
@@ -76,7 +78,8 @@ def test_checkpoint_file(full_run):
     assert (config.n_layer, config.n_embd, config.block_size) == (2, 32, 32)
     GPT(config).load_state_dict(ckpt["model"])  # strict: every weight has its place
     assert ckpt["optimizer"]["state"]  # AdamW's moments, to continue exactly
-    assert ckpt["train_config"]["chapter"] == 1 and ckpt["train_config"]["global_batch"] == 8
+    assert ckpt["train_config"]["chapter"] == 1
+    assert ckpt["train_config"]["global_batch"] == 8
     assert ckpt["best_val_loss"] == pytest.approx(
         min(m["val_loss"] for m in eval_lines(out_dir)), abs=1e-6
     )
@@ -129,7 +132,8 @@ def test_help_lists_flags_with_defaults():
     ):
         assert text in help_text, text
     # flags of later chapters are not offered here
-    assert "--grad-accum" not in proc.stdout and "--backend" not in proc.stdout
+    assert "--grad-accum" not in proc.stdout
+    assert "--backend" not in proc.stdout
 
 
 def test_resume_reproduces_the_uninterrupted_run(full_run, data_dir, tmp_path):
@@ -155,7 +159,8 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, data_dir, tmp_path):
             + "\n"
         )
     proc = train(data_dir, out_dir, 20, resume=True)
-    assert "resuming from" in proc.stdout and "at step 10" in proc.stdout
+    assert "resuming from" in proc.stdout
+    assert "at step 10" in proc.stdout
 
     resumed, uninterrupted = training_lines(out_dir), training_lines(reference)
     assert [m["iter"] for m in resumed] == list(range(1, 21))  # each step once

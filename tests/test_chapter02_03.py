@@ -277,8 +277,10 @@ def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "chapter 02" in lines[0] and "02_grad_accumulation" in lines[0]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "chapter 02" in lines[0]
+    assert "02_grad_accumulation" in lines[0]
 
 
 def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
@@ -287,8 +289,10 @@ def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("error: --gpus 2") and "0 CUDA GPU" in lines[0], lines[0]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("error: --gpus 2"), lines[0]
+    assert "0 CUDA GPU" in lines[0], lines[0]
 
 
 # ---- the memory measurement of chapter 02
@@ -318,7 +322,8 @@ def test_measure_memory_prints_a_table(data_dir):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(rows) == 2 + 2, proc.stdout  # header, rule, one row per configuration
     full, micro = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:])
-    assert full[0] == "4 x 1" and micro[0] == "1 x 4"
+    assert full[0] == "4 x 1"
+    assert micro[0] == "1 x 4"
     # both rows train on the same 4 sequences: the same loss; one sequence at a time needs less
     # memory
     assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)

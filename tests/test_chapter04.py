@@ -51,7 +51,8 @@ def val_losses(out_dir: Path) -> dict[int, float]:
 
 
 def assert_same_losses(run: dict[int, float], reference: dict[int, float]) -> None:
-    assert run.keys() <= reference.keys() and run, (sorted(run), sorted(reference))
+    assert run.keys() <= reference.keys(), (sorted(run), sorted(reference))
+    assert run, (sorted(run), sorted(reference))
     for it, loss in run.items():
         assert loss == pytest.approx(reference[it], rel=REL), (
             f"iteration {it}: {loss} vs {reference[it]}"
@@ -221,7 +222,8 @@ def test_nccl_without_cuda_is_one_clear_error(data_dir, tmp_path):
 def test_gpus_flag_points_to_torchrun(data_dir, tmp_path):
     proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 2), "--gpus", "2"], check=False)
     assert proc.returncode == 2
-    assert "--nproc_per_node" in proc.stderr and "Traceback" not in proc.stderr
+    assert "--nproc_per_node" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # ---- a rank that fails: the run must end with an error, never hang ----------------------------

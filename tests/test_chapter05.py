@@ -234,9 +234,8 @@ def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_the_uninterrup
     resumed = re.findall(
         r"restarted by torchrun \(restart 1\): resuming from \S+ at step (\d+)\n", "".join(logs)
     )
-    assert len(resumed) == 1 and int(resumed[0]) in range(EVAL_EVERY, ITERS, EVAL_EVERY), "".join(
-        logs
-    )
+    assert len(resumed) == 1, "".join(logs)
+    assert int(resumed[0]) in range(EVAL_EVERY, ITERS, EVAL_EVERY), "".join(logs)
     # every step logged once, with the uninterrupted run's losses, and its final model. Not bit for
     # bit: the restarted processes' DDP lays out its gradient buckets afresh, which can change the
     # order in which the all-reduce adds 4 ranks' gradients (float rounding, ~1e-7 here; a step on
@@ -266,8 +265,10 @@ def test_launch_scripts_and_slurm_script_parse_and_name_existing_files():
         assert not missing, f"{name} names files that do not exist: {missing}"
     slurm = (CHAPTER / "slurm.sbatch").read_text()
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in slurm
-    assert "#SBATCH --ntasks-per-node=1" in slurm and "srun" in slurm
-    assert "05_multinode/train.py" in slurm and "05_multinode/preflight.py" in slurm
+    assert "#SBATCH --ntasks-per-node=1" in slurm
+    assert "srun" in slurm
+    assert "05_multinode/train.py" in slurm
+    assert "05_multinode/preflight.py" in slurm
     # the c10d recipes give every restarted group a fresh store (the killed-worker test relies on
     # it)
     for name in ("slurm.sbatch", "launch_c10d.sh"):

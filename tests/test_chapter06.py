@@ -104,7 +104,8 @@ def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(c
     # ckpt.pt holds whole tensors under chapter 01's names, gathered from the shards: the model
     # chapter 01 ends with, and the optimizer state numbered as chapter 01 numbers it
     saved = checkpoint(out)
-    assert saved["iter_num"] == ITERS and saved["train_config"]["chapter"] == 6
+    assert saved["iter_num"] == ITERS
+    assert saved["train_config"]["chapter"] == 6
     assert_same_model(saved["model"], checkpoint(reference)["model"], 1e-4, 1e-5)
     assert not any(name.startswith(("module.", "_fsdp")) for name in saved["model"])
     assert saved["model"]["lm_head.weight"].shape == (50304, 32)  # whole, not a shard
@@ -161,7 +162,8 @@ def test_a_killed_worker_resumes_from_the_shards_and_three_ranks_read_two_ranks_
     # or 4 if the ranks finished it before the kill landed)
     restarted = r"restarted by torchrun \(restart 1\): resuming from (\S+) at step (\d+)"
     resumed = re.findall(restarted, text)
-    assert len(resumed) == 1 and resumed[0][1] in ("2", "4"), text
+    assert len(resumed) == 1, text
+    assert resumed[0][1] in ("2", "4"), text
     assert resumed[0][0] == str(out / "ckpt_sharded" / "ckpt.pt")
     # steps 1-6 on 2 ranks (3-6 after the restart), 7-8 on 3 ranks from 2 ranks' shards: each step
     # logged once, with chapter 01's losses, and the model it ends with
@@ -173,7 +175,8 @@ def test_a_killed_worker_resumes_from_the_shards_and_three_ranks_read_two_ranks_
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "ckpt.pt"]
     )
-    assert checkpoint(folder)["iter_num"] == ITERS and checkpoint(folder)["model"] == {}
+    assert checkpoint(folder)["iter_num"] == ITERS
+    assert checkpoint(folder)["model"] == {}
     # no temporary folder left, and no ckpt.pt: nothing was gathered
     assert sorted(p.name for p in out.iterdir()) == ["ckpt_sharded", "metrics.jsonl", "run.lock"]
 
@@ -204,11 +207,13 @@ def float64(data_dir, tmp_path_factory) -> tuple[Path, Path, int, str, int]:
 
 def test_float64_control_and_a_stopped_run_resumes_to_chapter01s_numbers(float64):
     reference64, stopped, step, output, status = float64
-    assert status != 0 and 2 <= step < ITERS, output
+    assert status != 0, output
+    assert 2 <= step < ITERS, output
     stop_line = f"stopped by SIGTERM at step {step}: checkpoint saved; continue with --resume"
     assert f"[rank 0] {stop_line}" in output.splitlines(), output
     # the ranks' own (torchrun, signalled too, prints one of its own)
-    assert "[rank 0] Traceback" not in output and "[rank 1] Traceback" not in output
+    assert "[rank 0] Traceback" not in output
+    assert "[rank 1] Traceback" not in output
     # float64: sharded or not, 2 ranks of 6 or one process of 12 differ only by rounding
     assert_same_losses(losses(stopped), losses(reference64), 1e-12)
     assert_same_model(checkpoint(stopped)["model"], checkpoint(reference64)["model"], 1e-10, 1e-12)

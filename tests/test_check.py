@@ -260,9 +260,11 @@ def test_the_chapters_right_line_is_not_a_diagnosis():
 def test_what_the_facts_show_when_nothing_fits():
     facts = same_facts(loss_ratio_at_1=0.5, grad_ratio_at_1=1.0, first_loss_diff=1, first_lr_diff=3)
     text = "\n".join(describe(facts))
-    assert "loss 0.5 (= 1/W = 1/2)" in text and "gradient norm 1 (equal)" in text, text
+    assert "loss 0.5 (= 1/W = 1/2)" in text, text
+    assert "gradient norm 1 (equal)" in text, text
     assert "loss from step 1, learning rate from step 3" in text, text
-    assert "only the logging differs" in text and "the ranks' copies agree" in text, text
+    assert "only the logging differs" in text, text
+    assert "the ranks' copies agree" in text, text
 
 
 def test_a_relative_script_path_keeps_its_line_number(tmp_path):
@@ -284,7 +286,9 @@ def test_exercises_are_made_from_the_current_scripts():
 def test_every_check_gets_a_folder_of_its_own(tmp_path):
     script = REPO / CHAPTERS[2] / "train.py"
     first, second = check.fresh_folder(tmp_path, script), check.fresh_folder(tmp_path, script)
-    assert first != second and first.is_dir() and second.is_dir()
+    assert first != second
+    assert first.is_dir()
+    assert second.is_dir()
 
 
 # ---- real runs -----------------------------------------------------------------------------
@@ -297,9 +301,8 @@ def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
     code, out = run_check(capsys, out_root, exercise, *nproc)
     assert code == 2, out
-    assert out.startswith("could not run the script: ") and f"one sets chapter={chapter}" in out, (
-        out
-    )
+    assert out.startswith("could not run the script: "), out
+    assert f"one sets chapter={chapter}" in out, out
     assert len(out.splitlines()) == 1, out
 
 
@@ -346,13 +349,16 @@ def test_chapter_04_with_two_ranks_is_the_same_run_and_resumes(capsys, out_root)
         capsys, out_root, REPO / CHAPTERS[4] / "train.py", "--nproc-per-node", "2"
     )
     assert code == 0, out
-    assert "on all 2 ranks" in out and "stopped at step 5 and resumed: the same end" in out, out
+    assert "on all 2 ranks" in out, out
+    assert "stopped at step 5 and resumed: the same end" in out, out
     png = re.search(r"^plot: (.*\.png)$", out, re.M)
     # a path relative to the course, or absolute
-    assert png and (REPO / png.group(1)).is_file(), out
+    assert png, out
+    assert (REPO / png.group(1)).is_file(), out
     # what a learner looks at stays; the checkpoints and parameter files (100 MB) do not
     folder = (REPO / png.group(1)).parent
-    assert (folder / "facts.json").is_file() and (folder / "run.log").is_file()
+    assert (folder / "facts.json").is_file()
+    assert (folder / "run.log").is_file()
     assert not list(folder.rglob("*.pt"))
 
 
@@ -394,7 +400,8 @@ def test_a_collective_on_some_ranks_only_is_named_as_a_hang(capsys, out_root, tm
     code, out = run_check(capsys, out_root, script, "--nproc-per-node", "2", "--no-plot")
     took = time.monotonic() - began
     assert code == 1, out
-    assert "the ranks hang" in out and "nothing is known to differ" in out, out
+    assert "the ranks hang" in out, out
+    assert "nothing is known to differ" in out, out
     assert re.search(r"rank 0 waits in all_reduce at line \d+ of .*: `dist.all_reduce\(val_", out)
     assert re.search(r"rank 1 waits in \w+ at line \d+ of ", out), out
     assert "diagnosis: a collective called by only some ranks" in out, out
@@ -413,7 +420,6 @@ def test_a_script_that_fails_is_one_line_without_a_traceback(capsys, out_root, t
     code, out = run_check(capsys, out_root, tmp_path / "train.py", "--no-plot")
     assert code == 2, out
     last = out.splitlines()[-1]
-    assert last.startswith("could not run the script: AttributeError: ") and "grad_acum" in last, (
-        out
-    )
+    assert last.startswith("could not run the script: AttributeError: "), out
+    assert "grad_acum" in last, out
     assert "Traceback" not in out

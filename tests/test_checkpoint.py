@@ -132,7 +132,8 @@ def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     assert "not reached" not in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
     # the half-written temporary file
-    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0
+    assert len(leftovers) == 1
+    assert leftovers[0].stat().st_size > 0
     ckpt = load_checkpoint(tmp_path)
     assert ckpt["iter_num"] == 1  # the previous one, whole
     GPT(GPTConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])

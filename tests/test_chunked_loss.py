@@ -62,7 +62,8 @@ def test_loss_and_gradients_match_the_plain_computation(positions, width, vocab,
     loss, grad_h, grad_w = loss_and_grads(
         lambda *a: chunked_cross_entropy(*a, chunk=chunk), h, weight, targets
     )
-    assert loss.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == torch.float32
+    assert loss.dtype == torch.float32
+    assert grad_h.dtype == grad_w.dtype == torch.float32
     assert rel_diff(loss, ref_loss) <= 1e-6
     assert rel_diff(grad_h, ref_h) <= 1e-5
     assert rel_diff(grad_w, ref_w) <= 1e-5
@@ -118,7 +119,8 @@ def test_tied_weight_gradient_arrives_once():
         x, y = batch()
         model(x, y)[1].backward()
         # one tensor, one name
-        assert "transformer.wte.weight" in fired and "lm_head.weight" not in fired
+        assert "transformer.wte.weight" in fired
+        assert "lm_head.weight" not in fired
         assert set(fired.values()) == {1}, fired
 
 
@@ -206,6 +208,8 @@ def test_float16_gradients_cannot_overflow_where_the_plain_path_does_not():
     with torch.autocast("cpu", dtype=torch.float16):  # the products in float16, as on an older GPU
         loss, grad_h, grad_w = loss_and_grads(chunked_cross_entropy, h, weight, targets)
     ref_loss, ref_h, ref_w = loss_and_grads(plain, h.half().float(), weight.half().float(), targets)
-    assert torch.isfinite(grad_w).all() and torch.isfinite(grad_h).all()
+    assert torch.isfinite(grad_w).all()
+    assert torch.isfinite(grad_h).all()
     assert rel_diff(loss, ref_loss) <= 1e-3
-    assert rel_diff(grad_w, ref_w) <= 1e-3 and rel_diff(grad_h, ref_h) <= 1e-3
+    assert rel_diff(grad_w, ref_w) <= 1e-3
+    assert rel_diff(grad_h, ref_h) <= 1e-3

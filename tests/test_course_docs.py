@@ -77,7 +77,8 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
     (root / FOLDERS[1] / "README.md").write_text("# no markers\n")
     proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
-    assert proc.returncode != 0 and "lacks the lines" in proc.stderr
+    assert proc.returncode != 0
+    assert "lacks the lines" in proc.stderr
 
 
 def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp_path):
@@ -95,7 +96,8 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
     assert hunks and all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
     # ... only the chosen ones
-    assert all("no_sync" in hunk for hunk in hunks) and len(shown) < len(full)
+    assert all("no_sync" in hunk for hunk in hunks)
+    assert len(shown) < len(full)
     # and a link to the whole diff
     assert f"docs/diffs/{FOLDERS[3]}_from_02.diff" in readme.read_text()
 
@@ -112,9 +114,8 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     script = root / FOLDERS[3] / "train.py"
     script.write_text(script.read_text().replace("no_sync()", "no_sync( )", 1))
     proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
-    assert (
-        proc.returncode != 0 and f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
-    )
+    assert proc.returncode != 0
+    assert f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
 
 
 def test_diffs_are_unified_diffs_of_neighbouring_chapters():
@@ -162,9 +163,8 @@ def test_chapter04_against_chapter02_is_published_shown_and_checked(tmp_path):
 def assert_png(path: Path) -> None:
     assert path.exists(), f"{path} was not written"
     data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 10_000, (
-        f"{path} is not a real figure ({len(data)} bytes)"
-    )
+    assert data[:8] == PNG_MAGIC, f"{path} is not a real figure ({len(data)} bytes)"
+    assert len(data) > 10_000, f"{path} is not a real figure ({len(data)} bytes)"
 
 
 @pytest.mark.slow
@@ -192,14 +192,13 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     captions = (figures / "CAPTIONS.md").read_text()
     import torch
 
-    assert (
-        f"torch {torch.__version__}" in captions
-        and "cores" in captions
-        and "preset tiny" in captions
-    )
+    assert f"torch {torch.__version__}" in captions
+    assert "cores" in captions
+    assert "preset tiny" in captions
     assert "02 gradient accumulation" in captions
     # the float64 control: chapter 01 again in float64 (04 was not asked for), with its own command
-    assert "--dtype float64" in captions and "01 one device in float64" in captions
+    assert "--dtype float64" in captions
+    assert "01 one device in float64" in captions
     assert (
         "1 process, 4 micro-batches of 2"
         in (runs / "02_grad_accumulation" / "run.json").read_text()
@@ -339,6 +338,7 @@ def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
 def test_the_readme_keeps_its_commands():
     text = (REPO / "README.md").read_text()
     # CI runs the first
-    assert "python -m pytest -q " in text and "python -m pytest -m quick" in text
+    assert "python -m pytest -q " in text
+    assert "python -m pytest -m quick" in text
     assert "## Reading map" in text
     assert "jupyter execute" in text and "--output=" in text  # a command that saves the notebook

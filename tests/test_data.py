@@ -65,7 +65,9 @@ def test_shakespeare_is_clean_play_text():
         assert markup not in text, f"Markdown markup {markup!r} left in the play text"
     assert not any(line != line.rstrip() for line in text.splitlines()), "trailing spaces left"
     lines = text.splitlines()
-    assert "HAMLET:" in lines and "ROMEO:" in lines and "IAGO:" in lines
+    assert "HAMLET:" in lines
+    assert "ROMEO:" in lines
+    assert "IAGO:" in lines
     speakers = [line for line in lines if re.fullmatch(r"[A-Z][A-Z .'-]+:", line)]
     assert len(speakers) > 10_000  # speaker names on their own lines, then the verse
     assert "To be, or not to be" in text
@@ -81,7 +83,8 @@ def test_shakespeare_prepared_files(data_dir):
     assert meta["val_tokens"] == len(val)
     assert abs(len(val) / (len(train) + len(val)) - 0.1) < 0.001  # the last tenth is held out
     assert meta["documents"] == 38
-    assert train.max() < 50257 and val.max() < 50257
+    assert train.max() < 50257
+    assert val.max() < 50257
     # one <|endoftext|> after each play
     assert (np.concatenate([train, val]) == eot_id()).sum() == 38
 
@@ -116,7 +119,8 @@ def test_local_text_file(tmp_path):
     # a text file is one document: its tokens, then <|endoftext|>
     assert all_tokens(folder).tolist() == expected_tokens(["".join(DOCS)])
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["documents"] == 1 and meta["train_tokens"] == int(len(all_tokens(folder)) * 0.9)
+    assert meta["documents"] == 1
+    assert meta["train_tokens"] == int(len(all_tokens(folder)) * 0.9)
 
     messages.clear()
     assert prepare(str(path), tmp_path / "data", log=messages.append) == folder
@@ -124,7 +128,8 @@ def test_local_text_file(tmp_path):
     # an edited file is prepared again
     path.write_text("".join(DOCS[:3]), encoding="utf-8")
     folder2 = prepare(str(path), tmp_path / "data", log=messages.append)
-    assert messages and all_tokens(folder2).tolist() == expected_tokens(["".join(DOCS[:3])])
+    assert messages
+    assert all_tokens(folder2).tolist() == expected_tokens(["".join(DOCS[:3])])
 
 
 def test_local_jsonl_file_with_processes(tmp_path):
@@ -174,13 +179,15 @@ def test_inputs_and_targets_shifted_by_one(data_dir):
     assert len(train) == (len(tokens) - 1) // block
     for i in (0, 1, 17, len(train) - 1):
         x, y = train[i]
-        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (block,)
+        assert x.dtype == y.dtype == torch.int64
+        assert x.shape == y.shape == (block,)
         assert torch.equal(x[1:], y[:-1])  # y is x moved one token on
         # window i starts at i*T
         assert x.tolist() == tokens[i * block : i * block + block].tolist()
         assert y.tolist() == tokens[i * block + 1 : i * block + block + 1].tolist()
     x, y = next(iter(batch_loader(train, RandomSampler(train, generator=torch.Generator()), 4)))
-    assert x.shape == y.shape == (4, block) and torch.equal(x[:, 1:], y[:, :-1])
+    assert x.shape == y.shape == (4, block)
+    assert torch.equal(x[:, 1:], y[:, :-1])
 
 
 def test_windows_need_block_size_plus_one_tokens(tmp_path):
@@ -195,7 +202,9 @@ def test_windows_need_block_size_plus_one_tokens(tmp_path):
 def test_validation_windows_fixed_and_spread(data_dir):
     _, val = load_splits(data_dir / "shakespeare", 32)
     windows = validation_windows(val, batches=3, batch_size=4)
-    assert len(windows) == 12 and windows[0] == 0 and windows[-1] == len(val) - 1
+    assert len(windows) == 12
+    assert windows[0] == 0
+    assert windows[-1] == len(val) - 1
     assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)
 
 

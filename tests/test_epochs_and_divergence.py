@@ -140,11 +140,9 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check.py)
     folder = prepare(str(path), root / "data", log=lambda *a: None)
     train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
-    assert (
-        len(train_set) == N_WINDOWS
-        and N_WINDOWS % GLOBAL_BATCH
-        and N_WINDOWS // GLOBAL_BATCH == STEPS_PER_EPOCH
-    )
+    assert len(train_set) == N_WINDOWS
+    assert N_WINDOWS % GLOBAL_BATCH
+    assert N_WINDOWS // GLOBAL_BATCH == STEPS_PER_EPOCH
     return path, root / "data"
 
 
@@ -276,10 +274,12 @@ def test_chapter01_visits_every_epoch_in_a_new_order(runs):
         assert windows == epoch_permutation(N_WINDOWS, SEED, e)[: len(windows)].tolist(), (
             f"epoch {e}"
         )
-    assert epochs[0] != epochs[1] and epochs[1][: len(epochs[2])] != epochs[2]
+    assert epochs[0] != epochs[1]
+    assert epochs[1][: len(epochs[2])] != epochs[2]
     # the dropped remainder is another 5 windows each epoch, so no window is left out for good
     dropped = [set(range(N_WINDOWS)) - set(epochs[e]) for e in (0, 1)]
-    assert all(len(d) == N_WINDOWS - per_epoch for d in dropped) and dropped[0] != dropped[1]
+    assert all(len(d) == N_WINDOWS - per_epoch for d in dropped)
+    assert dropped[0] != dropped[1]
 
 
 def test_without_set_epoch_the_second_epoch_repeats_the_first(runs):
@@ -358,8 +358,10 @@ def test_float16_skipped_steps_are_not_divergence():
     scaler.step(optimizer)
     scaler.update()
     # the step was skipped
-    assert torch.equal(model.weight, weight) and scaler.get_scale() == 2.0**15
-    assert not math.isfinite(grad_norm.item()) and math.isfinite(loss.item())
+    assert torch.equal(model.weight, weight)
+    assert scaler.get_scale() == 2.0**15
+    assert not math.isfinite(grad_norm.item())
+    assert math.isfinite(loss.item())
 
     stop_if_diverged(7, loss.item(), grad_norm, scaler)  # a skipped step: no error
     with pytest.raises(

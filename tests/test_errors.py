@@ -21,7 +21,8 @@ def earlier_run(data_dir, tmp_path_factory) -> Path:
     """The folder of a finished 2-step run: a failed run pointed at it must leave it as it was."""
     out_dir = tmp_path_factory.mktemp("earlier") / "run"
     run_python([SCRIPT, *tiny_run_args(data_dir, out_dir, 2)])
-    assert (out_dir / "ckpt.pt").exists() and (out_dir / "metrics.jsonl").exists()
+    assert (out_dir / "ckpt.pt").exists()
+    assert (out_dir / "metrics.jsonl").exists()
     return out_dir
 
 
@@ -38,7 +39,8 @@ def fails_cleanly(args: list, message: str) -> str:
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: "), proc.stderr
     assert message in lines[0], lines[0]
     assert "val loss" not in proc.stdout  # it stopped before training
     return lines[0]

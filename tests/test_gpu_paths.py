@@ -94,7 +94,8 @@ def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(m
     dp.parallel_apply(replicas, [(torch.randn(2, 8),), (torch.randn(2, 8),)], [{}, {}])
     assert seen == [chosen, chosen]
     # checkpoints still use model.module
-    assert isinstance(dp, torch.nn.DataParallel) and dp.module is not None
+    assert isinstance(dp, torch.nn.DataParallel)
+    assert dp.module is not None
 
 
 def test_chapter03_gpu_choice_for_machines_this_cpu_is_not():
@@ -298,4 +299,5 @@ def test_ranks_wait_for_data_preparation_longer_than_dist_timeout(tmp_path):
         ],
         timeout=300,
     )
-    assert "prepared" in proc.stdout and "parameters identical on all 2 rank(s): yes" in proc.stdout
+    assert "prepared" in proc.stdout
+    assert "parameters identical on all 2 rank(s): yes" in proc.stdout

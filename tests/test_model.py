@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls
 
 def test_vocabulary_padded_to_multiple_of_64():
     # the smallest multiple of 64 that holds GPT-2's
-    assert 50304 % 64 == 0 and 50304 - 64 < 50257 <= 50304
+    assert 50304 % 64 == 0
+    assert 50304 - 64 < 50257 <= 50304
     for name, cfg in PRESETS.items():
         assert cfg.vocab_size == 50304, name
 
@@ -25,7 +26,8 @@ def test_vocabulary_padded_to_multiple_of_64():
 def test_presets_and_overrides():
     cfg = model_config("tiny", n_embd=64, block_size=None)
     # None keeps the preset
-    assert cfg.n_embd == 64 and cfg.block_size == PRESETS["tiny"].block_size
+    assert cfg.n_embd == 64
+    assert cfg.block_size == PRESETS["tiny"].block_size
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("huge")
 
@@ -96,10 +98,10 @@ def test_tiny_model_overfits_one_batch():
 def test_optimizer_groups_decay_matrices_only():
     model = GPT(PRESETS["tiny"])
     decay, no_decay = model.optimizer_groups(0.1)
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() >= 2 for p in decay["params"]) and all(
-        p.dim() < 2 for p in no_decay["params"]
-    )
+    assert decay["weight_decay"] == 0.1
+    assert no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
     n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert n == model.num_params(non_embedding=False)
 

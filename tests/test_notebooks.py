@@ -98,6 +98,5 @@ def test_the_readme_set_up_installs_jupyter_lab():
     proc = subprocess.run(
         [sys.executable, "-m", "jupyter", "lab", "--version"], capture_output=True, text=True
     )
-    assert proc.returncode == 0 and proc.stdout.strip().split(".")[0].isdigit(), (
-        proc.stdout + proc.stderr
-    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().split(".")[0].isdigit(), proc.stdout + proc.stderr

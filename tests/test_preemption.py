@@ -112,7 +112,8 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     assert [line for line in lines if "stopped by" in line] == [
         "[rank 0] " + STOP_LINE.format(step=step)
     ]
-    assert "[rank 0] Traceback" not in output and "[rank 1] Traceback" not in output
+    assert "[rank 0] Traceback" not in output
+    assert "[rank 1] Traceback" not in output
 
     run_torchrun("04_ddp/train.py", 2, [*run_args(data_dir, out["ddp"], 4), "--resume"])
     resumed, uninterrupted = checkpoint(out["ddp"]), checkpoint(out["reference"])
@@ -168,11 +169,13 @@ def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers)
     preemption = Preemption("USR1")
     assert not preemption.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert preemption.requested() and preemption.received == "SIGUSR1"
+    assert preemption.requested()
+    assert preemption.received == "SIGUSR1"
     os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
     time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGUSR1)  # later, while saving (Slurm's own TERM): nothing changes
-    assert preemption.requested() and preemption.received == "SIGUSR1"
+    assert preemption.requested()
+    assert preemption.received == "SIGUSR1"
     with pytest.raises(
         Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved; continue with --resume"
     ):
@@ -184,7 +187,8 @@ def test_the_ranks_stop_marks_the_run_as_stopped(restore_signal_handlers, world_
     assert not preemption.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
-    assert preemption.requested() and preemption.received == "SIGUSR1"
+    assert preemption.requested()
+    assert preemption.received == "SIGUSR1"
     with pytest.raises(Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved"):
         preemption.stop(7)
     assert (tmp_path / STOP_MARKER).read_text() == "7 SIGUSR1\n"
@@ -263,10 +267,13 @@ def test_an_error_while_stopping_is_an_error(restore_signal_handlers):
         raise ValueError("a bug")
 
     status, output = ends(full_disk_while_saving, resumable=True)
-    assert status == 1 and output.count("\n") == 1, output
+    assert status == 1, output
+    assert output.count("\n") == 1, output
     assert output.startswith("error while stopping after SIGTERM: [Errno 122] Disk quota exceeded")
     status, output = ends(bug_while_saving)
-    assert status == 1 and "Traceback" in output and "ValueError: a bug" in output, output
+    assert status == 1, output
+    assert "Traceback" in output, output
+    assert "ValueError: a bug" in output, output
     assert output.splitlines()[-1] == "error while stopping after SIGTERM: a bug"
 
 

@@ -59,7 +59,9 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
     )
     assert [float(r[0]) for r in rows] == [0.1, 1.0]
     for _, ms, algbw, busbw in rows:
-        assert float(ms) > 0 and float(algbw) > 0 and busbw == algbw
+        assert float(ms) > 0
+        assert float(algbw) > 0
+        assert busbw == algbw
 
 
 def test_preflight_outside_torchrun_is_one_clear_error():

@@ -58,12 +58,11 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
         check=False,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
-    assert (
-        "already holds a run" in proc.stderr
-        and "--resume" in proc.stderr
-        and "--out-dir" in proc.stderr
-    )
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("error: ")
+    assert "already holds a run" in proc.stderr
+    assert "--resume" in proc.stderr
+    assert "--out-dir" in proc.stderr
     assert snapshot(out) == before  # nothing of the earlier run lost
 
     # under torchrun every rank stops with rank 0's verdict (none is left waiting in a collective)
@@ -76,11 +75,9 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
         timeout=180,
     )
     assert proc.returncode != 0
-    assert (
-        "[rank 0] error: " in proc.stderr
-        and "[rank 1] error: " in proc.stderr
-        and "already holds a run" in proc.stderr
-    )
+    assert "[rank 0] error: " in proc.stderr
+    assert "[rank 1] error: " in proc.stderr
+    assert "already holds a run" in proc.stderr
     assert snapshot(out) == before
 
     # continuing it is what --resume is for
@@ -101,9 +98,9 @@ def test_the_two_node_simulation_refuses_a_folder_that_holds_a_run(data_dir, tmp
         env=child_env(RUN_DIR=str(run_dir)),
         timeout=60,
     )
-    assert (
-        proc.returncode == 2 and "already holds a run" in proc.stderr and "--resume" in proc.stderr
-    )
+    assert proc.returncode == 2
+    assert "already holds a run" in proc.stderr
+    assert "--resume" in proc.stderr
     assert (run_dir / "node0.log").read_text() == "the earlier run's log\n"
 
 
@@ -119,10 +116,12 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
             ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"],
             check=False,
         )
-        assert second.returncode == 2 and second.stderr.startswith("error: ")
+        assert second.returncode == 2
+        assert second.stderr.startswith("error: ")
         assert "in use by a run that is still going" in second.stderr
         # the lock file says who holds the folder
-        assert f"pid {first.pid}" in second.stderr and "run.lock" in second.stderr
+        assert f"pid {first.pid}" in second.stderr
+        assert "run.lock" in second.stderr
         assert first.poll() is None  # the first run goes on
     finally:
         first.kill()  # kill -9: no chance to clean up
@@ -158,7 +157,8 @@ def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
             capture_output=True,
             timeout=60,
         )
-        assert second.returncode == 2 and "in use by another simulation" in second.stderr
+        assert second.returncode == 2
+        assert "in use by another simulation" in second.stderr
         assert first.poll() is None
     finally:
         stop_launchers([first])
@@ -195,7 +195,8 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
         assert not [
             line for line in lines if "stopped by" in line and not line.startswith("[rank ")
         ]
-        assert "[rank 0] Traceback" not in seen + rest and "[rank 1] Traceback" not in seen + rest
+        assert "[rank 0] Traceback" not in seen + rest
+        assert "[rank 1] Traceback" not in seen + rest
 
 
 def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_path):
@@ -246,7 +247,8 @@ def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock
         monkeypatch.setattr(fcntl, "lockf", failing(code))
         with pytest.raises(CourseError) as err:
             rundir.claim_out_dir(tmp_path / "run", resume=False)
-        assert "cannot lock the folder" in str(err.value) and "COURSE_NO_LOCK=1" in str(err.value)
+        assert "cannot lock the folder" in str(err.value)
+        assert "COURSE_NO_LOCK=1" in str(err.value)
         assert "in use" not in str(err.value)
     monkeypatch.setattr(fcntl, "lockf", failing(errno.EAGAIN))
     with pytest.raises(CourseError, match="in use by a run that is still going"):

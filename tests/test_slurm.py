@@ -127,7 +127,8 @@ def test_a_stop_near_the_limit_saves_the_step_and_the_requeued_job_resumes_it(
 
     fields = wait_until_done(job, log, limit=300)
     text = log.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text
+    assert fields["JobState"] == "COMPLETED", text
+    assert fields["ExitCode"] == "0:0", text
     # requeued once, under the same id (the requeued job's SLURM_RESTART_COUNT is 1)
     assert fields["Restarts"] == "1", text
     # the training saved the step it was in, and said so

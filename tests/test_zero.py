@@ -161,8 +161,10 @@ def test_reduce_scatters_overlap_backward_and_no_sync_defers_them(runs, world, K
     # one reduce-scatter per bucket per step, any K
     assert r["comm_calls_per_step"] == r["n_buckets"]
     ready = r["grads_ready_at_each_launch"]
-    assert ready == sorted(ready) and len(ready) == r["n_buckets"]
-    assert ready[0] < r["n_params"] // 2 and ready[-1] == r["n_params"], ready
+    assert ready == sorted(ready)
+    assert len(ready) == r["n_buckets"]
+    assert ready[0] < r["n_params"] // 2, ready
+    assert ready[-1] == r["n_params"], ready
 
 
 @pytest.mark.parametrize("impl", BROKEN)
