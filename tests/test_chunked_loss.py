@@ -89,7 +89,9 @@ def batch(size: int = 8, seed: int = 1):
 
 def test_the_model_trains_on_the_same_loss_and_gradients():
     chunked, plain_model = tiny_pair()
-    assert chunked.config.chunked_loss and PRESETS["small"].chunked_loss  # the default everywhere
+    # the default everywhere
+    assert chunked.config.chunked_loss
+    assert PRESETS["small"].chunked_loss
     x, y = batch()
     logits, loss = chunked(x, y)
     assert logits is None  # the full logits are never built, so there are none to return

@@ -94,7 +94,8 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     full = (root / "docs" / "diffs" / f"{FOLDERS[3]}_from_02.diff").read_text()
     shown = readme.read_text().split("```diff\n")[1].split("```")[0]
     hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
-    assert hunks and all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
+    assert hunks
+    assert all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
     # ... only the chosen ones
     assert all("no_sync" in hunk for hunk in hunks)
     assert len(shown) < len(full)
@@ -341,4 +342,6 @@ def test_the_readme_keeps_its_commands():
     assert "python -m pytest -q " in text
     assert "python -m pytest -m quick" in text
     assert "## Reading map" in text
-    assert "jupyter execute" in text and "--output=" in text  # a command that saves the notebook
+    # a command that saves the notebook
+    assert "jupyter execute" in text
+    assert "--output=" in text
