@@ -117,8 +117,7 @@ def main():
     iter_num = 0
     best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue where
-        # they were
+        # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
     # TODO 6/16: change the next 1 line(s) of code into 3:

@@ -137,8 +137,7 @@ def main():
     iter_num = 0
     best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue where
-        # they were
+        # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name

@@ -191,15 +191,15 @@ def main():
     iter_num = 0
     best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue where
-        # they were
+        # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
     # TODO 8/22: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
     #     hooks into backward to average the gradients over ranks. The wrapper keeps the real model
     #     in model.module. Its state dict would prefix every name with "module.", so checkpoints
-    #     save model.module's, which any chapter can load. cuda:LOCAL_RANK
+    #     save model.module's, which any chapter can load. On a GPU, device_ids is this rank's GPU,
+    #     cuda:LOCAL_RANK.
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])

@@ -202,15 +202,14 @@ def main():
     iter_num = 0
     best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue where
-        # they were
+        # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
     # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     # into backward to average the gradients over ranks. The wrapper keeps the real model in
     # model.module. Its state dict would prefix every name with "module.", so checkpoints save
-    # model.module's, which any chapter can load.
-    # cuda:LOCAL_RANK
+    # model.module's, which any chapter can load. On a GPU, device_ids is this rank's GPU,
+    # cuda:LOCAL_RANK.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     raw_model = model.module
     if args.compile:
