@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -170,3 +171,61 @@ def test_the_real_time_limit_signal_stops_and_requeues(slurm, data_dir, tmp_path
         assert job_fields(job)["Restarts"] == "1"
     finally:
         subprocess.run(["scancel", job], timeout=30)
+
+
+def start_cluster(folder: Path, ports: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "05_multinode/test_cluster/start.sh", str(folder)],
+        cwd=REPO,
+        env={**os.environ, **ports},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="start.sh starts daemons: as root only")
+def test_start_sh_keeps_a_cluster_that_answers_and_restarts_one_that_does_not(slurm, tmp_path):
+    """A second cluster, in its own folder on its own ports, so the one the other tests use is
+    left alone: start.sh run again keeps it; when its controller no longer answers, start.sh stops
+    it and starts the cluster afresh."""
+    ctld_port = free_port()
+    slurmd_port = free_port()
+    while slurmd_port == ctld_port:
+        slurmd_port = free_port()
+    ports = {"SLURMCTLD_PORT": str(ctld_port), "SLURMD_PORT": str(slurmd_port)}
+    folder = tmp_path / "cluster"
+    try:
+        first = start_cluster(folder, ports)
+        assert first.returncode == 0, first.stderr
+        assert "idle" in first.stderr
+        controller = int((folder / "slurmctld.pid").read_text())
+
+        again = start_cluster(folder, ports)
+        assert again.returncode == 0, again.stderr
+        assert "running already" in again.stderr
+        assert int((folder / "slurmctld.pid").read_text()) == controller
+
+        # a controller that is there but no longer answers (as when munged was stopped under it)
+        os.kill(controller, signal.SIGSTOP)
+        revived = start_cluster(folder, ports)
+        assert revived.returncode == 0, revived.stderr
+        assert "running already" not in revived.stderr
+        assert "idle" in revived.stderr
+        assert not is_running(controller)
+        assert int((folder / "slurmctld.pid").read_text()) != controller
+    finally:
+        subprocess.run(
+            ["bash", "05_multinode/test_cluster/stop.sh", str(folder)], cwd=REPO, timeout=60
+        )
+    assert not (folder / "slurmctld.pid").exists()
+    assert not (folder / "slurmd.pid").exists()

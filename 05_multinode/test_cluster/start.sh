@@ -11,6 +11,10 @@
 # configuration and the daemons' state into the folder it is given, starts munged, slurmctld and
 # slurmd as plain background processes (no systemd needed), and waits until `sinfo` shows the node
 # idle. Every Slurm command then needs SLURM_CONF=<folder>/slurm.conf (the line above).
+#
+# Run it again at any time: a cluster that answers is kept; daemons left from an earlier start that
+# no longer answer (after a reboot, or after munged was stopped) are stopped and started afresh.
+# SLURMCTLD_PORT and SLURMD_PORT choose other ports than Slurm's 6817 and 6818.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 dir="${1:?give a folder for the configuration and the daemons state, e.g. /tmp/course-slurm}"
@@ -21,6 +25,8 @@ if [[ "$(id -u)" != 0 ]]; then
     echo "start.sh: run it as root: it installs packages and starts daemons" >&2
     exit 2
 fi
+ctld_port="${SLURMCTLD_PORT:-6817}"
+slurmd_port="${SLURMD_PORT:-6818}"
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
     || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
@@ -34,12 +40,54 @@ mkdir -p "$dir/state" "$dir/spool"
 dir="$(cd "$dir" && pwd)"
 host="$(hostname -s)"
 sed -e "s|@HOST@|$host|g" -e "s|@DIR@|$dir|g" -e "s|@CPUS@|$(nproc)|g" \
-    -e "s|@CTLD_PORT@|${SLURMCTLD_PORT:-6817}|g" -e "s|@SLURMD_PORT@|${SLURMD_PORT:-6818}|g" \
+    -e "s|@CTLD_PORT@|$ctld_port|g" -e "s|@SLURMD_PORT@|$slurmd_port|g" \
     "$here/slurm.conf.template" > "$dir/slurm.conf"
 export SLURM_CONF="$dir/slurm.conf"
 
-# munge signs what the daemons and the commands tell each other; it needs its socket folder
-if [[ ! -S /run/munge/munge.socket.2 ]]; then
+# Every Slurm command waits on munge and on slurmctld, and waits long when they are gone: each
+# question below has a time limit, so that a broken cluster ends this script with a message.
+munge_answers() {
+    timeout 10 munge -n </dev/null 2>/dev/null | timeout 10 unmunge >/dev/null 2>&1
+}
+slurm_answers() {
+    timeout 15 sinfo -h >/dev/null 2>&1
+}
+# the process in a pid file, if it is still the program named (a pid can be reused by another)
+running_pid() {
+    local pid_file="$1" program="$2" pid
+    if [[ ! -s "$pid_file" ]]; then
+        return 1
+    fi
+    pid="$(cat "$pid_file")"
+    if [[ "$(ps -o comm= -p "$pid" 2>/dev/null)" != "$program" ]]; then
+        return 1
+    fi
+    echo "$pid"
+}
+stop_and_wait() {
+    local pid="$1"
+    kill "$pid" 2>/dev/null || true
+    kill -CONT "$pid" 2>/dev/null || true  # a stopped process gets its TERM only once it runs
+    for _ in $(seq 40); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.25
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+}
+port_in_use() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+# munge signs what the daemons and the commands tell each other. Its socket file outlives a munged
+# that was stopped, so the test is whether munge answers, not whether the file is there.
+if ! munge_answers; then
+    munged_pid="$(running_pid /run/munge/munged.pid munged || true)"
+    if [[ -n "$munged_pid" ]]; then
+        stop_and_wait "$munged_pid"
+    fi
+    rm -f /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock /run/munge/munged.pid
     install -d -o munge -g munge -m 0755 /run/munge
     if [[ ! -s /etc/munge/munge.key ]]; then
         mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
@@ -48,20 +96,45 @@ if [[ ! -S /run/munge/munge.socket.2 ]]; then
         chmod 0400 /etc/munge/munge.key
     fi
     runuser -u munge -- munged
+    for _ in $(seq 20); do
+        if munge_answers; then
+            break
+        fi
+        sleep 0.5
+    done
+    if ! munge_answers; then
+        echo "start.sh: munged started but does not answer; see /var/log/munge/munged.log" >&2
+        exit 1
+    fi
 fi
 
-# -D: in the foreground, as the daemons would under systemd; setsid and & detach them from this shell
-if [[ -s "$dir/slurmctld.pid" ]] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null; then
+ctld_pid="$(running_pid "$dir/slurmctld.pid" slurmctld || true)"
+slurmd_pid="$(running_pid "$dir/slurmd.pid" slurmd || true)"
+if [[ -n "$ctld_pid" && -n "$slurmd_pid" ]] && slurm_answers; then
     echo "start.sh: the cluster of $dir is running already" >&2
 else
-    setsid slurmctld -D -i -f "$SLURM_CONF" </dev/null >>"$dir/slurmctld.out" 2>&1 &
+    # what is left of an earlier start of this folder does not answer: stop it, start afresh
+    for pid in $ctld_pid $slurmd_pid; do
+        stop_and_wait "$pid"
+    done
+    for port in "$ctld_port" "$slurmd_port"; do
+        if port_in_use "$port"; then
+            echo "start.sh: port $port is taken by another program (another Slurm?); stop it," \
+                "or choose free ports with SLURMCTLD_PORT=... SLURMD_PORT=..." >&2
+            exit 1
+        fi
+    done
+    # -D: in the foreground, as under systemd; setsid and & detach them from this shell.
+    # -c: an empty queue, so that no job of an earlier cluster in this folder runs again.
+    setsid slurmctld -D -c -i -f "$SLURM_CONF" </dev/null >>"$dir/slurmctld.out" 2>&1 &
     echo $! > "$dir/slurmctld.pid"
     setsid slurmd -D -N "$host" -f "$SLURM_CONF" </dev/null >>"$dir/slurmd.out" 2>&1 &
     echo $! > "$dir/slurmd.pid"
 fi
 
-for _ in $(seq 120); do
-    if [[ "$(sinfo -h -N -o %t 2>/dev/null)" == idle ]]; then
+deadline=$((SECONDS + 60))
+while ((SECONDS < deadline)); do
+    if [[ "$(timeout 15 sinfo -h -N -o %t 2>/dev/null || true)" == idle ]]; then
         echo "start.sh: one node ($host) idle; now: export SLURM_CONF=$SLURM_CONF" >&2
         exit 0
     fi
