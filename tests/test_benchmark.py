@@ -2,7 +2,8 @@
 
 One short benchmark run of the tiny model over every setup (a chapter launched one way) that exists;
 the tests check the shape of what it writes (the table's columns, the JSON's keys and types, a row
-per setup), never timings."""
+per setup), never timings. That run launches every chapter, so the tests that read it are in the slow
+stage (python -m pytest -q -m slow)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def expected_setups() -> list:
     return [s for s in benchmark.setups(args) if s.key in args.setup_keys]
 
 
+@pytest.mark.slow
 def test_json_has_a_complete_row_per_setup(bench_run):
     proc, report, _, _ = bench_run
     settings = report["settings"]
@@ -118,6 +120,7 @@ def test_json_has_a_complete_row_per_setup(bench_run):
     assert "| 01 one device |" in proc.stdout  # the table is printed too
 
 
+@pytest.mark.slow
 def test_markdown_table_is_well_formed(bench_run):
     _, report, table, _ = bench_run
     lines = table.splitlines()
@@ -138,6 +141,7 @@ def test_markdown_table_is_well_formed(bench_run):
             assert "not run" in cells[1] or row["status"] in cells[1]
 
 
+@pytest.mark.slow
 def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
     """bench/scaling_model.py's 2-rank prediction: computed from this run's measurements, by the
     formula."""
@@ -254,6 +258,7 @@ def test_gpu_vs_cpu_refuses_bad_arguments():
         assert exit_info.value.code == 2
 
 
+@pytest.mark.slow
 def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):
     _, report, _, _ = bench_run
     (tmp_path / "eager").mkdir()

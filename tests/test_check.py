@@ -323,8 +323,12 @@ def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     assert f"diagnosis: {name}: " in out, out
 
 
-# chapter 06's check (a stop and a resume on shards) runs in the slow stage
-@pytest.mark.parametrize("chapter", [2, 3, 5, pytest.param(6, marks=pytest.mark.slow)])
+# 05's check (two nodes, a killed rank, the restart) and 06's (a stop and a resume on shards) run in
+# the slow stage
+@pytest.mark.parametrize(
+    "chapter",
+    [2, 3, pytest.param(5, marks=pytest.mark.slow), pytest.param(6, marks=pytest.mark.slow)],
+)
 def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     """02 and 03 without the resume phase (chapter 04's test below runs it); 05 as two nodes, with
     a killed rank and torchrun's restart; 06 with its shards gathered whole, and resumed from its

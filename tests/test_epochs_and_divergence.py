@@ -18,7 +18,8 @@ Each must log chapter 01's loss at every step and end with its parameters. With 
 its loader dry would take a half step there. Then the finished runs of 01 and 04 are resumed with
 --lr 1e6 and diverge: the divergence guard must stop them with one line (on every rank alike) and
 leave the checkpoint and metrics as they were. The runs go two at a time, chapter 01 in this
-process.
+process. They are long, so every test that reads them is in the slow stage (python -m pytest -q -m
+slow); the divergence rule's own tests stay in the suite.
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ def runs(corpus, tmp_path_factory) -> dict:
 # --------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["02", "03", "04", "01_resumed", "05"])
 def test_every_chapter_equals_chapter01_across_epoch_boundaries(runs, name):
     reference = runs["01"]
@@ -264,6 +266,7 @@ def test_every_chapter_equals_chapter01_across_epoch_boundaries(runs, name):
     )
 
 
+@pytest.mark.slow
 def test_chapter01_visits_every_epoch_in_a_new_order(runs):
     read = runs["01_read"]
     per_epoch = STEPS_PER_EPOCH * GLOBAL_BATCH  # 24 of the 29 windows; the other 5 are dropped
@@ -282,6 +285,7 @@ def test_chapter01_visits_every_epoch_in_a_new_order(runs):
     assert dropped[0] != dropped[1]
 
 
+@pytest.mark.slow
 def test_without_set_epoch_the_second_epoch_repeats_the_first(runs):
     """The chapter 04 text says it: without set_epoch every epoch repeats epoch 0's order. The
     parity check catches it at the first step of the second epoch, and not before."""
@@ -303,6 +307,7 @@ def diverged(runs) -> dict:
     return runs["diverged"]
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     folder, before, proc = diverged["01"]
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -322,6 +327,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     )
 
 
+@pytest.mark.slow
 def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     folder, before, proc = diverged["04"]
     assert proc.returncode != 0, proc.stdout + proc.stderr
