@@ -2,8 +2,8 @@
 
 One short benchmark run of the tiny model over every setup (a chapter launched one way) that exists;
 the tests check the shape of what it writes (the table's columns, the JSON's keys and types, a row
-per setup), never timings. That run launches every chapter, so the tests that read it are in the slow
-stage (python -m pytest -q -m slow)."""
+per setup), never timings. That run launches every chapter, so the tests that read it are in the
+slow stage (python -m pytest -q -m slow)."""
 
 from __future__ import annotations
 
