@@ -17,6 +17,7 @@
 # SLURMCTLD_PORT and SLURMD_PORT choose other ports than Slurm's 6817 and 6818.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/processes.sh"
 dir="${1:?give a folder for the configuration and the daemons state, e.g. /tmp/course-slurm}"
 if [[ "$(id -u)" != 0 ]]; then
     if command -v sudo >/dev/null; then
@@ -52,30 +53,6 @@ munge_answers() {
 slurm_answers() {
     timeout 15 sinfo -h >/dev/null 2>&1
 }
-# the process in a pid file, if it is still the program named (a pid can be reused by another)
-running_pid() {
-    local pid_file="$1" program="$2" pid
-    if [[ ! -s "$pid_file" ]]; then
-        return 1
-    fi
-    pid="$(cat "$pid_file")"
-    if [[ "$(ps -o comm= -p "$pid" 2>/dev/null)" != "$program" ]]; then
-        return 1
-    fi
-    echo "$pid"
-}
-stop_and_wait() {
-    local pid="$1"
-    kill "$pid" 2>/dev/null || true
-    kill -CONT "$pid" 2>/dev/null || true  # a stopped process gets its TERM only once it runs
-    for _ in $(seq 40); do
-        if ! kill -0 "$pid" 2>/dev/null; then
-            return 0
-        fi
-        sleep 0.25
-    done
-    kill -KILL "$pid" 2>/dev/null || true
-}
 port_in_use() {
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
@@ -85,7 +62,7 @@ port_in_use() {
 if ! munge_answers; then
     munged_pid="$(running_pid /run/munge/munged.pid munged || true)"
     if [[ -n "$munged_pid" ]]; then
-        stop_and_wait "$munged_pid"
+        stop_process "$munged_pid"
     fi
     rm -f /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock /run/munge/munged.pid
     install -d -o munge -g munge -m 0755 /run/munge
@@ -114,9 +91,7 @@ if [[ -n "$ctld_pid" && -n "$slurmd_pid" ]] && slurm_answers; then
     echo "start.sh: the cluster of $dir is running already" >&2
 else
     # what is left of an earlier start of this folder does not answer: stop it, start afresh
-    for pid in $ctld_pid $slurmd_pid; do
-        stop_and_wait "$pid"
-    done
+    bash "$here/stop.sh" "$dir"
     for port in "$ctld_port" "$slurmd_port"; do
         if port_in_use "$port"; then
             echo "start.sh: port $port is taken by another program (another Slurm?); stop it," \
