@@ -3,16 +3,16 @@
 Chapter 05's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
 whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
 holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
-them, for its forward and again for its backward; the gradients are summed and sharded in one
-reduce-scatter. The training is the same: each step takes the same global batch and gives the same
-loss as chapter 01's. ckpt.pt still holds the whole model, gathered to rank 0; with
---sharded-checkpoint every rank writes its own shards instead (torch.distributed.checkpoint).
+them, for its forward and again for its backward; one reduce-scatter averages the gradients and
+leaves each rank its shard. No rank builds the whole model: it is built on the meta device,
+sharded, then filled from rank 0's copy. The training is the same: each step takes the same global
+batch and gives the same loss as chapter 01's. ckpt.pt still holds the whole model, gathered to
+rank 0.
 
     torchrun --standalone --nproc_per_node=2 06_fsdp/train.py
     torchrun --standalone --nproc_per_node=2 06_fsdp/train.py --batch-size 4   # 01's run with 8
 """
 
-import contextlib
 import datetime
 import os
 import platform
@@ -24,23 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import (
     check_same_shape,
-    load_checkpoint,
+    gather_full_state,
+    load_checkpoint_on_rank0,
     restore_training_state,
     save_checkpoint,
+    shard_full_state,
 )
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
@@ -60,14 +54,8 @@ from common.distributed import (
     start_process_group,
 )
 from common.metrics import MetricsLog, Throughput, max_memory_mb
-from common.sharding import (
-    SHARDED_NAME,
-    describe_held_bytes,
-    held_bytes,
-    optimizer_state_by_index,
-    optimizer_state_by_name,
-    sharded_checkpoint_folder,
-)
+from common.model import GPT
+from common.sharding import describe_held_bytes, held_bytes, peak_memory, start_peak_memory
 from common.support.errors import CourseError, run_main
 from common.support.gpus import peak_flops
 from common.support.preempt_ranks import AgreedPreemption
@@ -123,9 +111,6 @@ def main():
     cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # No autocast: FSDP casts the parameters for the computation itself (MixedPrecisionPolicy,
-    # below), and evaluate() takes this context where chapter 05 passes autocast.
-    autocast = contextlib.nullcontext()
     out_dir = Path(args.out_dir)
 
     # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
@@ -184,26 +169,25 @@ def main():
     # torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of them
     # again. A restarted run continues from the checkpoint written before the failure, if there is
     # one yet. The ranks agree on the restart count, and every rank says whether it sees the
-    # checkpoint: across machines --out-dir must be on a file system all nodes see. With
-    # --sharded-checkpoint it is a folder: every rank's shards, and a ckpt.pt of the rest (the
-    # step, the settings, the random state).
-    ckpt_folder = out_dir
-    if args.sharded_checkpoint:
-        ckpt_folder = out_dir / SHARDED_NAME
+    # checkpoint: across machines --out-dir must be on a file system all nodes see.
     restarts, checkpoint_everywhere = agree_on_restart(
-        restart_count, ckpt_folder / "ckpt.pt", args.resume
+        restart_count, out_dir / "ckpt.pt", args.resume
     )
     # The run folder: refused if it holds another run (unless this one continues it) or another
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
     if args.resume or (restarts > 0 and checkpoint_everywhere):
-        checkpoint = load_checkpoint(ckpt_folder)
+        # rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
+        checkpoint = load_checkpoint_on_rank0(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
         check_same_shape(checkpoint, model_config)
-    # a checkpoint's tensors are loaded into the sharded model (below), not into this full one
-    model = build_model(model_config, args.init_from, checkpoint=None).to(device)
+    held_before = start_peak_memory(device)
+    # The chapter is for a model too large for one device, so no rank builds it whole. On the meta
+    # device a tensor has a shape and a type but no storage: this model costs no memory yet.
+    with torch.device("meta"):
+        model = GPT(model_config)
     # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
     # gathered cast to it, which also halves the bytes sent; the gradients are reduced in float32
     # and the optimizer steps on float32 shards, the master weights. On the CPU (float32, float64)
@@ -214,45 +198,45 @@ def main():
     # Each transformer block becomes one FSDP unit: its parameters are gathered from all ranks just
     # before its forward and freed after it, then gathered again for its backward. The root unit
     # holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the token
-    # embedding). fully_shard changes the model in place: each parameter is now a DTensor whose
-    # local tensor is this rank's 1/W of its rows (model.parameters() yields the shards).
+    # embedding). FSDP never frees the root's after forward: they stay whole until backward ends.
+    # fully_shard changes the model in place: each parameter is now a DTensor whose local tensor
+    # is this rank's rows of it (model.parameters() yields the shards).
     for block in model.transformer.h:
         fully_shard(block, mp_policy=precision)
     fully_shard(model, mp_policy=precision)
+    # memory for this rank's shards, on its device, not yet filled (the model has no buffers)
+    model.to_empty(device=device)
     # AdamW keeps two running averages per parameter, each the shape of the parameter: built on the
-    # shards, the optimizer state is sharded too, and every rank updates only its own 1/W.
+    # shards, the optimizer state is sharded too, and every rank updates only its own rows.
     optimizer = torch.optim.AdamW(
         model.optimizer_groups(args.weight_decay),
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
+    # Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
+    # seed, chapter 01's. Every rank then takes its rows of it, one tensor at a time.
+    whole_model = {}
+    if is_rank0:
+        whole_model = build_model(model_config, args.init_from, checkpoint).state_dict()
+    whole_optimizer = None  # a fresh optimizer has no state to load
+    if checkpoint is not None:
+        whole_optimizer = checkpoint["optimizer"]  # rank 0's; the other ranks' is empty
+    shard_full_state(model, optimizer, whole_model, whole_optimizer)
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     # Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
     # whether a step had an inf, so all of them skip it or none does.
     scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
-    if checkpoint is not None and args.sharded_checkpoint:
-        # The layout of this rank's shards; DCP fills it with the pieces of the saved shards it
-        # covers, whatever number of ranks wrote them.
-        sharded = {
-            "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer),
-        }
-        dcp.load(sharded, checkpoint_id=ckpt_folder)
-        set_model_state_dict(model, sharded["model"])
-        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
-    elif checkpoint is not None:
-        # ckpt.pt holds the whole tensors, as every chapter writes them: each rank keeps its shards
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, checkpoint["model"], options=full)
-        optimizer_state = optimizer_state_by_name(checkpoint["optimizer"], model, optimizer)
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
     iter_num = 0
     best_val_loss = None
     if checkpoint is not None:
         # resuming: the loss scale and the random state continue where they were
         iter_num = restore_training_state(checkpoint, None, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
+    del whole_model, whole_optimizer, checkpoint  # rank 0's whole tensors are freed
+    first_step = iter_num + 1
+    # the most memory this rank held while it built its shards, above what it held before
+    say(f"peak memory, construction: {peak_memory(device) - held_before:.1f} MB")
     # fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
     raw_model = model
     if args.compile:
@@ -272,7 +256,7 @@ def main():
     log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:
-        log(f"{restarted}resuming from {ckpt_folder / 'ckpt.pt'} at step {iter_num}")
+        log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
     elif restarted:
         log(f"{restarted}no checkpoint was written yet, starting again from step 0")
 
@@ -300,33 +284,14 @@ def main():
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        """The checkpoint, at every evaluation and when the run is asked to stop. Every rank takes
-        part: each holds a shard of every tensor."""
-        if args.sharded_checkpoint:
-            with sharded_checkpoint_folder(out_dir) as folder:
-                # every rank writes its own shards, all at once; nothing is gathered
-                sharded = {
-                    "model": get_model_state_dict(model),
-                    "optimizer": get_optimizer_state_dict(model, optimizer),
-                }
-                dcp.save(sharded, checkpoint_id=folder)
-                # beside them, rank 0's ckpt.pt holds the rest: the step, the settings, the RNG
-                write(folder, {}, {}, step)
-            return
-        # ckpt.pt as every chapter reads it: the whole tensors, gathered from every rank's shards
-        # into rank 0's CPU memory (the other ranks get empty dicts)
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=full)
-        optimizer_state = get_optimizer_state_dict(model, optimizer, options=full)
-        write(out_dir, model_state, optimizer_state, step)
-
-    def write(folder: Path, model_state: dict, optimizer_state: dict, step: int) -> None:
-        """Rank 0 writes <folder>/ckpt.pt; the optimizer state numbered as chapter 01 saves it."""
-        if is_rank0:
+        """ckpt.pt, at every evaluation and when the run is asked to stop: the whole tensors, as
+        every chapter writes them. Every rank takes part, as each holds a shard of every tensor."""
+        model_state, optimizer_state = gather_full_state(model, optimizer)
+        if is_rank0:  # the others' dicts are empty
             save_checkpoint(
-                folder,
+                out_dir,
                 model_state=model_state,
-                optimizer_state=optimizer_state_by_index(optimizer_state),
+                optimizer_state=optimizer_state,
                 iter_num=step,
                 model_config=model_config,
                 train_config=train_config,
@@ -366,12 +331,10 @@ def main():
                 model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)
                 x, y = next(batches)  # (B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast:
-                    _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
-                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing
-                    # each loss by K turns that sum into the gradient of the mean over all K * B
-                    # sequences
-                    micro_loss = micro_loss / args.grad_accum
+                _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                # backward() adds into .grad, so K micro-steps sum K gradients; dividing each loss
+                # by K turns that sum into the gradient of the mean over all K * B sequences
+                micro_loss = micro_loss / args.grad_accum
                 # the last micro-step's backward reduce-scatters block after block of gradients
                 # while it is still computing the rest; when it returns, every rank holds the
                 # average of its shard
@@ -386,6 +349,8 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            if iter_num == first_step:
+                say(f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB")
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
@@ -413,9 +378,7 @@ def main():
                 # still gathers each block's parameters from all ranks); the loss sums and window
                 # counts are added over ranks, so every rank gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
-                my_loss = evaluate(
-                    raw_model, val_set, my_windows, args.batch_size, device, autocast
-                )
+                my_loss = evaluate(raw_model, val_set, my_windows, args.batch_size, device)
                 my_count = torch.tensor(float(len(my_windows)), device=device)
                 # the sum of my losses, their count
                 val_stats = torch.stack([my_loss * my_count, my_count])
@@ -428,7 +391,7 @@ def main():
                     best_val_loss = val_loss
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
-                saved = f"checkpoint saved to {ckpt_folder / 'ckpt.pt'}"
+                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
             # a stop signal came during this step (on the last step, the run just ends)
@@ -437,8 +400,8 @@ def main():
                     save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state
-    # (the shards of rows that W does not divide are uneven, by a row at most)
+    # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state.
+    # A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
     say(describe_held_bytes(held_bytes(raw_model, optimizer)))
 
     # every forward gathers parameters from all ranks, so all of them generate; rank 0 prints

@@ -24,7 +24,6 @@ CHAPTER_FLAGS = {
     "--backend": (4, 6),
     "--dist-timeout": (4, 6),
     "--shared-fs": (5, 6),
-    "--sharded-checkpoint": (6, 6),
 }
 
 
@@ -125,9 +124,6 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     flag(
         "--shared-fs", action="store_true", help="nodes share one file system: rank 0 prepares data"
     )
-    sharded = "every rank writes its own shards to <out-dir>/ckpt_sharded (torch.distributed."
-    sharded += "checkpoint) instead of gathering ckpt.pt on rank 0; --resume reads them back"
-    flag("--sharded-checkpoint", action="store_true", help=sharded)
     return p
 
 

@@ -110,9 +110,11 @@ def evaluate(
     windows: list[int],
     batch_size: int,
     device: torch.device,
-    autocast: contextlib.AbstractContextManager,
+    autocast: contextlib.AbstractContextManager | None = None,
 ) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
+    if autocast is None:  # chapter 06: FSDP casts the parameters itself (MixedPrecisionPolicy)
+        autocast = contextlib.nullcontext()
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in DataLoader(Subset(dataset, windows), batch_size=batch_size):
