@@ -21,11 +21,14 @@ shared by two units (the GPT's tied wte/lm_head matrix, if both were units) ther
 a unit around both, at worst the root: the root's buffer is gathered during the whole forward and
 the whole backward, so every use finds it.
 
-    gpt = GPT(config) model = FullyShardedDataParallel(gpt, units=list(gpt.transformer.h))  # each
-    block, the root optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)  # the shards: 1/W of
-    the model _, loss = model(x, y) loss.backward()  # all-gathers and reduce-scatters, unit by unit
-    optimizer.step() state = model.full_state_dict()  # the whole model on every rank, named as
-    gpt.state_dict()
+    gpt = GPT(config)
+    # each block a unit, and the root for the rest
+    model = FullyShardedDataParallel(gpt, units=list(gpt.transformer.h))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)  # the shards: 1/W of the model
+    _, loss = model(x, y)
+    loss.backward()  # all-gathers and reduce-scatters, unit by unit
+    optimizer.step()
+    state = model.full_state_dict()  # the whole model on every rank, named as gpt.state_dict()
 
 Between steps the modules hold no whole parameters at all: `gpt.lm_head.weight` is an
 AttributeError, and full_state_dict() gathers them. Every rank must run every unit, in the same

@@ -10,9 +10,9 @@ pieces they need. See docs/deep/SHARDED_CHECKPOINT.md.
 
 save: the model, sharded as chapter 06 shards it, takes two AdamW steps on random tokens; every
 rank writes its shards of the model and of the optimizer state into <out-dir>/ckpt_sharded/, and
-rank 0 writes the same state whole to <out-dir>/whole.pt, to compare with. load: the model, sharded
-over this run's ranks, reads its shards back, and rank 0 compares them, gathered whole, with
-whole.pt.
+rank 0 writes the same state whole to <out-dir>/whole.pt, to compare with. load: the model,
+sharded over this run's ranks, reads its shards back, and rank 0 gathers them whole and compares
+them with whole.pt.
 """
 
 import argparse

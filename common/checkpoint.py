@@ -23,8 +23,8 @@ from .support.rundir import CKPT_NAME
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names without the prefixes that wrappers add: "module." (DataParallel, DDP) and "_orig_mod."
-    (torch.compile)."""
+    """Names without the prefixes that wrappers add: "module." (DataParallel, DDP) and
+    "_orig_mod." (torch.compile)."""
     return {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}
 
 
@@ -39,8 +39,8 @@ def save_checkpoint(
     best_val_loss: float | None = None,
     scaler_state: dict | None = None,
 ) -> None:
-    """Write <out_dir>/ckpt.pt through a temporary file: a crash mid-write leaves the old one
-    intact."""
+    """Write <out_dir>/ckpt.pt through a temporary file: a crash while it writes leaves the old
+    checkpoint intact."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     # the host and the process in the name: no two writers share a temporary file, even across nodes
     tmp = Path(out_dir, f".{CKPT_NAME}.tmp.{socket.gethostname()}.{os.getpid()}")
