@@ -1,4 +1,4 @@
-# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 21
+# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 20
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
 #     python tools/check.py 06_fsdp/exercise.py --nproc-per-node 2
@@ -18,33 +18,24 @@ simulation on one machine are in this folder (README.md).
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/21: the imports: remove (-) and add (+)
+# TODO 1/20: the imports: remove (-) and add (+)
+#     - import contextlib
 #     - from torch.nn.parallel import DistributedDataParallel as DDP
 #     - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 #     - from common.device import autocast_context, describe, pick_dtype, setup_math
 #     - ranks_unlike_rank0,
-#     + from torch.distributed import checkpoint as dcp
-#     + from torch.distributed.checkpoint.state_dict import (
-#     + StateDictOptions,
-#     + get_model_state_dict,
-#     + get_optimizer_state_dict,
-#     + set_model_state_dict,
-#     + set_optimizer_state_dict,
 #     + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 #     + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 #     + from common.checkpoint import (
 #     + check_same_shape,
-#     + load_checkpoint,
+#     + gather_full_state,
+#     + load_checkpoint_on_rank0,
 #     + restore_training_state,
 #     + save_checkpoint,
+#     + shard_full_state,
 #     + from common.device import describe, pick_dtype, setup_math
-#     + from common.sharding import (
-#     + SHARDED_NAME,
-#     + describe_held_bytes,
-#     + held_bytes,
-#     + optimizer_state_by_index,
-#     + optimizer_state_by_name,
-#     + sharded_checkpoint_folder,
+#     + from common.model import GPT
+#     + from common.sharding import describe_held_bytes, held_bytes, peak_memory, start_peak_memory
 import contextlib
 import datetime
 import os
@@ -96,7 +87,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/21: change the next 1 line(s) of code:
+    # TODO 2/20: change the next 1 line(s) of code:
     #   the same seed on every rank: every rank builds the same model, then keeps its shards of it
     args = parse_args(chapter=5, description=__doc__)
     # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
@@ -137,9 +128,7 @@ def main():
     cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/21: change the next 1 line(s) of code:
-    #   No autocast: FSDP casts the parameters for the computation itself (MixedPrecisionPolicy,
-    #     below), and evaluate() takes this context where chapter 05 passes autocast.
+    # TODO 3/20: remove the next 1 line(s) of code
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -158,7 +147,7 @@ def main():
     place += f", node {node_rank} of {n_nodes}"
     say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
     if not launched:
-        # TODO 4/21: change the next 4 line(s) of code:
+        # TODO 4/20: change the next 4 line(s) of code:
         #     log(
         #     "not started by torchrun, so this is a world of one process (chapter 01's run); "
         #     "for N processes: "
@@ -204,14 +193,7 @@ def main():
     # torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of them
     # again. A restarted run continues from the checkpoint written before the failure, if there is
     # one yet. The ranks agree on the restart count, and every rank says whether it sees the
-    # TODO 5/21: change the next 0 line(s) of code into 3:
-    #   checkpoint: across machines --out-dir must be on a file system all nodes see. With
-    #   --sharded-checkpoint it is a folder: every rank's shards, and a ckpt.pt of the rest (the
-    #     step, the settings, the random state).
     # checkpoint: across machines --out-dir must be on a file system all nodes see.
-    # TODO 6/21: change the next 2 line(s) of code:
-    #     restarts, checkpoint_everywhere = agree_on_restart(
-    #     restart_count, ckpt_folder / "ckpt.pt", args.resume
     restarts, checkpoint_everywhere = agree_on_restart(
         restart_count, out_dir / "ckpt.pt", args.resume
     )
@@ -219,15 +201,15 @@ def main():
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
-    # TODO 7/21: change the next 2 line(s) of code:
-    #     if args.resume or (restarts > 0 and checkpoint_everywhere):
-    #     checkpoint = load_checkpoint(ckpt_folder)
+    # TODO 5/20: change the next 2 line(s) of code:
+    #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
     if args.resume or (restarts > 0 and checkpoint_everywhere):
         checkpoint = load_checkpoint(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
-    # TODO 8/21: change the next 1 line(s) of code into 8:
-    #   a checkpoint's tensors are loaded into the sharded model (below), not into this full one
+    # TODO 6/20: change the next 1 line(s) of code into 11:
+    #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
+    #     device a tensor has a shape and a type but no storage: this model costs no memory yet.
     #   On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
     #     gathered cast to it, which also halves the bytes sent; the gradients are reduced in
     #     float32 and the optimizer steps on float32 shards, the master weights. On the CPU
@@ -235,10 +217,12 @@ def main():
     #   Each transformer block becomes one FSDP unit: its parameters are gathered from all ranks
     #     just before its forward and freed after it, then gathered again for its backward. The root
     #     unit holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the
-    #     token embedding). fully_shard changes the model in place: each parameter is now a DTensor
-    #     whose local tensor is this rank's 1/W of its rows (model.parameters() yields the shards).
+    #     token embedding). FSDP never frees the root's after forward: they stay whole until
+    #     backward ends. fully_shard changes the model in place: each parameter is now a DTensor
+    #     whose local tensor is this rank's rows of it (model.parameters() yields the shards).
+    #   memory for this rank's shards, on its device, not yet filled (the model has no buffers)
     #   AdamW keeps two running averages per parameter, each the shape of the parameter: built on
-    #     the shards, the optimizer state is sharded too, and every rank updates only its own 1/W.
+    #     the shards, the optimizer state is sharded too, and every rank updates only its own rows.
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -247,23 +231,27 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
+    # TODO 7/20: add 7 line(s) of code here:
+    #   Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
+    #     seed, chapter 01's. Every rank then takes its rows of it, one tensor at a time.
+    #   a fresh optimizer has no state to load
+    #   rank 0's; the other ranks' is empty
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 9/21: change the next 1 line(s) of code into 14:
+    # TODO 8/20: change the next 1 line(s) of code:
     #   Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
     #     whether a step had an inf, so all of them skip it or none does.
-    #   The layout of this rank's shards; DCP fills it with the pieces of the saved shards it
-    #     covers, whatever number of ranks wrote them.
-    #   ckpt.pt holds the whole tensors, as every chapter writes them: each rank keeps its shards
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     best_val_loss = None
-    # TODO 10/21: change the next 2 line(s) of code:
+    # TODO 9/20: change the next 2 line(s) of code:
     #   resuming: the loss scale and the random state continue where they were
     if checkpoint is not None:
         # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 11/21: change the next 2 line(s) of code into 1:
+    # TODO 10/20: change the next 2 line(s) of code into 4:
+    #   rank 0's whole tensors are freed
+    #   the most memory this rank held while it built its shards, above what it held before
     #   fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
     # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     # into backward to average the gradients over ranks. The wrapper keeps the real model in
@@ -283,12 +271,12 @@ def main():
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    # TODO 12/21: change the next 1 line(s) of code:
+    # TODO 11/20: change the next 1 line(s) of code:
     #     averaging = "parameters gathered block by block, gradients reduce-scattered during
     #       backward"
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    # TODO 13/21: change the next 4 line(s) of code into 2:
+    # TODO 12/20: change the next 4 line(s) of code into 2:
     #     share = f"1/{world_size} of the model each"
     #     log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
     log(
@@ -297,8 +285,6 @@ def main():
     )
     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:
-        # TODO 14/21: change the next 1 line(s) of code:
-        #     log(f"{restarted}resuming from {ckpt_folder / 'ckpt.pt'} at step {iter_num}")
         log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
     elif restarted:
         log(f"{restarted}no checkpoint was written yet, starting again from step 0")
@@ -314,7 +300,7 @@ def main():
     # only rank 0 writes files and draws the progress bar
     metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num)
     progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
-    # TODO 15/21: change the next 4 line(s) of code:
+    # TODO 13/20: change the next 4 line(s) of code:
     #     train_config = vars(args) | {
     #     "global_batch": global_batch,
     #     "world_size": world_size,
@@ -332,18 +318,15 @@ def main():
     grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
 
     def save(step: int) -> None:
-        # TODO 16/21: change the next 1 line(s) of code into 17:
-        #   every rank writes its own shards, all at once; nothing is gathered
-        #   beside them, rank 0's ckpt.pt holds the rest: the step, the settings, the RNG
-        #   ckpt.pt as every chapter reads it: the whole tensors, gathered from every rank's shards
-        #     into rank 0's CPU memory (the other ranks get empty dicts)
+        # TODO 14/20: change the next 2 line(s) of code into 4:
+        #   the others' dicts are empty
         """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
-            # TODO 17/21: change the next 4 line(s) of code:
+            # TODO 15/20: change the next 4 line(s) of code:
             #     save_checkpoint(
-            #     folder,
+            #     out_dir,
             #     model_state=model_state,
-            #     optimizer_state=optimizer_state_by_index(optimizer_state),
+            #     optimizer_state=optimizer_state,
             save_checkpoint(
                 out_dir,
                 model_state=model.module.state_dict(),
@@ -379,7 +362,7 @@ def main():
                 group["lr"] = lr
             # this rank's mean loss over its share of the global batch
             loss = torch.zeros((), device=device)
-            # TODO 18/21: change the next 13 line(s) of code into 8:
+            # TODO 16/20: change the next 13 line(s) of code into 7:
             #   FSDP reduce-scatters the gradients over ranks inside backward(). Before the last
             #     micro-step that traffic would be wasted: without sync this rank's full, unsharded
             #     gradients add up locally (more memory, as no_sync() in chapter 04), and the last
@@ -420,6 +403,9 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
 
+            # TODO 17/20: add 2 line(s) of code here:
+            #     if iter_num == first_step:
+            #     say(f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB")
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 # the mean over all ranks: a collective, so every rank calls it (SUM works on every
@@ -446,6 +432,8 @@ def main():
                 # nothing for DDP to do); the loss sums and window counts are added over ranks, so
                 # every rank gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
+                # TODO 18/20: change the next 3 line(s) of code into 1:
+                #     my_loss = evaluate(raw_model, val_set, my_windows, args.batch_size, device)
                 my_loss = evaluate(
                     raw_model, val_set, my_windows, args.batch_size, device, autocast
                 )
@@ -461,8 +449,6 @@ def main():
                     best_val_loss = val_loss
                 metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
-                # TODO 19/21: change the next 1 line(s) of code:
-                #     saved = f"checkpoint saved to {ckpt_folder / 'ckpt.pt'}"
                 saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
                 progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
                 speed.restart_clock()  # evaluation time is not training time
@@ -472,9 +458,10 @@ def main():
                     save(iter_num)
                 preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
     progress.close()
-    # TODO 20/21: change the next 4 line(s) of code into 2:
-    #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state
-    #     (the shards of rows that W does not divide are uneven, by a row at most)
+    # TODO 19/20: change the next 4 line(s) of code into 2:
+    #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
+    #     state.
+    #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
     #   every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     # bit for bit against rank 0's copy.
@@ -482,7 +469,7 @@ def main():
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 21/21: change the next 3 line(s) of code into 5:
+    # TODO 20/20: change the next 3 line(s) of code into 5:
     #     if args.sample_tokens:
     #     log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
     #     text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
