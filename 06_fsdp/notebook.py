@@ -11,9 +11,9 @@
 #
 # Under DDP every rank holds the whole model, its gradients and AdamW's two averages. FSDP cuts
 # each of them in W pieces, one per rank, and gathers a block's parameters from all ranks just
-# before the block runs (for its forward, then again for its backward). The gradients are summed
-# and cut in one step, a reduce-scatter, so each rank ends with the sum for its own piece, and the
-# optimizer updates only that piece.
+# before the block runs (for its forward, then again for its backward). The gradients are averaged
+# over the ranks and cut in one step, a reduce-scatter, so each rank ends with the average for its
+# own piece, and the optimizer updates only that piece.
 #
 # Below: how FSDP cuts a tensor, what each rank of the chapter's script holds, and a short run
 # against chapter 01.
@@ -60,13 +60,13 @@ for name in ("lm_head.weight", "transformer.wpe.weight", "transformer.h.0.attn.c
 # %%
 import re
 
+three_steps = list(TINY)
+three_steps[three_steps.index("--max-iters") + 1] = "3"  # 3 steps, not the notebooks' usual run
 for world, batch in ((2, "6"), (3, "4")):  # a global batch of 12 either way
     out = torchrun(
         "06_fsdp/train.py",
         world,
-        *TINY,
-        "--max-iters",
-        "3",
+        *three_steps,
         "--batch-size",
         batch,
         "--out-dir",
@@ -100,8 +100,8 @@ assert compare(ref, ch06) < 1e-4
 # %% [markdown]
 # ## ckpt.pt holds whole tensors
 #
-# Before saving, the shards are gathered into rank 0's memory
-# (`get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`), so the
+# Before saving, the shards are gathered into rank 0's memory (`gather_full_state`:
+# `get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`), so the
 # file is the one chapter 01 writes: the same names and whole shapes, so chapter 01 resumes it.
 
 # %%
@@ -121,9 +121,10 @@ assert shapes == {name: tensor.shape for name, tensor in reference["model"].item
 # * `sum(p.numel() for p in model.parameters())` on a sharded model: the whole model's count, or a
 #   rank's? (The whole: a DTensor reports its whole shape. `p.to_local().numel()` counts the rank's
 #   piece.)
-# * Rank 0 alone runs a forward to print a sample. What happens? (The first block's all-gather
-#   waits for the other ranks, which never come: a hang until the timeout. Every rank must run
-#   every forward.)
+# * Rank 0 alone runs a forward to print a sample. What happens? (On the CPU, with gloo, its first
+#   all-gather waits for the other ranks, which never come: a hang until the timeout. With NCCL
+#   the all-gathers may pair with the others' next collectives, and the hang shows later. Every
+#   rank must run every forward.)
 
 # %%
 # Clean up: the runs above (checkpoints included) were only for this notebook
