@@ -26,16 +26,17 @@ simulation on one machine are in this folder (README.md).
 #     - ranks_unlike_rank0,
 #     + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 #     + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-#     + from common.checkpoint import (
-#     + check_same_shape,
-#     + gather_full_state,
-#     + load_checkpoint_on_rank0,
-#     + restore_training_state,
-#     + save_checkpoint,
-#     + shard_full_state,
+#     + from common.checkpoint import check_same_shape, restore_training_state, save_checkpoint
 #     + from common.device import describe, pick_dtype, setup_math
 #     + from common.model import GPT
-#     + from common.sharding import describe_held_bytes, held_bytes, peak_memory, start_peak_memory
+#     + from common.sharding import (
+#     + describe_held_bytes,
+#     + gather_full_state,
+#     + held_bytes,
+#     + load_checkpoint_on_rank0,
+#     + peak_memory,
+#     + shard_full_state,
+#     + start_peak_memory,
 import contextlib
 import datetime
 import os

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-from common.checkpoint import gather_full_state, shard_full_state
 from common.model import GPT, PRESETS
+from common.sharding import gather_full_state, shard_full_state
 
 # inside --out-dir: one file of shards per rank that wrote it, and .metadata, the map of the rows
 SHARDED_NAME = "ckpt_sharded"

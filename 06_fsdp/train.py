@@ -28,14 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import (
-    check_same_shape,
-    gather_full_state,
-    load_checkpoint_on_rank0,
-    restore_training_state,
-    save_checkpoint,
-    shard_full_state,
-)
+from common.checkpoint import check_same_shape, restore_training_state, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
     batch_loader,
@@ -55,7 +48,15 @@ from common.distributed import (
 )
 from common.metrics import MetricsLog, Throughput, max_memory_mb
 from common.model import GPT
-from common.sharding import describe_held_bytes, held_bytes, peak_memory, start_peak_memory
+from common.sharding import (
+    describe_held_bytes,
+    gather_full_state,
+    held_bytes,
+    load_checkpoint_on_rank0,
+    peak_memory,
+    shard_full_state,
+    start_peak_memory,
+)
 from common.support.errors import CourseError, run_main
 from common.support.gpus import peak_flops
 from common.support.preempt_ranks import AgreedPreemption

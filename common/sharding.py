@@ -1,7 +1,7 @@
-"""What chapter 06 measures around FSDP but does not teach: the bytes of state each rank holds,
-and the most memory a rank held while it built its shards and took a step.
-
-Every function reads only this rank's tensors or this process's figures: none needs a peer.
+"""Chapter 06's ckpt.pt from and into a sharded model (gather_full_state, shard_full_state,
+load_checkpoint_on_rank0: collectives, every rank calls them), and what the chapter measures but
+does not teach: the bytes of state each rank holds, and the most memory a rank held while it built
+its shards and took a step (these read only this rank's tensors or this process's figures).
 """
 
 from __future__ import annotations
@@ -9,7 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from .checkpoint import load_checkpoint
+from .support.errors import CourseError
 
 
 def local_and_full_bytes(tensor: torch.Tensor) -> tuple[int, int]:
@@ -76,3 +88,87 @@ def peak_memory(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e6
     return _proc_status_mb("VmHWM")
+
+
+# ---- ckpt.pt from and into a sharded model (FSDP) ---------------------------------------------
+# Every rank holds a shard of every tensor, so every rank takes part in both directions. Rank 0
+# alone holds the whole tensors, in CPU memory; the optimizer state is numbered as chapter 01's
+# optimizer.state_dict() numbers it, so that every chapter reads the same ckpt.pt.
+
+
+def gather_full_state(model: torch.nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
+    """The model's and the optimizer's whole tensors, gathered from every rank's shards into rank
+    0's CPU memory one tensor at a time, as ckpt.pt holds them; the other ranks get empty dicts."""
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=full)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=full)
+    return model_state, optimizer_state_by_index(optimizer_state)
+
+
+def shard_full_state(
+    model: torch.nn.Module,
+    optimizer: Optimizer,
+    model_state: dict,
+    optimizer_state: dict | None,
+) -> None:
+    """Fill this rank's shards from rank 0's whole tensors (a fresh model's or ckpt.pt's), which
+    rank 0 broadcasts one tensor at a time: each rank keeps its rows of each and frees the rest.
+
+    The other ranks pass empty dicts. Every rank passes None as optimizer_state for a fresh
+    optimizer, which then has no state to load."""
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_state, options=from_rank0)
+    if optimizer_state is None:
+        return
+    if dist.get_rank() == 0:
+        optimizer_state = optimizer_state_by_name(optimizer_state, model, optimizer)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=from_rank0)
+
+
+def load_checkpoint_on_rank0(out_dir: str | Path) -> dict:
+    """ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the settings,
+    the random state) with empty model and optimizer states, so no rank but rank 0 ever holds the
+    whole model. A checkpoint rank 0 cannot read is every rank's error."""
+    shared = [None]
+    if dist.get_rank() == 0:
+        try:
+            checkpoint = load_checkpoint(out_dir)
+            rest = {k: v for k, v in checkpoint.items() if k not in ("model", "optimizer")}
+            shared = [rest | {"model": {}, "optimizer": {}}]
+        except CourseError as err:
+            shared = [str(err)]
+    dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], str):
+        raise CourseError(shared[0])
+    if dist.get_rank() == 0:
+        return checkpoint
+    return shared[0]
+
+
+def optimizer_state_by_index(state: dict) -> dict:
+    """An optimizer state keyed by parameter names (torch.distributed.checkpoint's layout) in the
+    layout of optimizer.state_dict(): parameters numbered 0, 1, 2, ... through the groups in
+    order. That is what ckpt.pt holds: chapters 01 to 05 load it with optimizer.load_state_dict.
+    """
+    index_of = {}
+    groups = []
+    for group in state.get("param_groups", []):  # rank 0's; the other ranks' are empty
+        numbers = []
+        for name in group["params"]:
+            index_of[name] = len(index_of)
+            numbers.append(index_of[name])
+        groups.append(group | {"params": numbers})
+    per_param = {index_of[name]: value for name, value in state.get("state", {}).items()}
+    return {"state": per_param, "param_groups": groups}
+
+
+def optimizer_state_by_name(state: dict, model: torch.nn.Module, optimizer: Optimizer) -> dict:
+    """The inverse of optimizer_state_by_index: ckpt.pt's numbered optimizer state keyed by the
+    names of this optimizer's parameters, as set_optimizer_state_dict reads it."""
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    groups = []
+    for group in state["param_groups"]:
+        groups.append(group | {"params": [names[index] for index in group["params"]]})
+    per_param = {names[index]: value for index, value in state["state"].items()}
+    return {"state": per_param, "param_groups": groups}
