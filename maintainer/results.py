@@ -1,4 +1,4 @@
-"""The course's measured figures: one results file, bench/results/results.json, rendered to
+r"""The course's measured figures: one results file, bench/results/results.json, rendered to
 bench/RESULTS.md.
 
 Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is the `value` of one

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
+r"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
 with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
 
     torchrun --nproc_per_node=W tests/workers/zero_worker.py \
