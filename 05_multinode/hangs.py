@@ -84,8 +84,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-# ---- the pieces of a training loop where the classic mistakes live
-# ---------------------------------
+# ---- the pieces of a training loop where the classic mistakes live -------------------------------
 
 
 def validation_losses(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
@@ -175,8 +174,7 @@ def case_dies(args, model, rank, world, step):
         raise RuntimeError(f"rank {rank}: simulated fault at step {step}")
 
 
-# ---- the training loop
-# -------------------------------------------------------------------------------
+# ---- the training loop ---------------------------------------------------------------------------
 
 
 def average_gradients(model: torch.nn.Module, world: int) -> None:

@@ -139,8 +139,7 @@ def predict(
     }
 
 
-# ---- against the benchmark's measurements (bench/benchmark.py)
-# -------------------------------------
+# ---- against the benchmark's measurements (bench/benchmark.py) -----------------------------------
 
 
 def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | None:
@@ -236,8 +235,7 @@ def markdown_lines(prediction: dict | None) -> list[str]:
     return lines
 
 
-# ---- on paper: GPT-2 124M on H100s
-# ----------------------------------------------------------------
+# ---- on paper: GPT-2 124M on H100s ---------------------------------------------------------------
 
 
 def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:

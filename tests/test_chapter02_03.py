@@ -125,8 +125,7 @@ def test_dataparallel_on_the_cpu_says_it_has_nothing_to_split(runs):
     assert "DataParallel has nothing to split" in runs["03_b8"][1].stdout
 
 
-# ---- the comparison can fail: broken copies of chapter 02
-# -----------------------------------------
+# ---- the comparison can fail: broken copies of chapter 02 ----------------------------------------
 
 # Statements of the micro-step loop and the optimizer step, found as code whatever their layout
 # (tests/helpers.py statement_lines)
@@ -216,8 +215,7 @@ def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
     assert (first_off > LOSS_RTOL) == (name == "step_every_micro_batch")
 
 
-# ---- checkpoints load across chapters
-# -------------------------------------------------------------
+# ---- checkpoints load across chapters ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +265,7 @@ def test_no_module_prefix_in_any_checkpoint(runs, resumed):
         assert keys == reference, out
 
 
-# ---- mistakes the reader can make
-# -------------------------------------------------------------------
+# ---- mistakes the reader can make ----------------------------------------------------------------
 
 
 def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
@@ -295,8 +292,7 @@ def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
     assert "0 CUDA GPU" in lines[0], lines[0]
 
 
-# ---- the memory measurement of chapter 02
-# ------------------------------------------------------------
+# ---- the memory measurement of chapter 02 --------------------------------------------------------
 
 
 def test_measure_memory_prints_a_table(data_dir):

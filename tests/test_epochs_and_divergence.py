@@ -129,8 +129,7 @@ def folder_state(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in files}
 
 
-# ---- the corpus and the runs, made once per module
-# ------------------------------------------------
+# ---- the corpus and the runs, made once per module -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +250,7 @@ def runs(corpus, tmp_path_factory) -> dict:
     return out | {"01_read": read, "diverged": diverged}
 
 
-# ---- every chapter is chapter 01's run, through the epoch boundaries
-# --------------------------------
+# ---- every chapter is chapter 01's run, through the epoch boundaries -----------------------------
 
 
 @pytest.mark.slow
