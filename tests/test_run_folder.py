@@ -235,7 +235,7 @@ def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock
     tmp_path, monkeypatch
 ):
     """lockf's own errors, planted: only EAGAIN (or EACCES) means another run; ENOLCK (NFS without
-    its lock service) and ENOSYS (Lustre without flock) mean the file system cannot lock."""
+    its lock service) and ENOSYS (Lustre mounted with noflock) mean the file system cannot lock."""
 
     def failing(code):
         def lockf(fd, operation):
