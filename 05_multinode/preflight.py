@@ -235,8 +235,8 @@ def main():
             failures.append(gloo_failure)
         print(f"{prefix} gloo group check: {gloo_failure or 'OK'}", flush=True)
 
-        # every rank must run the same software: a torch or NCCL mismatch breaks or hangs
-        # collectives
+        # every rank must run the same software: a torch or NCCL mismatch breaks collectives
+        # or hangs them
         everyone = [None] * world_size
         dist.all_gather_object(everyone, versions(device))
         if len(set(everyone)) > 1:

@@ -143,8 +143,8 @@ def predict(
 
 
 def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | None:
-    """Predict 04 DDP with 2 ranks from the run's measured inputs and set it beside what was
-    measured."""
+    """Predict 04 DDP with 2 ranks from the run's measured inputs, and set the prediction beside
+    the measurement."""
     rows = {r["setup"]: r for r in report["setups"]}
     two, one = rows.get("04x2", {}), rows.get("04x1", {})
     bare = {
@@ -270,8 +270,8 @@ def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
 
 
 def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dict) -> dict:
-    """Per-GPU tokens from which backward hides every bucket but the last, and for 90%
-    efficiency."""
+    """The tokens per GPU from which backward hides every bucket but the last, and those for
+    90% efficiency."""
     last = ring_allreduce_seconds(layout["last_bucket_bytes"], world, busbw)
     others = ring_allreduce_seconds(
         layout["grad_bytes"] - layout["last_bucket_bytes"], world, busbw

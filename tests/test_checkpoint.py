@@ -94,8 +94,8 @@ def test_shape_check_names_the_difference(tmp_path):
         check_same_shape(ckpt, model_config("tiny", block_size=64))
 
 
-# A process that saves a good checkpoint, then is SIGKILLed by itself halfway through writing the
-# next.
+# A process that saves a good checkpoint and then, halfway through writing the next one,
+# SIGKILLs itself.
 KILLED_MID_WRITE = r"""
 import os, signal, sys
 import torch

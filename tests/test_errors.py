@@ -213,8 +213,8 @@ def test_out_dir_that_is_a_file(data_dir, earlier_copy):
     ],
 )
 def test_optimizer_values_are_checked_before_anything_runs(flag, value, message, capsys):
-    """Every optimizer value AdamW would refuse with a traceback (or train on as nan), in every
-    chapter."""
+    """Every optimizer value that AdamW would refuse with a traceback (or train on as nan), in
+    every chapter."""
     from common.config import parse_args
 
     for chapter in range(1, 6):

@@ -1,5 +1,5 @@
-"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (Hugging Face's
-logits)."""
+"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (the same
+logits as Hugging Face's)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def test_presets_and_overrides():
 
 
 def expected_params(cfg: GPTConfig) -> int:
-    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + final
-    LayerNorm."""
+    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + the
+    final LayerNorm."""
     C = cfg.n_embd
     return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
 
@@ -144,8 +144,8 @@ def hf_gpt2(n_positions: int = 64):
         activation_function="gelu_new",
     )
     model = GPT2LMHeadModel(config).eval()
-    # random biases and gains too, so a missed or transposed tensor cannot hide behind zeros and
-    # ones
+    # random biases and gains too, so that a missed or transposed tensor cannot hide behind
+    # zeros and ones
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
