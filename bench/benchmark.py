@@ -161,9 +161,9 @@ def run_for_result(
 
 def run_env(args, threads: int | None) -> dict:
     """The environment of every run: `threads` torch threads a process (None: torch's choice)."""
-    # DataParallel would take them
+    # a CPU run hides the GPUs, which chapter 03's DataParallel would take
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
-    # the caller's kept
+    # the repository first, then the caller's own PYTHONPATH
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return child_env(threads, PYTHONPATH=path, **hide_gpus)
 

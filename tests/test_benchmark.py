@@ -143,8 +143,8 @@ def test_markdown_table_is_well_formed(bench_run):
 
 @pytest.mark.slow
 def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
-    """bench/scaling_model.py's 2-rank prediction: computed by the formula from this run's own
-    measurements."""
+    """bench/scaling_model.py's 2-rank prediction: computed by the formula, from the measurements
+    of this run."""
     _, report, table, tmp = bench_run
     pred = report["prediction"]
     inputs, predicted, measured = pred["inputs"], pred["predicted"], pred["measured"]

@@ -339,8 +339,8 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
     assert "timed out" not in (proc.stdout + proc.stderr).lower()
     assert (folder / "ckpt.pt").read_bytes() == before["ckpt.pt"]
-    # the good run's lines are kept; after them, only the steps that were still finite are
-    # logged
+    # the good run's lines are kept; after them, only the steps that were still finite
+    # are logged
     kept = before["metrics.jsonl"].decode()
     assert (folder / "metrics.jsonl").read_text().startswith(kept)
     assert_finite_metrics(folder)

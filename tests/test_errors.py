@@ -64,8 +64,8 @@ def binary(path: Path) -> Path:
     return path
 
 
-# name -> (the flags, or a function making them in the test's tmp_path; the words the error line
-# must hold)
+# name -> (the flags, or a function that makes them in the test's tmp_path; the words that the
+# error line must hold)
 CASES = {
     "unknown corpus name": (["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
     "missing file": (lambda tmp: ["--dataset", tmp / "missing.txt"], "no corpus file at"),
