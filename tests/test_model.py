@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls
 
 
 def test_vocabulary_padded_to_multiple_of_64():
-    # the smallest multiple of 64 that holds GPT-2's
+    # 50,304 is the smallest multiple of 64 that holds GPT-2's 50,257 tokens
     assert 50304 % 64 == 0
     assert 50304 - 64 < 50257 <= 50304
     for name, cfg in PRESETS.items():
@@ -25,8 +25,8 @@ def test_vocabulary_padded_to_multiple_of_64():
 @pytest.mark.quick
 def test_presets_and_overrides():
     cfg = model_config("tiny", n_embd=64, block_size=None)
-    # None keeps the preset
     assert cfg.n_embd == 64
+    # None keeps the preset's value
     assert cfg.block_size == PRESETS["tiny"].block_size
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("huge")
