@@ -233,9 +233,9 @@ class BucketedDataParallel(_DataParallelBase):
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        # Flatten the bucket's gradients into its buffer: one big all-reduce instead of many small
-        # ones. Divide first (by a power of two with 2 ranks, exact), so the sum is already the
-        # mean.
+        # Flatten the bucket's gradients into its buffer: one big all-reduce instead of many
+        # small ones. Divide first (by a power of two with 2 ranks, exact), so that the sum is
+        # already the mean.
         self._pack(bucket)
         bucket.buffer.div_(self.world_size)
         # async_op=True returns at once with a handle; the reduction runs in the background (gloo's

@@ -1,4 +1,4 @@
-"""One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?
+r"""One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?
 
     torchrun --standalone --nproc-per-node=2 04_ddp/rank_worker.py \
         [--data-dir data] [--save-grad FILE]

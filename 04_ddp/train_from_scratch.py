@@ -135,8 +135,8 @@ def make_optimizer(impl: str, model, args):
 
 
 def state_bytes(impl: str, optimizer) -> int:
-    """Bytes of the optimizer-state tensors this rank holds (AdamW: two moments and the step
-    counts)."""
+    """Bytes of the optimizer-state tensors this rank holds (for AdamW: two moments and the
+    step counts)."""
     if impl == "zero1":
         return optimizer.state_bytes()
     state = optimizer.optim.state if impl == "zero_redundancy" else optimizer.state

@@ -164,9 +164,9 @@ class ShardedOptimizer:
                 view.grad = bucket.grad_shard[at : at + end - start]
                 local_groups[group_of[id(p)]]["params"].append(view)
                 self.pieces.append((p, start, end, bucket, at, view))
-        # A group may be empty on some rank (it owns no bias at all): torch accepts that, and
-        # keeping every group on every rank keeps their indices, and the LR schedule's loop, the
-        # same.
+        # A group may be empty on some rank (it owns no bias at all): torch accepts that. Keeping
+        # every group on every rank keeps the groups' indices the same on all ranks, and with
+        # them the LR schedule's loop.
         self.optimizer = optimizer_class(local_groups, **defaults)
 
     @property
@@ -231,8 +231,8 @@ class ShardedOptimizer:
                 offset += p.numel()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (AdamW: two moments of its slice, and the
-        steps)."""
+        """Bytes of optimizer state this rank holds (for AdamW: two moments of its slice, and
+        the step counts)."""
         return sum(
             t.numel() * t.element_size()
             for s in self.optimizer.state.values()

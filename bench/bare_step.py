@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
         "step_cpu_ms": timer.median(cpu=True),
         "group_cpu_ms": timer.groups(cpu=True),
         "final_loss": loss.item(),
-        # Linux: KiB
+        # ru_maxrss is in KiB on Linux
         "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20
         if device.type == "cuda"

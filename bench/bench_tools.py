@@ -21,8 +21,8 @@ from common.model import PRESETS
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
-    """A script's parser, described by the first paragraph of its docstring, with --preset (the
-    model)."""
+    """A script's parser: the first paragraph of the script's docstring as its description, and
+    --preset for the model's size."""
     p = argparse.ArgumentParser(
         description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

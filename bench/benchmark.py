@@ -101,8 +101,8 @@ def setups(args) -> list[Setup]:
             ranks=2,
             flags=["--batch-size", g // 2],
         ),
-        # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone
-        # prepares
+        # both simulated nodes see the one --data-dir, as on a shared file system: rank 0 alone
+        # prepares the data
         Setup(
             "05",
             "05 2 nodes x 1 rank",
@@ -150,8 +150,8 @@ def run_commands(
 def run_for_result(
     commands: list[list[str]], env: dict, out: Path, timeout: float
 ) -> tuple[dict | None, str]:
-    """Run a worker that writes its result as JSON to `out`: (the result, or None; the output's
-    tail)."""
+    """Run a worker that writes its result as JSON to `out`; return the result (None if it
+    wrote none) and the tail of its output."""
     out.unlink(missing_ok=True)
     status, tail = run_commands(commands, env, out.with_suffix(".log"), timeout)
     if status != 0 or not out.exists():
@@ -161,9 +161,9 @@ def run_for_result(
 
 def run_env(args, threads: int | None) -> dict:
     """The environment of every run: `threads` torch threads a process (None: torch's choice)."""
-    # DataParallel would take them
+    # a CPU run hides the GPUs, which chapter 03's DataParallel would take
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
-    # the caller's kept
+    # the repository first, then the caller's own PYTHONPATH
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return child_env(threads, PYTHONPATH=path, **hide_gpus)
 
@@ -173,8 +173,8 @@ def run_env(args, threads: int | None) -> dict:
 
 
 def run_figures(out_dir: Path, log_path: Path) -> dict:
-    """Medians over the metrics lines after the first (warm-up) interval, and the threads the run
-    printed."""
+    """Medians over the metrics lines after the first (warm-up) interval, and the number of
+    threads the run printed."""
     lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
     timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
     if not timed:
@@ -337,8 +337,8 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
 def worker_flags(
     args, batch_size: int, iters: int, group: int, device: str, out: Path
 ) -> list[str]:
-    """What bench/bare_step.py and bench/ddp_worker.py time (after the warm-up interval), and where
-    to."""
+    """The flags of bench/bare_step.py and bench/ddp_worker.py: what they time (after the
+    warm-up interval) and where they write it."""
     return flags(
         preset=args.preset,
         batch_size=batch_size,

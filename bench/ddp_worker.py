@@ -1,4 +1,4 @@
-"""How much of a DDP step is communication: the same step with and without the gradient all-reduce.
+r"""How much of a DDP step is communication: the same step with and without the gradient all-reduce.
 
     torchrun --standalone --nproc-per-node=2 bench/ddp_worker.py --preset small --batch-size 4 \
         --out comm.json

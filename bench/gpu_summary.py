@@ -130,8 +130,8 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
 
 
 def steps_table(rows: list[dict]) -> str:
-    """One line per step, the last try of each; the steps that did not pass, and how to rerun
-    them."""
+    """One line per step, from the last try of each; then the steps that did not pass, and how
+    to rerun them."""
     last = {r["step"]: r for r in rows}
     lines = ["| Step | Status | Seconds | Limit (s) |", "|---|---|---:|---:|"]
     lines += [

@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_losses(
     model: GPT, batches, device: torch.device, dtype: torch.dtype, args
 ) -> list[float]:
-    """The loss of every step of a short run of `model` (a copy is trained; the original is
-    kept)."""
+    """The loss of every step of a short run of `model`. A copy is trained, so the original
+    stays as it was."""
     setup_math(device)
     model = copy.deepcopy(model).to(device)
     optimizer = bench_tools.adamw(model, args.lr, device)

@@ -282,7 +282,7 @@ def loss_alone(args) -> dict:
     dtype = getattr(torch, args.dtype)
     vocab = PRESETS["gpt2"].vocab_size
     gen = torch.Generator().manual_seed(0)
-    # a parameter
+    # the output layer's weight, a leaf that requires its gradient, as a parameter does
     weight = (0.02 * torch.randn(vocab, args.width, generator=gen)).to(device).requires_grad_()
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 

@@ -36,8 +36,8 @@ MACHINE_PATHS = [str(ROOT), str(Path.home()), str(Path(tempfile.gettempdir()).re
 
 
 def source(folder: Path) -> nbformat.NotebookNode:
-    """The notebook that folder/notebook.py describes, without outputs: the cells the .ipynb must
-    hold."""
+    """The notebook that folder/notebook.py describes, without outputs: the cells that the
+    .ipynb must hold."""
     nb = jupytext.read(folder / "notebook.py")
     nb.metadata = {"kernelspec": nb.metadata["kernelspec"], "language_info": {"name": "python"}}
     for i, cell in enumerate(nb.cells):
@@ -48,7 +48,7 @@ def source(folder: Path) -> nbformat.NotebookNode:
 
 def execute(nb: nbformat.NotebookNode, folder: Path, **env: str) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel started in folder (as Jupyter does); env adds to the
-    kernel's."""
+    kernel's environment."""
     kernel_env = child_env(**env)  # one thread a process, as every run of the course's tools
     # the kernel's inline backend draws the figures into the notebook
     kernel_env.pop("MPLBACKEND", None)

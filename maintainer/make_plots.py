@@ -130,8 +130,8 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
     K = largest_divisor(G)
     replicas = max(gpus, 1)
     micro_batches = f"{count(K, 'micro-batch')} of {G // K}"
-    # chapter -> (how it is launched, processes, its own flags, the layout in words, processes per
-    # node)
+    # chapter -> (how it is launched, processes, its own flags, the layout in words,
+    # processes per node)
     layouts = {
         1: ("python", 1, ["--batch-size", G], "1 process", 1),
         2: (

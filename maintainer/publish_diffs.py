@@ -91,8 +91,7 @@ def split_hunks(diff: str) -> tuple[str, list[str]]:
 
 
 def hunk_has(hunk: str, key: str) -> bool:
-    """Whether one of the hunk's added or removed lines contains key (context lines do not
-    count)."""
+    """Whether key is in one of the hunk's added or removed lines (context lines do not count)."""
     return any(line[:1] in "+-" and key in line for line in hunk.splitlines()[1:])
 
 
@@ -149,8 +148,7 @@ def marker_keys(text: str) -> list[str] | None:
 
 
 def replace_between_markers(text: str, block: str) -> str | None:
-    """README text with the part between the markers replaced, or None if the markers are
-    missing."""
+    """README text with the part between the markers replaced; None if the markers are missing."""
     match = BEGIN_RE.search(text)
     if match is None:
         return None

@@ -1,4 +1,4 @@
-"""The course's measured figures: one results file, bench/results/results.json, rendered to
+r"""The course's measured figures: one results file, bench/results/results.json, rendered to
 bench/RESULTS.md.
 
 Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is the `value` of one
@@ -99,6 +99,7 @@ NOT_MEASURED = {
     "(common/distributed.py)",
     "10 minutes": "the test suite's time budget (a goal)",
     "30 minutes": "gloo's default process-group timeout in torch",
+    "90 s": "the NFSv4 lease, the default of Linux's NFS server (nfsv4leasetime)",
     "4 bytes": "one float32 number's size (AdamW's `step` per parameter tensor)",
     "16 bytes": "per parameter under DDP: float32 weight, gradient and AdamW's two averages "
     "(4 + 4 + 8), arithmetic",

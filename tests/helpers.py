@@ -112,8 +112,8 @@ def statement_lines(source: str, statement: str, script: str) -> range:
 
 def replace_statement(source: str, old: str, new: str, script: str) -> str:
     """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`,
-    at that statement's indentation (its comment goes with it); an empty `new` removes the
-    statement."""
+    at that statement's indentation (its comment goes with it). An empty `new` just removes
+    the statement."""
     lines = source.splitlines(keepends=True)
     where = statement_lines(source, old, script)
     indent = indentation(lines[where.start])

@@ -143,13 +143,12 @@ def test_markdown_table_is_well_formed(bench_run):
 
 @pytest.mark.slow
 def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
-    """bench/scaling_model.py's 2-rank prediction: computed from this run's measurements, by the
-    formula."""
+    """bench/scaling_model.py's 2-rank prediction: computed by the formula, from the measurements
+    of this run."""
     _, report, table, tmp = bench_run
     pred = report["prediction"]
     inputs, predicted, measured = pred["inputs"], pred["predicted"], pred["measured"]
-    # the inputs are the run's own measurements: the bare step of one rank's share (batch 2 of 4)
-    # ...
+    # the inputs are the run's own measurements: the bare step at a rank's share (batch 2 of 4) ...
     bare = {b["batch_size"]: min(r["step_ms"] for r in b["runs"] if r) for b in report["bare"]}
     assert inputs["bare_step_ms"] == bare[2]
     assert inputs["bare_step_ms_whole_batch"] == bare[4]

@@ -70,8 +70,8 @@ def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pair(data_dir, tmp_path_factory) -> dict[str, Path]:
-    """Chapter 01 and two ranks of chapter 04 with the same global batch (the quick check needs no
-    more)."""
+    """Chapter 01 and two ranks of chapter 04 with the same global batch: the quick check needs
+    no more."""
     root = tmp_path_factory.mktemp("chapter04_pair")
     out = {name: root / name for name in ("ch01", "ddp")}
     run_python(

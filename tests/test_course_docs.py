@@ -1,5 +1,5 @@
-"""The course around the code stays true to it: published diffs, figures, troubleshooting,
-workshop."""
+"""The course around the code stays true to it: the published diffs, the figures, the
+troubleshooting guide and the workshop."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 
 def test_published_diffs_are_current():
-    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the train.py
-    files."""
+    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the chapters'
+    train.py files."""
     proc = tool("maintainer/publish_diffs.py", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

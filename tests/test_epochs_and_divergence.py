@@ -110,9 +110,9 @@ def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int 
 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
-    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn it
-    into ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data gives
-    ~1e-2."""
+    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn
+    it into ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data
+    gives ~1e-2."""
     a, b = model_state(out_dir), model_state(reference_dir)
     assert a.keys() == b.keys()
     a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
@@ -129,8 +129,7 @@ def folder_state(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in files}
 
 
-# ---- the corpus and the runs, made once per module
-# ------------------------------------------------
+# ---- the corpus and the runs, made once per module -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +250,7 @@ def runs(corpus, tmp_path_factory) -> dict:
     return out | {"01_read": read, "diverged": diverged}
 
 
-# ---- every chapter is chapter 01's run, through the epoch boundaries
-# --------------------------------
+# ---- every chapter is chapter 01's run, through the epoch boundaries -----------------------------
 
 
 @pytest.mark.slow
@@ -341,8 +339,8 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
     assert "timed out" not in (proc.stdout + proc.stderr).lower()
     assert (folder / "ckpt.pt").read_bytes() == before["ckpt.pt"]
-    # the good run's lines are kept; the steps after it that were still finite are logged, nothing
-    # else
+    # the good run's lines are kept; after them, only the steps that were still finite
+    # are logged
     kept = before["metrics.jsonl"].decode()
     assert (folder / "metrics.jsonl").read_text().startswith(kept)
     assert_finite_metrics(folder)

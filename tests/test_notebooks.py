@@ -88,8 +88,8 @@ def test_notebook_runs(chapter, data_dir, python3_kernel):
 
 
 def test_the_readme_set_up_installs_jupyter_lab():
-    """`pip install -r requirements-dev.txt`, the README's set-up, must give a working `jupyter
-    lab`."""
+    """The README's set-up, `pip install -r requirements-dev.txt`, must give a working
+    `jupyter lab`."""
     assert any(
         line.split(">")[0].split("=")[0].strip() == "jupyterlab"
         for line in (REPO / "requirements-dev.txt").read_text().splitlines()

@@ -189,8 +189,8 @@ def test_chapter01_checkpoint_continues_under_zero(runs):
 def test_zero_checkpoint_continues_in_chapter01(runs, impl):
     saved = torch.load(runs["w3"] / f"{impl}_step{SAVE_AT}" / "ckpt.pt", weights_only=True)
     ours = torch.load(runs["ch01"] / "ckpt.pt", weights_only=True)
-    # the gathered optimizer state has chapter 01's layout: every parameter, numbered as AdamW
-    # numbers them
+    # the gathered optimizer state has chapter 01's layout: every parameter, with the number
+    # AdamW gives it
     assert saved["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
     assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == [
         len(g["params"]) for g in ours["optimizer"]["param_groups"]

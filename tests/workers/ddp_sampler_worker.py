@@ -1,4 +1,4 @@
-"""Run by torchrun: record which training windows this rank's batches hold, as 04_ddp/train.py
+r"""Run by torchrun: record which training windows this rank's batches hold, as 04_ddp/train.py
 builds them.
 
     torchrun --standalone --nproc_per_node=2 tests/workers/ddp_sampler_worker.py \

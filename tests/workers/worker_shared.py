@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 @contextlib.contextmanager
 def gloo_group(timeout_s: float = 60):
-    """A gloo process group of torchrun's ranks, destroyed on the way out; yields (rank, world
-    size)."""
+    """A gloo process group of torchrun's ranks, destroyed on the way out. It yields the rank
+    and the world size."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:
         yield dist.get_rank(), dist.get_world_size()

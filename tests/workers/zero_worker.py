@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
+r"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
 with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
 
     torchrun --nproc_per_node=W tests/workers/zero_worker.py \
@@ -319,8 +319,8 @@ def main() -> None:
             results[f"ddp/K={K}"] = measure(ddp, losses, norms, rank, world, ddp_params)
             broken = ("broken_local_norm_clip", "broken_no_all_gather", "broken_sum_not_average")
             for impl in ("zero1", "zero_redundancy", *(broken if extras and K == 3 else ())):
-                # with --extras, the two real ones save a gathered checkpoint at step 5 for chapter
-                # 01
+                # with --extras, the two real ones save a gathered checkpoint at step 5, which
+                # chapter 01 resumes
                 save = extras and K == 3 and impl in ("zero1", "zero_redundancy")
                 save_dir = out_dir / f"{impl}_step{SAVE_AT}" if save else None
                 run, losses, norms = train_here(impl, K, save_dir=save_dir)
