@@ -12,10 +12,10 @@ change touches, a TODO says how many lines to add, change or remove there, with 
 the solution's new lines as the hint: they say why, the learner writes the code. A change without
 a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
 left out. The solution is chapter N's own train.py. The learner solves a copy,
-0N_<chapter>/my_exercise.py (ignored by git), and
-`python tools/check.py 0N_<chapter>/my_exercise.py` tells whether it is the same run as chapter
-01's. An exercise.py with changes that git has not
-committed is someone's work: it is never overwritten (the command says how to keep it, and stops).
+0N_<chapter>/my_exercise.py (ignored by git), and `python tools/check.py
+0N_<chapter>/my_exercise.py` tells whether it is the same run as chapter 01's. An exercise.py
+that holds someone's work (its code is no longer the previous chapter's, and git does not hold
+it) is kept as my_exercise.py, or the next free my_exercise_N.py, before it is written again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import ast
 import difflib
 import io
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -318,6 +319,17 @@ def edited_by_hand(path: Path, previous: str) -> bool:
     return proc.returncode != 0
 
 
+def keep_a_copy(path: Path) -> Path:
+    """Copy `path` to the first free name my_exercise.py, my_exercise_2.py, ... beside it."""
+    copy = path.with_name("my_exercise.py")
+    number = 1
+    while copy.exists():
+        number += 1
+        copy = path.with_name(f"my_exercise_{number}.py")
+    shutil.copy2(path, copy)
+    return copy
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -327,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     stale = []
-    kept = []
     for chapter in list(CHAPTERS)[1:]:
         path = REPO / CHAPTERS[chapter] / "exercise.py"
         text = exercise(chapter)
@@ -339,21 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(str(path.relative_to(REPO)))
-        elif path.exists() and path.read_text() != text and edited_by_hand(path, previous):
-            kept.append(path.relative_to(REPO))
         else:
+            if path.exists() and path.read_text() != text and edited_by_hand(path, previous):
+                kept = keep_a_copy(path)
+                print(f"{path.relative_to(REPO)} held someone's work: kept as {kept.name}")
             path.write_text(text)
             print(f"wrote {path.relative_to(REPO)}")
-    for path in kept:
-        copy = path.with_name("my_exercise.py")
-        print(
-            f"error: {path} has changes git has not committed, someone's work: left as it is. "
-            f"Keep it as your copy (cp -n {path} {copy}), restore the exercise "
-            f"(git checkout {path}), then run this again",
-            file=sys.stderr,
-        )
-    if kept:
-        return 1
     if stale:
         print(f"stale: {', '.join(stale)}: run {REGENERATE}", file=sys.stderr)
         return 1
