@@ -50,7 +50,7 @@ setup()
 # %% [markdown]
 # ## What each rank does
 #
-# The next cell shows a small program, `04_ddp/rank_worker.py`; the one after starts it twice with
+# The next cell shows a small program, `workers/rank_worker.py`; the one after starts it twice with
 # `torchrun --nproc-per-node=2 --standalone`. Each process prints one `RESULT` line.
 
 # %%

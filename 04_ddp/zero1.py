@@ -1,6 +1,6 @@
-"""ZeRO-1 from scratch: data parallelism with the optimizer state sharded across ranks.
+"""ZeRO-1 by hand: data parallelism with the optimizer state sharded across ranks.
 
-DDP (and from_scratch.py) keeps a full copy of everything on every rank: the parameters, the
+DDP (and ddp_by_hand.py) keeps a full copy of everything on every rank: the parameters, the
 gradients and the optimizer state. With AdamW the state is two running averages per parameter,
 twice the model's size, and every rank computes the very same update for every parameter. ZeRO
 stage 1 removes that redundancy: each rank OWNS 1/W of the parameters (a contiguous slice of
@@ -41,7 +41,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from from_scratch import BucketedDataParallel, _Bucket
+from ddp_by_hand import BucketedDataParallel, _Bucket
 
 # The flat-tensor collectives got these names after torch 2.11. Torch 2.11, the oldest the course
 # supports, has the very same functions as reduce_scatter_tensor and all_gather_into_tensor.

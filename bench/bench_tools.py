@@ -1,7 +1,5 @@
 """What the measuring scripts of bench/ share: their parser, chapter 01's optimizer and update, a
 result file.
-
-Imported after the script has put the repository on sys.path (for `common`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A plain model of one data-parallel training step on W devices, predicted and compared with
 measurements.
 
-    python bench/scaling_model.py                      # the on-paper tables for GPT-2 124M on H100s
-    python bench/scaling_model.py --plot docs/figures/scaling_efficiency.png
+    python -m bench.scaling_model                      # the on-paper tables for GPT-2 124M on H100s
+    python -m bench.scaling_model --plot docs/figures/scaling_efficiency.png
 
 One optimizer step of DDP on W devices, each with B tokens of the global batch:
 
@@ -44,8 +44,6 @@ import functools
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # DistributedDataParallel(bucket_cap_mb=25), its default (its first bucket, 1 MiB, is ignored)
 BUCKET_CAP_BYTES = 25 * 2**20

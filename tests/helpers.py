@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tools.launch import REPO, child_env, flags, measured_run_flags, stop_launchers
+from layout import REPO
+from tools.launch import child_env, flags, measured_run_flags, stop_launchers
 
 
 def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:

@@ -10,17 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import sys
 
 import pytest
 
-from tools.launch import REPO, run_python
-
-sys.path.insert(0, str(REPO / "bench"))
-
-import benchmark
-import gpu_summary
-import gpu_vs_cpu
+from bench import benchmark, gpu_summary, gpu_vs_cpu
+from layout import REPO
+from tools.launch import run_python
 
 ROW_NUMBERS = [
     "tokens_per_sec",
@@ -37,7 +32,8 @@ def bench_run(data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     proc = run_python(
         [
-            "bench/benchmark.py",
+            "-m",
+            "bench.benchmark",
             "--preset",
             "tiny",
             "--iters",
@@ -108,7 +104,7 @@ def test_json_has_a_complete_row_per_setup(bench_run):
         )  # the same global batch everywhere
         if setup.ranks == 1:
             assert row["comm_share"] is None
-        # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
+        # measured by workers/ddp_worker.py; noise can make it slightly negative, so no sign check
         else:
             assert isinstance(row["comm_share"], float)
             assert row["comm"]["backend"] == "gloo"

@@ -24,7 +24,8 @@ from helpers import indentation, replace_statement, statement_lines, tiny_run_ar
 
 from common.chapters import CHAPTERS
 from common.metrics import read_metrics
-from tools.launch import REPO, run_python
+from layout import REPO
+from tools.launch import run_python
 
 ITERS = 10
 RESUMED_ITERS = 14

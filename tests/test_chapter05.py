@@ -22,7 +22,8 @@ from helpers import outputs_of, start, tiny_run_args
 
 from common.metrics import read_metrics
 from common.support.corpus import shakespeare_texts
-from tools.launch import REPO, child_env, free_port, run_python, torchrun_command
+from layout import REPO
+from tools.launch import child_env, free_port, run_python, torchrun_command
 
 CHAPTER = REPO / "05_multinode"
 TRAIN = CHAPTER / "train.py"

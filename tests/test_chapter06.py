@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from common.config import parse_args
 from common.metrics import read_metrics
 from common.support.errors import CourseError
-from tools.launch import REPO, run_python, run_torchrun, stop_launchers, torchrun_command
+from layout import REPO
+from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
 SCRIPT = REPO / "06_fsdp" / "train.py"
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"

@@ -21,9 +21,9 @@ import pytest
 from helpers import replace_statement
 
 from common.chapters import CHAPTERS
-from maintainer import make_exercises
+from layout import REPO
+from maintainer import REGENERATE, make_exercises
 from tools import check
-from tools.launch import REPO
 from tools.mistakes import (
     MISTAKES,
     Facts,
@@ -280,7 +280,7 @@ def test_a_relative_script_path_keeps_its_line_number(tmp_path):
 
 
 def test_exercises_are_made_from_the_current_scripts():
-    assert make_exercises.main(["--check"]) == 0, "run python maintainer/make_exercises.py"
+    assert make_exercises.main(["--check"]) == 0, f"run {REGENERATE}"
 
 
 def test_every_check_gets_a_folder_of_its_own(tmp_path):

@@ -23,8 +23,8 @@ from common.data import (
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.tokenizer import encode, eot_id
+from layout import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [
     "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
     "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n",

@@ -41,8 +41,9 @@ from common.data import TokenWindows, load_splits, prepare
 from common.metrics import read_metrics
 from common.support.errors import CourseError
 from common.training import is_divergence, stop_if_diverged
+from layout import REPO
 from tools.check import corpus_text
-from tools.launch import REPO, child_env, run_python, torchrun_command, two_node_commands
+from tools.launch import child_env, run_python, torchrun_command, two_node_commands
 
 ITERS, RESUME_AT = 8, 5
 ACCUMULATE = {"batch_size": 2, "grad_accum": 2}  # with 2 ranks: the global batch of 8

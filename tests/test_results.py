@@ -11,20 +11,14 @@ RESULTS.md prints too)."""
 
 from __future__ import annotations
 
-import sys
-
-from tools.launch import REPO
-
-sys.path.insert(0, str(REPO / "maintainer"))
-
-import results
+from layout import REPO
+from maintainer import REGENERATE, results
 
 
 def test_results_md_is_rendered_from_the_json():
     rendered = results.render(results.load())
     assert (REPO / "bench" / "RESULTS.md").read_text() == rendered, (
-        "bench/RESULTS.md is out of step with bench/results/results.json: "
-        "run `python maintainer/results.py`"
+        f"bench/RESULTS.md is out of step with bench/results/results.json: run `{REGENERATE}`"
     )
 
 
@@ -48,7 +42,7 @@ def test_every_figure_the_texts_quote_is_in_the_results():
     assert not missing, (
         f"{len(missing)} measured figure(s) in the texts are not in bench/results/results.json "
         "(quote a figure from bench/RESULTS.md, or record the run that gave it with "
-        "`python maintainer/results.py record`):\n" + "\n".join(missing)
+        "`python -m maintainer.results record`):\n" + "\n".join(missing)
     )
 
 

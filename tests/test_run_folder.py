@@ -29,7 +29,8 @@ from helpers import snapshot, start, tiny_run_args
 
 from common.support import rundir
 from common.support.errors import CourseError
-from tools.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
+from layout import REPO
+from tools.launch import child_env, run_python, stop_launchers, torchrun_command
 
 
 def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:

@@ -1,4 +1,4 @@
-"""Fully sharded data parallelism (FSDP, ZeRO-3) from scratch, built from torch.distributed.
+"""Fully sharded data parallelism (FSDP, ZeRO-3) by hand, built from torch.distributed.
 
 DDP keeps the whole model, its gradients and the optimizer state on every rank. FSDP keeps 1/W of
 each: the parameters of every wrapped UNIT (a submodule, such as a transformer block, plus the
@@ -31,7 +31,7 @@ Between steps the modules hold no whole parameters at all: `gpt.lm_head.weight` 
 AttributeError, and full_state_dict() gathers them. Every rank must run every unit, in the same
 order: each gather is a collective that waits for all ranks. One flat shard per unit means one
 optimizer group per unit: the GPT's optimizer_groups (no weight decay on biases) cannot apply.
-Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_from_scratch.py
+Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_by_hand.py
 """
 
 from __future__ import annotations

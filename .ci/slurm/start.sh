@@ -2,10 +2,10 @@
 # A one-node Slurm cluster on this machine, to try 05_multinode/slurm.sbatch (and its stop and
 # requeue) before the real cluster. Debian or Ubuntu, as root (sudo):
 #
-#   sudo bash 05_multinode/test_cluster/start.sh /tmp/course-slurm
+#   sudo bash .ci/slurm/start.sh /tmp/course-slurm
 #   export SLURM_CONF=/tmp/course-slurm/slurm.conf
 #   sbatch --nodes=1 --gpus-per-node=0 --cpus-per-task=2 05_multinode/slurm.sbatch --preset tiny
-#   sudo bash 05_multinode/test_cluster/stop.sh /tmp/course-slurm        # when done
+#   sudo bash .ci/slurm/stop.sh /tmp/course-slurm                        # when done
 #
 # It installs Debian's slurmctld, slurmd, slurm-client and munge when they are missing, writes the
 # configuration and the daemons' state into the folder it is given, starts munged, slurmctld and

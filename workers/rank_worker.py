@@ -1,6 +1,6 @@
 r"""One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?
 
-    torchrun --standalone --nproc-per-node=2 04_ddp/rank_worker.py \
+    torchrun --standalone --nproc-per-node=2 -m workers.rank_worker \
         [--data-dir data] [--save-grad FILE]
 
 What DDP does in one step, by hand and without the wrapper, for the notebooks of chapters 04 and 05
@@ -14,18 +14,14 @@ prints one line, `RESULT {json}`; rank 0 also saves the averaged gradient to --s
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-# lets `import common` work from anywhere
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
-
-from common.data import load_splits, prepare  # noqa: E402
-from common.model import GPT, model_config  # noqa: E402
+from common.data import load_splits, prepare
+from common.model import GPT, model_config
 
 
 def main() -> None:

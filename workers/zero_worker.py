@@ -1,7 +1,7 @@
 r"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
 with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
 
-    torchrun --nproc_per_node=W tests/workers/zero_worker.py \
+    torchrun --nproc_per_node=W -m workers.zero_worker \
         OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
 
 FLAGS are chapter 01's flags for the reference run (01_single_gpu/train.py FLAGS): the same model,
@@ -40,18 +40,19 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import RandomSampler
 
-# the repository, for `common`; 04_ddp is not a valid package name: import its modules directly
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "04_ddp"))
-
-from worker_shared import flat, gloo_group, write_results
-from zero1 import ShardedOptimizer, ZeroOneDataParallel, reduce_scatter_single
-
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
 from common.training import lr_at
+from layout import chapter_module
+from workers.worker_shared import flat, gloo_group, write_results
+
+chapter_module("04_ddp", "ddp_by_hand")  # first: zero1 imports it
+zero1 = chapter_module("04_ddp", "zero1")
+ShardedOptimizer = zero1.ShardedOptimizer
+ZeroOneDataParallel = zero1.ZeroOneDataParallel
+reduce_scatter_single = zero1.reduce_scatter_single
 
 # 10 KB: the small blocks' gradients fill several buckets, the tied matrix one of its own
 BUCKET_MB = 0.01

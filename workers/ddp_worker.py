@@ -1,6 +1,6 @@
 r"""How much of a DDP step is communication: the same step with and without the gradient all-reduce.
 
-    torchrun --standalone --nproc-per-node=2 bench/ddp_worker.py --preset small --batch-size 4 \
+    torchrun --standalone --nproc-per-node=2 -m workers.ddp_worker --preset small --batch-size 4 \
         --out comm.json
 
 A benchmark-only twin of chapter 04's training step (the lesson scripts get no benchmark flags):
@@ -22,19 +22,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_tools
 import torch
 import torch.distributed as dist
-from step_timer import StepTimer, schedule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
+from bench import bench_tools
+from bench.step_timer import StepTimer, schedule
 from common.data import batch_loader, load_splits, prepare
 from common.device import autocast_context, pick_dtype, setup_math
 from common.model import GPT, model_config

@@ -1,7 +1,7 @@
-"""Run under torchrun by tests/test_from_scratch_ddp.py: train the same tiny GPT with several
+"""Run under torchrun by tests/test_ddp_by_hand.py: train the same tiny GPT with several
 data-parallel implementations and write how far each is from DDP and from one process.
 
-    torchrun --nproc_per_node=2 tests/workers/from_scratch_worker.py OUT_DIR
+    torchrun --nproc_per_node=2 -m workers.ddp_by_hand_worker OUT_DIR
 
 For every gradient-accumulation factor K in (1, 3) and every implementation (DDP first, as the
 reference, then ours, then deliberately broken variants), rank r trains from a different random
@@ -27,14 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-# the repository, for `common`; 04_ddp is not a valid package name: import its module directly
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "04_ddp"))
-
-from from_scratch import BucketedDataParallel, NaiveDataParallel
-from worker_shared import flat, gloo_group, write_results
-
 from common.model import GPT, model_config
+from layout import chapter_module
+from workers.worker_shared import flat, gloo_group, write_results
+
+by_hand = chapter_module("04_ddp", "ddp_by_hand")
+BucketedDataParallel = by_hand.BucketedDataParallel
+NaiveDataParallel = by_hand.NaiveDataParallel
 
 STEPS = 3
 MICRO_BATCH = 2  # sequences per rank per micro-step

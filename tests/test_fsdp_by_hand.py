@@ -1,7 +1,7 @@
-"""06_fsdp/fsdp_from_scratch.py against one process on the whole batch and against FSDP2.
+"""06_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2.
 
 Two real torchrun launches, 2 ranks and 3 ranks (gloo on 127.0.0.1), started together, each run
-tests/workers/fsdp_scratch_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the
+workers/fsdp_by_hand_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the
 root) and a small MLP whose two hidden layers, two units, share one gain vector, with SGD and
 AdamW, in float32, in float64 (the rounding control), with bfloat16 compute, and with two
 forwards before one backward. The tests assert on the distances it writes, and on the bytes the
@@ -17,9 +17,9 @@ import pytest
 from helpers import outputs_of, start
 
 from common.model import model_config
-from tools.launch import REPO, torchrun_command
+from tools.launch import torchrun_command
 
-WORKER = REPO / "tests" / "workers" / "fsdp_scratch_worker.py"
+WORKER = "workers.fsdp_by_hand_worker"  # a module: `torchrun -m` from the repository root
 WORLDS = (2, 3)
 STEPS = 3
 # float32, dropout 0. The one process averages over the whole batch at once; the ranks average
@@ -63,8 +63,11 @@ def owned_numels(case: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict]:
-    root = tmp_path_factory.mktemp("fsdp_scratch")
-    procs = [start(torchrun_command(WORKER, world, [root / f"w{world}"])) for world in WORLDS]
+    root = tmp_path_factory.mktemp("fsdp_by_hand")
+    procs = [
+        start(torchrun_command(WORKER, world, [root / f"w{world}"], extra=["-m"]))
+        for world in WORLDS
+    ]
     for proc, output in zip(procs, outputs_of(procs, timeout=300)):
         assert proc.returncode == 0, output
     return {w: json.loads((root / f"w{w}" / "results.json").read_text()) for w in WORLDS}

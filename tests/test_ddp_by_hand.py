@@ -1,6 +1,6 @@
-"""04_ddp/from_scratch.py against DistributedDataParallel and against one process.
+"""04_ddp/ddp_by_hand.py against DistributedDataParallel and against one process.
 
-One real torchrun launch (2 ranks, gloo on 127.0.0.1) runs tests/workers/from_scratch_worker.py,
+One real torchrun launch (2 ranks, gloo on 127.0.0.1) runs workers/ddp_by_hand_worker.py,
 which trains the same tiny GPT with DDP, the naive and bucketed wrappers, and three deliberately
 broken variants, with K = 1 and K = 3 micro-steps per optimizer step, and writes the distances
 to results.json. The tests below assert on them: the real wrappers agree with DDP and with one
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tools.launch import REPO, run_torchrun
+from tools.launch import run_torchrun
 
 ATOL = 1e-6  # float32, dropout 0: only floating-point reassociation separates the gradients
 WRONG = 1e-3  # a broken variant must be off by far more than rounding
@@ -23,8 +23,8 @@ CORRECT = ("naive", "bucketed", "bucketed_one_bucket")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("from_scratch")
-    run_torchrun(REPO / "tests" / "workers" / "from_scratch_worker.py", 2, [out], timeout=240)
+    out = tmp_path_factory.mktemp("ddp_by_hand")
+    run_torchrun("workers.ddp_by_hand_worker", 2, [out], timeout=240, extra=["-m"])
     return json.loads((out / "results.json").read_text())
 
 

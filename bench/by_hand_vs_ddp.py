@@ -1,39 +1,37 @@
-"""Train the course GPT with the from-scratch data parallelism of from_scratch.py, or with DDP.
+"""Train the course GPT with the by-hand data parallelism of ddp_by_hand.py, or with DDP.
 
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl bucketed
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl naive
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl ddp
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl all  # side by side
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero1
-    torchrun --standalone --nproc_per_node=2 04_ddp/train_from_scratch.py --impl zero_redundancy
+    torchrun --standalone --nproc_per_node=2 -m bench.by_hand_vs_ddp --impl bucketed
+    torchrun --standalone --nproc_per_node=2 -m bench.by_hand_vs_ddp --impl naive
+    torchrun --standalone --nproc_per_node=2 -m bench.by_hand_vs_ddp --impl ddp
+    torchrun --standalone --nproc_per_node=2 -m bench.by_hand_vs_ddp --impl all  # side by side
+    torchrun --standalone --nproc_per_node=2 -m bench.by_hand_vs_ddp --impl zero1
+    torchrun --standalone --nproc_per_node=2 -m bench.by_hand_vs_ddp --impl zero_redundancy
 
 A measuring bench, not a training run: the batches are random tokens from a seeded generator, so
 the script needs no data set. Every rank draws the same global batch and takes its rows r::W.
 Rank 0 prints the mean step time, the final loss and the bytes of optimizer state on each rank;
 with the same seed, every --impl prints the same loss (up to rounding), because they compute the
-same gradients and take the same AdamW steps. zero1 (zero1.py, ZeRO-1 from scratch) and
+same gradients and take the same AdamW steps. zero1 (zero1.py, ZeRO-1 by hand) and
 zero_redundancy (torch's ZeroRedundancyOptimizer with DDP) run next to DDP, taking turns with it.
 """
 
 import argparse
 import contextlib
 import os
-import sys
 from datetime import timedelta
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `common`
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder, for `from_scratch`
 
 import torch
 import torch.distributed as dist
-from from_scratch import BucketedDataParallel, NaiveDataParallel
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
-from zero1 import ShardedOptimizer, ZeroOneDataParallel
 
 from bench.step_timer import StepTimer
 from common.model import GPT, PRESETS, model_config
+from layout import chapter_module
+
+# 04_ddp is no package name: its modules are imported as `python 04_ddp/...` sees them
+by_hand = chapter_module("04_ddp", "ddp_by_hand")
+zero1 = chapter_module("04_ddp", "zero1")  # after ddp_by_hand, which it imports
 
 IMPLS = {
     "naive": ["naive"],
@@ -53,7 +51,7 @@ def parse_args() -> argparse.Namespace:
         "--impl",
         choices=list(IMPLS),
         default="bucketed",
-        help="naive/bucketed: from_scratch.py; ddp: torch's DistributedDataParallel; "
+        help="naive/bucketed: ddp_by_hand.py; ddp: torch's DistributedDataParallel; "
         "all: the three taking turns, step by step; zero1 (zero1.py) and "
         "zero_redundancy (ZeroRedundancyOptimizer): each taking turns with ddp",
     )
@@ -111,11 +109,11 @@ def wrap(impl: str, args, rank: int, local_rank: int, device: torch.device, conf
     torch.manual_seed(args.seed + rank)
     model = GPT(config).to(device)
     if impl == "naive":
-        return NaiveDataParallel(model)
+        return by_hand.NaiveDataParallel(model)
     if impl == "bucketed":
-        return BucketedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        return by_hand.BucketedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     if impl == "zero1":
-        return ZeroOneDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        return zero1.ZeroOneDataParallel(model, bucket_cap_mb=args.bucket_mb)
     return DistributedDataParallel(
         model,
         device_ids=[local_rank] if device.type == "cuda" else None,
@@ -127,7 +125,7 @@ def make_optimizer(impl: str, model, args):
     groups = model.module.optimizer_groups(weight_decay=0.1)  # decay on matrices only
     if impl == "zero1":
         # AdamW on this rank's slice
-        return ShardedOptimizer(model, groups, torch.optim.AdamW, lr=args.lr)
+        return zero1.ShardedOptimizer(model, groups, torch.optim.AdamW, lr=args.lr)
     if impl == "zero_redundancy":
         # torch's ZeRO-1: whole tensors per rank
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=args.lr)

@@ -1,8 +1,8 @@
-"""Run under torchrun by tests/test_fsdp_from_scratch.py: train small models with
-06_fsdp/fsdp_from_scratch.py, with one process on the whole batch and with FSDP2, and write how far
+"""Run under torchrun by tests/test_fsdp_by_hand.py: train small models with
+06_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write how far
 apart they are.
 
-    torchrun --nproc_per_node=W tests/workers/fsdp_scratch_worker.py [OUT_DIR]
+    torchrun --nproc_per_node=W -m workers.fsdp_by_hand_worker [OUT_DIR]
 
 Every case trains STEPS steps from the same start. Rank r's model is built from seed SEED + r, so
 the ranks start apart and the wrapper's broadcast from rank 0 must make them equal; the one process
@@ -33,14 +33,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-# the repository, for `common`; 06_fsdp is not a valid package name: import its module directly
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "06_fsdp"))
-
-from fsdp_from_scratch import FullyShardedDataParallel
-from worker_shared import gloo_group, write_results
-
 from common.model import GPT, model_config
+from layout import chapter_module
+from workers.worker_shared import gloo_group, write_results
+
+FullyShardedDataParallel = chapter_module("06_fsdp", "fsdp_by_hand").FullyShardedDataParallel
 
 STEPS = 3
 SEED = 1234

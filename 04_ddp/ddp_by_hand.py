@@ -1,4 +1,4 @@
-"""Data parallelism from scratch: what DistributedDataParallel does, built from torch.distributed.
+"""Data parallelism by hand: what DistributedDataParallel does, built from torch.distributed.
 
 Every rank holds a full copy of the model and runs forward and backward on its own shard of the
 global batch. Two things keep the copies identical, step after step:
