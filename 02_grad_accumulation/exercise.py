@@ -1,7 +1,7 @@
 # Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add chapter 02's idea
 # where the 6 TODOs say. A TODO says how the lines below it change and quotes the new comments of
 # the solution there. Then check your script:
-#     python tools/check.py 02_grad_accumulation/exercise.py
+#     python -m tools.check 02_grad_accumulation/exercise.py
 # The solution is 02_grad_accumulation/train.py (its README shows the diff). This file is made by
 # maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 01: train a GPT on one device.

@@ -1,7 +1,7 @@
 # Exercise: chapter 03 (03_dataparallel). This is chapter 02's train.py; add chapter 03's idea where
 # the 16 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
 # solution there. Then check your script:
-#     python tools/check.py 03_dataparallel/exercise.py
+#     python -m tools.check 03_dataparallel/exercise.py
 # The solution is 03_dataparallel/train.py (its README shows the diff). This file is made by
 # maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 02: gradient accumulation, a bigger batch than memory holds.

@@ -1,7 +1,7 @@
 # Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
-#     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
+#     python -m tools.check 04_ddp/exercise.py --nproc-per-node 2
 # The solution is 04_ddp/train.py (its README shows the diff). This file is made by
 # maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 03: nn.DataParallel, one process driving several GPUs.

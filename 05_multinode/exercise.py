@@ -1,7 +1,7 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
 # the 12 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
 # solution there. Then check your script:
-#     python tools/check.py 05_multinode/exercise.py --nproc-per-node 2
+#     python -m tools.check 05_multinode/exercise.py --nproc-per-node 2
 # The solution is 05_multinode/train.py (its README shows the diff). This file is made by
 # maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 04: DistributedDataParallel, one process per GPU, started by torchrun.

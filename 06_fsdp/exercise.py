@@ -1,7 +1,7 @@
 # Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 21
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Then check your script:
-#     python tools/check.py 06_fsdp/exercise.py --nproc-per-node 2
+#     python -m tools.check 06_fsdp/exercise.py --nproc-per-node 2
 # The solution is 06_fsdp/train.py (its README shows the diff). This file is made by
 # maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
 """Chapter 05: one training job on several machines.

@@ -11,7 +11,7 @@ sits inside brackets, and `ruff format` leaves the exercises as they are. Above 
 change touches, a TODO says how many lines to add, change or remove there, with the comments of
 the solution's new lines as the hint: they say why, the learner writes the code. A change without
 a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
-left out. The solution is chapter N's own train.py, and `python tools/check.py
+left out. The solution is chapter N's own train.py, and `python -m tools.check
 0N_<chapter>/exercise.py` tells whether the learner's is the same run as chapter 01's.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.chapters import CHAPTERS
+from tools.statements import DEFINITIONS, every_statement, header_end, indentation
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH = 100  # the course's line length (ruff.toml)
@@ -49,10 +50,6 @@ def inside_strings(lines: list[str]) -> set[int]:
         if token.type == tokenize.STRING and token.end[0] > token.start[0]:
             inside.update(range(token.start[0], token.end[0]))  # 0-based: the lines after the first
     return inside
-
-
-def indentation(line: str) -> str:
-    return line[: len(line) - len(line.lstrip())]
 
 
 def import_lines(lines: list[str]) -> range:
@@ -124,19 +121,14 @@ def statement_start(tree: ast.Module, first: int, end: int) -> int:
     header of a compound one) that it begins inside of; else at `first`. A TODO comment inside
     brackets would make a formatter spread the call one argument a line."""
     outermost, innermost = None, None
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.stmt) or isinstance(
-            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-        ):
+    for node in every_statement(tree):
+        if isinstance(node, DEFINITIONS):
             continue
         if not node.lineno - 1 < first < node.end_lineno:
             continue
         if node.end_lineno <= end and (outermost is None or node.lineno < outermost):
             outermost = node.lineno - 1
-        last = node.end_lineno
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
-            last = body[0].lineno - 1
+        last = header_end(node)
         if first < last and (innermost is None or node.lineno - 1 > innermost):
             innermost = node.lineno - 1
     if outermost is not None:
@@ -281,7 +273,7 @@ def exercise(chapter: int) -> str:
     nproc = " --nproc-per-node 2" if chapter >= 4 else ""
     header = [
         *textwrap.wrap(about, 100, initial_indent="# ", subsequent_indent="# "),
-        f"#     python tools/check.py {folder}/exercise.py{nproc}",
+        f"#     python -m tools.check {folder}/exercise.py{nproc}",
         *textwrap.wrap(solution, 100, initial_indent="# ", subsequent_indent="# "),
     ]
     header = [line + "\n" for line in header]

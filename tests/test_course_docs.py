@@ -297,7 +297,7 @@ def test_every_chapter_readme_has_the_five_parts_in_order(chapter):
     if chapter == FOLDERS[0]:
         assert "pytest -m quick" in check
     else:
-        assert f"python tools/check.py {chapter}/exercise.py" in check
+        assert f"python -m tools.check {chapter}/exercise.py" in check
 
 
 @pytest.mark.parametrize(

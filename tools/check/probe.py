@@ -1,16 +1,16 @@
 """Run a training script as `python SCRIPT ARGS` would, and write down what each optimizer step did.
 
-    python tools/check_probe.py FACTS_DIR SCRIPT [ARGS...]        (or the same under torchrun)
+    python -m tools.check.probe FACTS_DIR SCRIPT [ARGS...]   (or torchrun ... -m tools.check.probe)
 
-tools/check.py starts the learner's script and chapter 01 through this, so that it can compare
-more than the logged loss: for every optimizer step of every rank, which training windows were
-read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients were
-zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
-parameters before and after the step; at the end, every rank's parameters. Under FSDP a rank's
-parameters and gradients are shards (DTensors): the probe gathers them whole on every rank (a
-collective, at the optimizer step every rank takes), so the norm, the checksums and the final
-parameters are the whole model's. It only watches: nothing of the script's run changes, with
-three exceptions the checker asks for by environment variable:
+The checker (tools/check/) starts the learner's script and chapter 01 through this, so that it can
+compare more than the logged loss: for every optimizer step of every rank, which training windows
+were read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients
+were zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
+parameters before and after the step; the GPU index each rank asked for; at the end, every rank's
+parameters. Under FSDP a rank's parameters and gradients are shards (DTensors): the probe gathers
+them whole on every rank (a collective, at the optimizer step every rank takes), so the norm, the
+checksums and the final parameters are the whole model's. It only watches: nothing of the
+script's run changes, with three exceptions the checker asks for by environment variable:
 
 - CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
   as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
@@ -21,6 +21,8 @@ three exceptions the checker asks for by environment variable:
   line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
 
 Each rank writes FACTS_DIR/rank<R>.json and FACTS_DIR/rank<R>.pt, even when the script fails.
+Where this torch lacks what the probe hooks (a private function of torch.distributed.checkpoint),
+the rank's facts say so ("unsupported") and the checker gives no verdict.
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ import torch
 import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
 
-REPO = Path(__file__).resolve().parents[1]
+# torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
+# state before loading into it) is not a training step: the probe must see it to ignore it. It is a
+# private function, so the probe checks that it is there, as it was written against
+PRIVATE_HOOK = "torch.distributed.checkpoint.state_dict._init_optim_state"
+PRIVATE_HOOK_PARAMETERS = ("optim",)
+
+
+class Unsupported(Exception):
+    """This torch lacks what the probe watches: no verdict can be given."""
 
 
 class Recorder:
@@ -57,6 +67,10 @@ class Recorder:
         # state before loading into it: not a training step
         self.ignoring = False
         self.replicated = 0  # forwards split over stand-in replicas
+        self.fsdp_forwards = False  # a module sharded by fully_shard ran its forward
+        # the GPU index this rank asked for (rank_device's LOCAL_RANK, torch.cuda.set_device's)
+        self.device_index: int | None = None
+        self.unsupported: str | None = None  # what this torch lacks for the probe, if anything
         self.params: list[torch.Tensor] = []
 
     def pre_step(self, optimizer, args, kwargs):
@@ -97,6 +111,10 @@ class Recorder:
             "steps": self.steps,
             "replicated": self.replicated,
             "sharded": self.sharded,
+            "fsdp_forwards": self.fsdp_forwards,
+            "device_index": self.device_index,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "unsupported": self.unsupported,
             # torchrun's restarts of this rank's process before this one (--max-restarts)
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }
@@ -128,7 +146,6 @@ def checksum(params: list[torch.Tensor]) -> list[float]:
 def watch(recorder: Recorder) -> None:
     """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer,
     DDP's forward."""
-    import torch.distributed.checkpoint.state_dict as dcp_state
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -181,25 +198,77 @@ def watch(recorder: Recorder) -> None:
     FSDPModule.set_requires_gradient_sync = switching
 
     def fsdp_forwarding(module, args):
+        if isinstance(module, FSDPModule):
+            recorder.fsdp_forwards = True
         if module is recorder.fsdp_root and torch.is_grad_enabled():
             recorder.syncs.append(recorder.fsdp_sync)
 
     torch.nn.modules.module.register_module_forward_pre_hook(fsdp_forwarding)
 
-    init_optimizer_state = dcp_state._init_optim_state
+    ignore_dcp_optimizer_init(recorder)
+    watch_devices(recorder)
+    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
+    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
 
-    def initializing(optimizer) -> None:
+
+def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
+    """DCP's optimizer step with zero gradients, which creates AdamW's state before a load, is not
+    recorded as a training step. Raises Unsupported where this torch has no such function, or one
+    with other parameters: the probe would then count a step that is not the script's."""
+    import importlib
+    import inspect
+
+    module_name, name = PRIVATE_HOOK.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    original = getattr(module, name, None)
+    if original is None:
+        raise Unsupported(f"this torch ({torch.__version__}) has no {PRIVATE_HOOK}")
+    parameters = tuple(inspect.signature(original).parameters)
+    if parameters != PRIVATE_HOOK_PARAMETERS:
+        raise Unsupported(
+            f"this torch ({torch.__version__}) has {PRIVATE_HOOK}({', '.join(parameters)}), "
+            f"not ({', '.join(PRIVATE_HOOK_PARAMETERS)})"
+        )
+
+    def initializing(optim) -> None:
         zero_grads = recorder.zero_grads
         recorder.ignoring = True
         try:
-            init_optimizer_state(optimizer)
+            original(optim)
         finally:
             recorder.ignoring = False
             recorder.zero_grads = zero_grads
 
-    dcp_state._init_optim_state = initializing
-    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
-    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
+    setattr(module, name, initializing)
+
+
+def watch_devices(recorder: Recorder) -> None:
+    """The GPU index the rank asks for, on a CPU too: the local rank it gives rank_device (which
+    then picks the CPU, there being no GPU), or what it gives torch.cuda.set_device."""
+    import inspect
+
+    import common.distributed
+
+    choose = common.distributed.rank_device
+    local_rank_at = list(inspect.signature(choose).parameters).index("local_rank")
+
+    def choosing(*args, **kwargs):
+        index = kwargs.get("local_rank", args[local_rank_at] if len(args) > local_rank_at else None)
+        recorder.device_index = int(index) if index is not None else None
+        return choose(*args, **kwargs)
+
+    common.distributed.rank_device = choosing
+    set_device = torch.cuda.set_device
+
+    def setting(device) -> None:
+        recorder.device_index = (
+            torch.device("cuda", device).index
+            if isinstance(device, int)
+            else torch.device(device).index
+        )
+        return set_device(device)
+
+    torch.cuda.set_device = setting
 
 
 def stand_in_replicas(recorder: Recorder, replicas: int) -> None:
@@ -295,11 +364,17 @@ def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
 
 def main() -> None:
     folder, script, *args = sys.argv[1:]
-    sys.path.insert(0, str(REPO))  # common/, for a learner's copy kept outside the course
-    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python SCRIPT` puts it first
+    # `python SCRIPT` puts the script's folder first on the path, where `-m` put the course's root
+    # (which PYTHONPATH keeps): the script finds its neighbours as it would
+    sys.path[0] = str(Path(script).resolve().parent)
     sys.argv = [script, *args]
     recorder = Recorder()
-    watch(recorder)
+    try:
+        watch(recorder)
+    except Unsupported as err:
+        recorder.unsupported = str(err)
+        recorder.save(Path(folder), int(os.environ.get("RANK", 0)), None)
+        sys.exit(3)
     if os.environ.get("CHECK_REPLICAS"):
         stand_in_replicas(recorder, int(os.environ["CHECK_REPLICAS"]))
     if os.environ.get("CHECK_KILL"):
