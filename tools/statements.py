@@ -83,7 +83,8 @@ class Pattern:
     - arg: ... whose first argument is this name;
     - assigns: it assigns to this name;
     - uses: a name or attribute of this name appears in it (its header);
-    - kind: it is this kind of statement ("if", "for", "with").
+    - kind: it is this kind of statement ("if", "for", "with");
+    - code: it is this code, compared as code (ast.unparse): a formatter's layout does not count.
     """
 
     call: str | None = None
@@ -91,8 +92,11 @@ class Pattern:
     assigns: str | None = None
     uses: str | None = None
     kind: str | None = None
+    code: str | None = None
 
     def matches(self, node: ast.stmt) -> bool:
+        if self.code is not None and ast.unparse(node) != ast.unparse(ast.parse(self.code)):
+            return False
         if self.kind is not None and type(node).__name__.lower() != self.kind:
             return False
         if self.assigns is not None and self.assigns not in targets_of(node):
@@ -120,6 +124,8 @@ class Pattern:
             words.append(f"a call to {self.call}" + (f"({self.arg}, ...)" if self.arg else ""))
         if self.uses:
             words.append(f"using {self.uses}")
+        if self.code:
+            words.append(f"`{ast.unparse(ast.parse(self.code))}`")
         return " with ".join(words) or "any statement"
 
 
