@@ -115,18 +115,20 @@ class Pattern:
         return self.arg is None or bool(call.args) and name_of(call.args[0]) == self.arg
 
     def __str__(self) -> str:
+        """In words: "the assignment to lr calling lr_at", "a `for` statement using micro_step"."""
+        called = f"{self.call}({self.arg}, ...)" if self.arg else f"{self.call}"
         words = []
         if self.kind:
-            words.append(f"an `{self.kind}` statement")
+            words.append(f"a `{self.kind}` statement")
         if self.assigns:
             words.append(f"the assignment to {self.assigns}")
         if self.call:
-            words.append(f"a call to {self.call}" + (f"({self.arg}, ...)" if self.arg else ""))
+            words.append(f"calling {called}" if words else f"a call to {called}")
         if self.uses:
-            words.append(f"using {self.uses}")
+            words.append(f"using {self.uses}" if words else f"a statement using {self.uses}")
         if self.code:
             words.append(f"`{ast.unparse(ast.parse(self.code))}`")
-        return " with ".join(words) or "any statement"
+        return " ".join(words) or "any statement"
 
 
 def every_statement(tree: ast.AST) -> list[ast.stmt]:

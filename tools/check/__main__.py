@@ -132,7 +132,7 @@ class Check:
 
     @property
     def launch(self) -> Launch:
-        return Launch(self.nproc, self.plan.nodes, self.plan.env())
+        return Launch(self.nproc, self.plan.nodes, self.plan.env(), torchrun=self.plan.distributed)
 
     def flags(self, out: str, iters: int | None = None, **more) -> list[str]:
         split, extra = self.plan.split(self.nproc), self.plan.extra_flags()
@@ -189,7 +189,7 @@ def restart_check(c: Check, ref: Run) -> str | None:
     """Kill rank 1 after step 6 (checkpoint at step 4); torchrun restarts the group, which must
     continue from the checkpoint to chapter 01's end. None: it did."""
     env = (*c.launch.env, ("CHECK_KILL", f"1:{RESTART_KILL}"))
-    launch = Launch(c.nproc, c.plan.nodes, env, ("--max-restarts=1",))
+    launch = Launch(c.nproc, c.plan.nodes, env, ("--max-restarts=1",), torchrun=True)
     run = c.run("restarted", launch, eval_interval=RESTART_EVAL)
     if run.status == 0 and not any(r.get("restart") for r in run.ranks()):
         return "rank 1 was killed, yet the run ended without a restart"
@@ -216,7 +216,8 @@ def hung(c: Check, run: Run) -> int:
     if look.text.startswith("look at"):  # the statement around the collective that differs
         where = look.text.split("; chapter")[0]
         print(
-            f"  {where}; chapter {c.plan.chapter:02d} has no such statement: every rank reaches it"
+            f"  {where}; chapter {c.plan.chapter:02d} has no such statement: "
+            "every rank reaches the collective"
         )
     return 1
 

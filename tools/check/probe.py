@@ -32,13 +32,13 @@ import os
 import runpy
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
+
+from tools.check.hangs import watch_for_hangs
 
 # torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
 # state before loading into it) is not a training step: the probe must see it to ignore it. It is a
@@ -145,10 +145,7 @@ def checksum(params: list[torch.Tensor]) -> list[float]:
 
 def watch(recorder: Recorder) -> None:
     """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer,
-    DDP's forward."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
+    DDP's and FSDP's forward, the device."""
     from common.data import TokenWindows
 
     read = TokenWindows.__getitem__
@@ -177,6 +174,18 @@ def watch(recorder: Recorder) -> None:
         return norm
 
     torch.nn.utils.clip_grad_norm_ = clipping
+    watch_sync(recorder)
+    ignore_dcp_optimizer_init(recorder)
+    watch_devices(recorder)
+    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
+    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
+
+
+def watch_sync(recorder: Recorder) -> None:
+    """On which micro-steps the gradients are reduced: DDP's require_backward_grad_sync at each
+    forward, FSDP's gradient-sync switch at each forward of the module it was set on."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
     ddp_forward = DistributedDataParallel.forward
 
@@ -204,11 +213,6 @@ def watch(recorder: Recorder) -> None:
             recorder.syncs.append(recorder.fsdp_sync)
 
     torch.nn.modules.module.register_module_forward_pre_hook(fsdp_forwarding)
-
-    ignore_dcp_optimizer_init(recorder)
-    watch_devices(recorder)
-    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
-    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
 
 
 def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
@@ -249,15 +253,17 @@ def watch_devices(recorder: Recorder) -> None:
 
     import common.distributed
 
-    choose = common.distributed.rank_device
-    local_rank_at = list(inspect.signature(choose).parameters).index("local_rank")
+    choose = getattr(common.distributed, "rank_device", None)
+    names = list(inspect.signature(choose).parameters) if choose is not None else []
+    if "local_rank" in names:  # a script that chooses its device itself is seen by set_device
+        at = names.index("local_rank")
 
-    def choosing(*args, **kwargs):
-        index = kwargs.get("local_rank", args[local_rank_at] if len(args) > local_rank_at else None)
-        recorder.device_index = int(index) if index is not None else None
-        return choose(*args, **kwargs)
+        def choosing(*args, **kwargs):
+            index = kwargs.get("local_rank", args[at] if len(args) > at else None)
+            recorder.device_index = int(index) if index is not None else None
+            return choose(*args, **kwargs)
 
-    common.distributed.rank_device = choosing
+        common.distributed.rank_device = choosing
     set_device = torch.cuda.set_device
 
     def setting(device) -> None:
@@ -315,51 +321,6 @@ def kill_after(recorder: Recorder, rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     optim_hooks.register_optimizer_step_post_hook(killing)
-
-
-def where_waiting(script: str, frame) -> dict | None:
-    """The script's innermost line and the collective below it, if the main thread waits in one."""
-    collective, line = None, None
-    while frame is not None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if collective is None and "/torch/distributed/" in name:
-            collective = frame.f_code.co_name
-        if collective is None and "/torch/autograd/" in name:
-            collective = "backward (DDP's or FSDP's gradient reduction)"
-        if line is None and os.path.abspath(name) == script:
-            line = frame.f_lineno
-        frame = frame.f_back
-    if collective is None or line is None:
-        return None
-    return {"line": line, "collective": collective}
-
-
-def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
-    """A thread that writes FACTS_DIR/rank<R>.hang.json while the main thread has waited in one
-    collective, at one line of the script, for `after` seconds; removed when it moves on."""
-    main_id = threading.main_thread().ident
-    path = folder / f"rank{int(os.environ.get('RANK', 0))}.hang.json"
-
-    done = threading.Event()
-
-    def loop():
-        since, last = time.monotonic(), None
-        while not done.wait(0.5):
-            frame = sys._current_frames().get(main_id)
-            here = where_waiting(script, frame) if frame is not None else None
-            # Let go of the main thread's frame now: held through the wait, it could be the last
-            # reference to the script's locals when main() returns, and the model (DDP's reducer,
-            # the process group) would then be freed on this thread, which deadlocks with gloo's.
-            frame = None
-            if here != last:
-                since, last = time.monotonic(), here
-                path.unlink(missing_ok=True)
-            elif here is not None and time.monotonic() - since >= after and not path.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(here | {"waited_s": round(after), "pid": os.getpid()}))
-
-    threading.Thread(target=loop, daemon=True).start()
-    return done
 
 
 def main() -> None:

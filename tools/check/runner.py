@@ -43,16 +43,17 @@ def shown(path: Path) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """How a script is started: ranks, as one node or two, the probe's stand-ins, torchrun's extra
-    flags."""
+    """How a script is started: ranks, as one node or two, under torchrun (a world of one too) or as
+    `python`, the probe's stand-ins, torchrun's extra flags."""
 
     nproc: int
     nodes: int = 1
     env: tuple[tuple[str, str], ...] = ()
     torchrun_extra: tuple[str, ...] = ()
+    torchrun: bool = False
 
     def commands(self, probe_args: list[str]) -> list[list[str]]:
-        if self.nodes == 1 and self.nproc == 1:
+        if not self.torchrun and self.nodes == 1 and self.nproc == 1:
             return [[sys.executable, "-m", PROBE_MODULE, *probe_args]]
         port = free_port() if self.nodes > 1 else None
         return [
