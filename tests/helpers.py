@@ -100,7 +100,6 @@ def statement_lines(source: str, statement: str, script: str) -> range:
 
 def replace_statement(source: str, old: str, new: str, script: str) -> str:
     """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`,
-    at that statement's indentation (its comment goes with it); an empty `new` removes the
-    statement."""
+    at that statement's indentation (its comment goes with it); an empty `new` removes it."""
     statement_lines(source, old, script)  # one, alone on its lines, or the test fails here
     return replace(source, Pattern(code=old), new, script)

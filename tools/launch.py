@@ -1,9 +1,9 @@
 """Starting the chapters' scripts as a reader does: `python X`, `torchrun X`, or two torchruns as
 two nodes.
 
-The tests, the benchmark, the plots and the notebooks all start runs; this is the one place that
-knows how. No chapter imports it: a chapter is started by these commands, it does not start anything
-itself."""
+The tests, the benchmark, the plots, the notebooks and the checker all start runs; this is the one
+place that knows how. No chapter imports it: a chapter is started by these commands, it starts
+nothing itself."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def two_node_commands(script: str | Path, nproc_per_node: int, args: list) -> li
 
 
 def shown_command(cmd: list) -> str:
-    """A command as a reader would type it: `python`, `torchrun` and paths relative to the
-    repository."""
+    """A command as a reader would type it: `python`, `torchrun`, and paths relative to the
+    course's root."""
     words = [str(word) for word in cmd]
     if words[: len(TORCHRUN)] == TORCHRUN:
         words = ["torchrun", *words[len(TORCHRUN) :]]

@@ -243,10 +243,13 @@ def verdict(c: Check, run: Run, ref: Run, args) -> int:
         return failed_early(c, run)
     failure = failure_line(run, c.script) if run.status != 0 else None
     facts = gather.gather(c.plan, c.nproc, run, ref, failure)
-    resumed, restarted = None, False
+    resumed = None
+    restarted = False
+    # the stop and the resume (or the restart) are checked on a run whose plain part is right
     plain = run.status == 0 and facts.log.first_loss_diff is None and facts.grads.params_equal
     if plain and c.resume and c.plan.restart:
-        facts, restarted = gather.with_restart(facts, restart_check(c, ref)), True
+        facts = gather.with_restart(facts, restart_check(c, ref))
+        restarted = True
     elif plain and c.resume:
         resumed = resumed_run(c)
         facts = gather.with_resume(facts, run, resumed, ref)

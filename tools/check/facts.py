@@ -13,8 +13,8 @@ from tools.check.plan import RESUME_AT, STEPS, Plan
 from tools.check.runner import Run
 
 # float64: runs that take the same steps agree to about 1e-15; the order of additions differs
-# between the chapters (micro-batches, ranks), so allow a little more, still far below any real
-# difference
+# between the chapters (micro-batches, ranks), so allow a little more, still far below any
+# real difference
 LOSS_RTOL, PARAM_RTOL = 1e-10, 1e-9
 
 

@@ -196,8 +196,8 @@ EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]*(Error|Exception)|StopIterati
 
 
 def failure_line(run: Run, script: Path) -> str:
-    """The one line that says why a run failed: its `error:` line, else its exception, else its last
-    line."""
+    """The one line that says why a run failed: its `error:` line, else its exception, else the
+    last line it printed."""
     text = run.output()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in lines:
