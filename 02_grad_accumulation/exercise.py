@@ -3,7 +3,7 @@
 # the solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
 # course's tests read only this one). Then check your copy:
 #     cp -n 02_grad_accumulation/exercise.py 02_grad_accumulation/my_exercise.py
-#     python tools/check.py 02_grad_accumulation/my_exercise.py
+#     python -m tools.check 02_grad_accumulation/my_exercise.py
 # The solution is 02_grad_accumulation/train.py (its README shows the diff). `cp -n` never
 # overwrites a copy; to start again, copy this file under another name. This file is made by
 # maintainer/make_exercises.py from the two scripts.

@@ -3,7 +3,7 @@
 # solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
 # course's tests read only this one). Then check your copy:
 #     cp -n 05_multinode/exercise.py 05_multinode/my_exercise.py
-#     python tools/check.py 05_multinode/my_exercise.py --nproc-per-node 2
+#     python -m tools.check 05_multinode/my_exercise.py --nproc-per-node 2
 # The solution is 05_multinode/train.py (its README shows the diff). `cp -n` never overwrites a
 # copy; to start again, copy this file under another name. This file is made by
 # maintainer/make_exercises.py from the two scripts.

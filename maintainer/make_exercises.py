@@ -12,7 +12,7 @@ change touches, a TODO says how many lines to add, change or remove there, with 
 the solution's new lines as the hint: they say why, the learner writes the code. A change without
 a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
 left out. The solution is chapter N's own train.py. The learner solves a copy,
-0N_<chapter>/my_exercise.py (ignored by git), and `python tools/check.py
+0N_<chapter>/my_exercise.py (ignored by git), and `python -m tools.check
 0N_<chapter>/my_exercise.py` tells whether it is the same run as chapter 01's. An exercise.py
 that holds someone's work (its code is no longer the previous chapter's, and git does not hold
 it) is kept as my_exercise.py, or the next free my_exercise_N.py, before it is written again.
@@ -34,6 +34,7 @@ from pathlib import Path
 from common.chapters import CHAPTERS
 from layout import REPO
 from maintainer import REGENERATE
+from tools.statements import DEFINITIONS, every_statement, header_end, indentation
 
 WIDTH = 100  # the course's line length (ruff.toml)
 
@@ -54,10 +55,6 @@ def inside_strings(lines: list[str]) -> set[int]:
         if token.type == tokenize.STRING and token.end[0] > token.start[0]:
             inside.update(range(token.start[0], token.end[0]))  # 0-based: the lines after the first
     return inside
-
-
-def indentation(line: str) -> str:
-    return line[: len(line) - len(line.lstrip())]
 
 
 def import_lines(lines: list[str]) -> range:
@@ -129,19 +126,14 @@ def statement_start(tree: ast.Module, first: int, end: int) -> int:
     header of a compound one) that it begins inside of; else at `first`. A TODO comment inside
     brackets would make a formatter spread the call one argument a line."""
     outermost, innermost = None, None
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.stmt) or isinstance(
-            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-        ):
+    for node in every_statement(tree):
+        if isinstance(node, DEFINITIONS):
             continue
         if not node.lineno - 1 < first < node.end_lineno:
             continue
         if node.end_lineno <= end and (outermost is None or node.lineno < outermost):
             outermost = node.lineno - 1
-        last = node.end_lineno
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
-            last = body[0].lineno - 1
+        last = header_end(node)
         if first < last and (innermost is None or node.lineno - 1 > innermost):
             innermost = node.lineno - 1
     if outermost is not None:
@@ -289,7 +281,7 @@ def exercise(chapter: int) -> str:
     header = [
         *textwrap.wrap(about, 100, initial_indent="# ", subsequent_indent="# "),
         f"#     cp -n {folder}/exercise.py {folder}/my_exercise.py",
-        f"#     python tools/check.py {folder}/my_exercise.py{nproc}",
+        f"#     python -m tools.check {folder}/my_exercise.py{nproc}",
         *textwrap.wrap(solution, 100, initial_indent="# ", subsequent_indent="# "),
     ]
     header = [line + "\n" for line in header]

@@ -23,7 +23,7 @@ from helpers import outputs_of, start, tiny_run_args
 from common.metrics import read_metrics
 from common.support.corpus import shakespeare_texts
 from layout import REPO
-from tools.launch import child_env, free_port, run_python, torchrun_command
+from tools.launch import child_env, flags, free_port, run_python, torchrun_command
 
 CHAPTER = REPO / "05_multinode"
 TRAIN = CHAPTER / "train.py"
@@ -36,24 +36,16 @@ PREPARING = re.compile(r"\[node (\d+) rank (\d+) local (\d+)\] preparing corpus 
 
 def train_flags(corpus: Path) -> list[str]:
     """train.py flags after the simulation's defaults: a short, deterministic tiny run."""
-    return [
-        "--dataset",
-        str(corpus),
-        "--max-iters",
-        str(ITERS),
-        "--eval-interval",
-        str(EVAL_EVERY),
-        "--log-interval",
-        "1",
-        "--eval-batches",
-        "2",
-        "--batch-size",
-        "2",
-        "--sample-tokens",
-        "0",
-        "--dropout",
-        "0",
-    ]
+    return flags(
+        dataset=corpus,
+        max_iters=ITERS,
+        eval_interval=EVAL_EVERY,
+        log_interval=1,
+        eval_batches=2,
+        batch_size=2,
+        sample_tokens=0,
+        dropout=0,
+    )
 
 
 def losses(out_dir: Path) -> dict[int, float]:

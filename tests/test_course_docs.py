@@ -297,7 +297,7 @@ def test_the_main_path_stays_short_and_every_chapter_reads_in_five_parts():
             assert "pytest -m quick" in check
         else:
             assert f"cp -n {chapter}/exercise.py {chapter}/my_exercise.py" in check, chapter
-            assert f"python tools/check.py {chapter}/my_exercise.py" in check, chapter
+            assert f"python -m tools.check {chapter}/my_exercise.py" in check, chapter
 
 
 def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():

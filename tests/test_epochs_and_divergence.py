@@ -138,7 +138,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     """(the corpus file, a data root where it is prepared)."""
     root = tmp_path_factory.mktemp("epochs")
     path = root / "act1.txt"
-    path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check.py)
+    path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check/)
     folder = prepare(str(path), root / "data", log=lambda *a: None)
     train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
     assert len(train_set) == N_WINDOWS

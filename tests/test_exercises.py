@@ -50,6 +50,6 @@ def test_each_header_tells_the_learner_to_solve_a_copy():
         folder = CHAPTERS[chapter]
         header = exercise(chapter).split('"""')[0]
         assert f"cp -n {folder}/exercise.py {folder}/my_exercise.py" in header
-        assert f"python tools/check.py {folder}/my_exercise.py" in header
+        assert f"python -m tools.check {folder}/my_exercise.py" in header
         assert "git checkout" not in header  # it would throw away the learner's work
     assert "my_*.py" in (REPO / ".gitignore").read_text().splitlines()

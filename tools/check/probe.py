@@ -1,16 +1,16 @@
 """Run a training script as `python SCRIPT ARGS` would, and write down what each optimizer step did.
 
-    python tools/check_probe.py FACTS_DIR SCRIPT [ARGS...]        (or the same under torchrun)
+    python -m tools.check.probe FACTS_DIR SCRIPT [ARGS...]   (or torchrun ... -m tools.check.probe)
 
-tools/check.py starts the learner's script and chapter 01 through this, so that it can compare
-more than the logged loss: for every optimizer step of every rank, which training windows were
-read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients were
-zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
-parameters before and after the step; at the end, every rank's parameters. Under FSDP a rank's
-parameters and gradients are shards (DTensors): the probe gathers them whole on every rank (a
-collective, at the optimizer step every rank takes), so the norm, the checksums and the final
-parameters are the whole model's. It only watches: nothing of the script's run changes, with
-three exceptions the checker asks for by environment variable:
+The checker (tools/check/) starts the learner's script and chapter 01 through this, so that it can
+compare more than the logged loss: for every optimizer step of every rank, which training windows
+were read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients
+were zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
+parameters before and after the step; the GPU index each rank asked for; at the end, every rank's
+parameters. Under FSDP a rank's parameters and gradients are shards (DTensors): the probe gathers
+them whole on every rank (a collective, at the optimizer step every rank takes), so the norm, the
+checksums and the final parameters are the whole model's. It only watches: nothing of the
+script's run changes, with three exceptions the checker asks for by environment variable:
 
 - CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
   as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
@@ -21,6 +21,8 @@ three exceptions the checker asks for by environment variable:
   line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
 
 Each rank writes FACTS_DIR/rank<R>.json and FACTS_DIR/rank<R>.pt, even when the script fails.
+Where this torch lacks what the probe hooks (a private function of torch.distributed.checkpoint),
+the rank's facts say so ("unsupported") and the checker gives no verdict.
 """
 
 from __future__ import annotations
@@ -30,15 +32,23 @@ import os
 import runpy
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
 
-REPO = Path(__file__).resolve().parents[1]
+from tools.check.hangs import watch_for_hangs
+
+# torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
+# state before loading into it) is not a training step: the probe must see it to ignore it. It is a
+# private function, so the probe checks that it is there, as it was written against
+PRIVATE_HOOK = "torch.distributed.checkpoint.state_dict._init_optim_state"
+PRIVATE_HOOK_PARAMETERS = ("optim",)
+
+
+class Unsupported(Exception):
+    """This torch lacks what the probe watches: no verdict can be given."""
 
 
 class Recorder:
@@ -57,6 +67,10 @@ class Recorder:
         # state before loading into it: not a training step
         self.ignoring = False
         self.replicated = 0  # forwards split over stand-in replicas
+        self.fsdp_forwards = False  # a module sharded by fully_shard ran its forward
+        # the GPU index this rank asked for (rank_device's LOCAL_RANK, torch.cuda.set_device's)
+        self.device_index: int | None = None
+        self.unsupported: str | None = None  # what this torch lacks for the probe, if anything
         self.params: list[torch.Tensor] = []
 
     def pre_step(self, optimizer, args, kwargs):
@@ -97,6 +111,10 @@ class Recorder:
             "steps": self.steps,
             "replicated": self.replicated,
             "sharded": self.sharded,
+            "fsdp_forwards": self.fsdp_forwards,
+            "device_index": self.device_index,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "unsupported": self.unsupported,
             # torchrun's restarts of this rank's process before this one (--max-restarts)
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }
@@ -127,11 +145,7 @@ def checksum(params: list[torch.Tensor]) -> list[float]:
 
 def watch(recorder: Recorder) -> None:
     """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer,
-    DDP's forward."""
-    import torch.distributed.checkpoint.state_dict as dcp_state
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
+    DDP's and FSDP's forward, the device."""
     from common.data import TokenWindows
 
     read = TokenWindows.__getitem__
@@ -160,6 +174,18 @@ def watch(recorder: Recorder) -> None:
         return norm
 
     torch.nn.utils.clip_grad_norm_ = clipping
+    watch_sync(recorder)
+    ignore_dcp_optimizer_init(recorder)
+    watch_devices(recorder)
+    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
+    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
+
+
+def watch_sync(recorder: Recorder) -> None:
+    """On which micro-steps the gradients are reduced: DDP's require_backward_grad_sync at each
+    forward, FSDP's gradient-sync switch at each forward of the module it was set on."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
     ddp_forward = DistributedDataParallel.forward
 
@@ -181,25 +207,74 @@ def watch(recorder: Recorder) -> None:
     FSDPModule.set_requires_gradient_sync = switching
 
     def fsdp_forwarding(module, args):
+        if isinstance(module, FSDPModule):
+            recorder.fsdp_forwards = True
         if module is recorder.fsdp_root and torch.is_grad_enabled():
             recorder.syncs.append(recorder.fsdp_sync)
 
     torch.nn.modules.module.register_module_forward_pre_hook(fsdp_forwarding)
 
-    init_optimizer_state = dcp_state._init_optim_state
 
-    def initializing(optimizer) -> None:
+def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
+    """DCP's optimizer step with zero gradients, which creates AdamW's state before a load, is not
+    recorded as a training step. Raises Unsupported where this torch has no such function, or one
+    with other parameters: the probe would then count a step that is not the script's."""
+    import importlib
+    import inspect
+
+    module_name, name = PRIVATE_HOOK.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    original = getattr(module, name, None)
+    if original is None:
+        raise Unsupported(f"this torch ({torch.__version__}) has no {PRIVATE_HOOK}")
+    parameters = tuple(inspect.signature(original).parameters)
+    if parameters != PRIVATE_HOOK_PARAMETERS:
+        raise Unsupported(
+            f"this torch ({torch.__version__}) has {PRIVATE_HOOK}({', '.join(parameters)}), "
+            f"not ({', '.join(PRIVATE_HOOK_PARAMETERS)})"
+        )
+
+    def initializing(optim) -> None:
         zero_grads = recorder.zero_grads
         recorder.ignoring = True
         try:
-            init_optimizer_state(optimizer)
+            original(optim)
         finally:
             recorder.ignoring = False
             recorder.zero_grads = zero_grads
 
-    dcp_state._init_optim_state = initializing
-    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
-    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
+    setattr(module, name, initializing)
+
+
+def watch_devices(recorder: Recorder) -> None:
+    """The GPU index the rank asks for, on a CPU too: the local rank it gives rank_device (which
+    then picks the CPU, there being no GPU), or what it gives torch.cuda.set_device."""
+    import inspect
+
+    import common.distributed
+
+    choose = getattr(common.distributed, "rank_device", None)
+    names = list(inspect.signature(choose).parameters) if choose is not None else []
+    if "local_rank" in names:  # a script that chooses its device itself is seen by set_device
+        at = names.index("local_rank")
+
+        def choosing(*args, **kwargs):
+            index = kwargs.get("local_rank", args[at] if len(args) > at else None)
+            recorder.device_index = int(index) if index is not None else None
+            return choose(*args, **kwargs)
+
+        common.distributed.rank_device = choosing
+    set_device = torch.cuda.set_device
+
+    def setting(device) -> None:
+        recorder.device_index = (
+            torch.device("cuda", device).index
+            if isinstance(device, int)
+            else torch.device(device).index
+        )
+        return set_device(device)
+
+    torch.cuda.set_device = setting
 
 
 def stand_in_replicas(recorder: Recorder, replicas: int) -> None:
@@ -248,58 +323,19 @@ def kill_after(recorder: Recorder, rank: int, step: int) -> None:
     optim_hooks.register_optimizer_step_post_hook(killing)
 
 
-def where_waiting(script: str, frame) -> dict | None:
-    """The script's innermost line and the collective below it, if the main thread waits in one."""
-    collective, line = None, None
-    while frame is not None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if collective is None and "/torch/distributed/" in name:
-            collective = frame.f_code.co_name
-        if collective is None and "/torch/autograd/" in name:
-            collective = "backward (DDP's or FSDP's gradient reduction)"
-        if line is None and os.path.abspath(name) == script:
-            line = frame.f_lineno
-        frame = frame.f_back
-    if collective is None or line is None:
-        return None
-    return {"line": line, "collective": collective}
-
-
-def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
-    """A thread that writes FACTS_DIR/rank<R>.hang.json while the main thread has waited in one
-    collective, at one line of the script, for `after` seconds; removed when it moves on."""
-    main_id = threading.main_thread().ident
-    path = folder / f"rank{int(os.environ.get('RANK', 0))}.hang.json"
-
-    done = threading.Event()
-
-    def loop():
-        since, last = time.monotonic(), None
-        while not done.wait(0.5):
-            frame = sys._current_frames().get(main_id)
-            here = where_waiting(script, frame) if frame is not None else None
-            # Let go of the main thread's frame now: held through the wait, it could be the last
-            # reference to the script's locals when main() returns, and the model (DDP's reducer,
-            # the process group) would then be freed on this thread, which deadlocks with gloo's.
-            frame = None
-            if here != last:
-                since, last = time.monotonic(), here
-                path.unlink(missing_ok=True)
-            elif here is not None and time.monotonic() - since >= after and not path.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(here | {"waited_s": round(after), "pid": os.getpid()}))
-
-    threading.Thread(target=loop, daemon=True).start()
-    return done
-
-
 def main() -> None:
     folder, script, *args = sys.argv[1:]
-    sys.path.insert(0, str(REPO))  # common/, for a learner's copy kept outside the course
-    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python SCRIPT` puts it first
+    # `python SCRIPT` puts the script's folder first on the path, where `-m` put the course's root
+    # (which PYTHONPATH keeps): the script finds its neighbours as it would
+    sys.path[0] = str(Path(script).resolve().parent)
     sys.argv = [script, *args]
     recorder = Recorder()
-    watch(recorder)
+    try:
+        watch(recorder)
+    except Unsupported as err:
+        recorder.unsupported = str(err)
+        recorder.save(Path(folder), int(os.environ.get("RANK", 0)), None)
+        sys.exit(3)
     if os.environ.get("CHECK_REPLICAS"):
         stand_in_replicas(recorder, int(os.environ["CHECK_REPLICAS"]))
     if os.environ.get("CHECK_KILL"):
