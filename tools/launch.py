@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from pathlib import Path
+
 from layout import REPO
 
 # `torchrun` is `python -m torch.distributed.run`: this spelling uses the running Python, whatever
