@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-
 from pathlib import Path
 
 from layout import REPO
