@@ -2,7 +2,7 @@
 
 A statement is named by a Pattern ("a call to no_sync", "the assignment to skip"), never by a copy
 of its text, so that a formatter that rewraps a line, or a comment moved beside it, changes nothing
-here. The checker's catalogue (tools/check/mistakes.py) names the statements it is about this way, the
+here. The checker's catalogue (tools/check/mistakes.py) names its statements this way, the
 tests plant mistakes by editing statements found this way, and maintainer/make_exercises.py reads
 where statements begin and end.
 """
