@@ -13,7 +13,7 @@ gloo, and draws into docs/figures/ (or --figures):
     ddp_step_trace.json.gz    its trace, both ranks in one file (Perfetto opens it)
     fsdp_step.png             chapter 06: one FSDP2 step: the all-gather of every block before
                               its forward and again before its backward, the reduce-scatter of
-                              its gradient after it; the root unit's
+                              its gradient after it; the root unit's, gathered once
     fsdp_step_trace.json.gz   its trace
     memory_per_rank.png       chapter 06: what one rank of 2 holds under DDP, ZeRO-1 and FSDP:
                               parameters, gradients, AdamW's state, and the root unit that FSDP2
@@ -112,7 +112,7 @@ def make_runs(out: Path, data_dir: Path) -> dict:
     run = {
         "commands": commands,
         "wall_s": round(wall, 1),
-        "load_average": max(load for load in loads if load is not None),
+        "load_average": max((load for load in loads if load is not None), default=None),
         "machine": machine_description("cpu"),
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
