@@ -54,6 +54,8 @@ from tools import launch
 NUMBER = {folder: number for number, folder in CHAPTERS.items()}  # 04_ddp -> 4
 NAMES = {1: "one device", 2: "gradient accumulation", 3: "DataParallel", 4: "DDP", 5: "two nodes"}
 NAMES[6] = "FSDP"
+# where maintainer/step_pictures.py's section of CAPTIONS.md begins (this script keeps it)
+STEP_PICTURES_SECTION = "<!-- step_pictures: begin -->"
 FLOAT64 = "-float64"  # the key (and run folder) of a chapter's float64 control run: 04_ddp-float64
 
 
@@ -511,8 +513,13 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
             "(only GPU runs report peak memory).",
             "",
         ]
-    (figures / "CAPTIONS.md").write_text("\n".join(lines))
-    written.append(figures / "CAPTIONS.md")
+    captions_path = figures / "CAPTIONS.md"
+    # maintainer/step_pictures.py's section, about figures of its own, stays as it is
+    kept = ""
+    if captions_path.exists() and STEP_PICTURES_SECTION in captions_path.read_text():
+        kept = STEP_PICTURES_SECTION + captions_path.read_text().split(STEP_PICTURES_SECTION, 1)[1]
+    captions_path.write_text("\n".join(lines) + ("\n" + kept if kept else ""))
+    written.append(captions_path)
     return written
 
 

@@ -322,9 +322,20 @@ def record(
     }
     if keep_output:
         entry["output"] = printed
-    results["entries"] = [e for e in results["entries"] if e["name"] != name]
-    results["entries"].append(entry)
+    store(results, entry)
     return entry
+
+
+def store(results: dict, entry: dict) -> None:
+    """Put `entry` in `results`, in place of an entry of the same name."""
+    results["entries"] = [e for e in results["entries"] if e["name"] != entry["name"]]
+    results["entries"].append(entry)
+
+
+def save(results: dict) -> None:
+    """Write results.json and render bench/RESULTS.md from it."""
+    RESULTS_JSON.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    RESULTS_MD.write_text(render(results))
 
 
 def main() -> None:
