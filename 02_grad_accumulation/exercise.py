@@ -1,9 +1,12 @@
 # Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add chapter 02's idea
 # where the 6 TODOs say. A TODO says how the lines below it change and quotes the new comments of
-# the solution there. Then check your script:
-#     python tools/check.py 02_grad_accumulation/exercise.py
-# The solution is 02_grad_accumulation/train.py (its README shows the diff). This file is made by
-# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
+# the solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
+# course's tests read only this one). Then check your copy:
+#     cp -n 02_grad_accumulation/exercise.py 02_grad_accumulation/my_exercise.py
+#     python -m tools.check 02_grad_accumulation/my_exercise.py
+# The solution is 02_grad_accumulation/train.py (its README shows the diff). `cp -n` never
+# overwrites a copy; to start again, copy this file under another name. This file is made by
+# maintainer/make_exercises.py from the two scripts.
 """Chapter 01: train a GPT on one device.
 
 The whole training program: prepare the data, build the model and optimizer, then repeat the

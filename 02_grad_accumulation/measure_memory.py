@@ -1,4 +1,4 @@
-"""Chapter 02 in numbers: the memory and the time of one optimizer step, whole or accumulated.
+r"""Chapter 02 in numbers: the memory and the time of one optimizer step, whole or accumulated.
 
 One optimizer step over a global batch of --batch-size sequences is taken in several ways: the
 whole batch in one forward and backward pass (K = 1), or K micro-batches of --batch-size / K

@@ -1,9 +1,12 @@
 # Exercise: chapter 03 (03_dataparallel). This is chapter 02's train.py; add chapter 03's idea where
 # the 16 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
-# solution there. Then check your script:
-#     python tools/check.py 03_dataparallel/exercise.py
-# The solution is 03_dataparallel/train.py (its README shows the diff). This file is made by
-# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
+# solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
+# course's tests read only this one). Then check your copy:
+#     cp -n 03_dataparallel/exercise.py 03_dataparallel/my_exercise.py
+#     python -m tools.check 03_dataparallel/my_exercise.py
+# The solution is 03_dataparallel/train.py (its README shows the diff). `cp -n` never overwrites a
+# copy; to start again, copy this file under another name. This file is made by
+# maintainer/make_exercises.py from the two scripts.
 """Chapter 02: gradient accumulation, a bigger batch than memory holds.
 
 Chapter 01's program, with one change: an optimizer step now adds up the gradients of

@@ -1,9 +1,12 @@
 # Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
-# there. Then check your script:
-#     python tools/check.py 04_ddp/exercise.py --nproc-per-node 2
-# The solution is 04_ddp/train.py (its README shows the diff). This file is made by
-# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
+# there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
+#     cp -n 04_ddp/exercise.py 04_ddp/my_exercise.py
+#     python -m tools.check 04_ddp/my_exercise.py --nproc-per-node 2
+# The solution is 04_ddp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
+# start again, copy this file under another name. This file is made by maintainer/make_exercises.py
+# from the two scripts.
 """Chapter 03: nn.DataParallel, one process driving several GPUs.
 
 Chapter 02's program, with the model wrapped in nn.DataParallel: every step, one Python process

@@ -50,7 +50,7 @@ setup()
 # %% [markdown]
 # ## What each rank does
 #
-# The next cell shows a small program, `04_ddp/rank_worker.py`; the one after starts it twice with
+# The next cell shows a small program, `workers/rank_worker.py`; the one after starts it twice with
 # `torchrun --nproc-per-node=2 --standalone`. Each process prints one `RESULT` line.
 
 # %%
@@ -129,6 +129,20 @@ print(
     "files in the run folder (only rank 0 writes):",
     sorted(p.name for p in (RUNS / "ch04").iterdir()),
 )
+
+# %% [markdown]
+# ## Inside one step
+#
+# One optimizer step of 2 micro-steps on 2 ranks, traced by `torch.profiler`
+# (`python maintainer/step_pictures.py`, caption in `docs/figures/CAPTIONS.md`). The first
+# backward, under `no_sync()`, sends nothing; in the last one each bucket's all-reduce starts while
+# backward is still computing the earlier layers. A busy CPU's durations; what a GPU shares is the
+# order and the overlap.
+
+# %%
+from IPython.display import Image
+
+Image(filename="../docs/figures/ddp_step.png")
 
 # %% [markdown]
 # ## Questions

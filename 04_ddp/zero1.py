@@ -1,6 +1,6 @@
-"""ZeRO-1 from scratch: data parallelism with the optimizer state sharded across ranks.
+"""ZeRO-1 by hand: data parallelism with the optimizer state sharded across ranks.
 
-DDP (and from_scratch.py) keeps a full copy of everything on every rank: the parameters, the
+DDP (and ddp_by_hand.py) keeps a full copy of everything on every rank: the parameters, the
 gradients and the optimizer state. With AdamW the state is two running averages per parameter,
 twice the model's size, and every rank computes the very same update for every parameter. ZeRO
 stage 1 removes that redundancy: each rank OWNS 1/W of the parameters (a contiguous slice of
@@ -41,7 +41,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from from_scratch import BucketedDataParallel, _Bucket
+from ddp_by_hand import BucketedDataParallel, _Bucket
 
 # The flat-tensor collectives got these names after torch 2.11. Torch 2.11, the oldest the course
 # supports, has the very same functions as reduce_scatter_tensor and all_gather_into_tensor.
@@ -164,9 +164,9 @@ class ShardedOptimizer:
                 view.grad = bucket.grad_shard[at : at + end - start]
                 local_groups[group_of[id(p)]]["params"].append(view)
                 self.pieces.append((p, start, end, bucket, at, view))
-        # A group may be empty on some rank (it owns no bias at all): torch accepts that, and
-        # keeping every group on every rank keeps their indices, and the LR schedule's loop, the
-        # same.
+        # A group may be empty on some rank (it owns no bias at all): torch accepts that. Keeping
+        # every group on every rank keeps the groups' indices the same on all ranks, and with
+        # them the LR schedule's loop.
         self.optimizer = optimizer_class(local_groups, **defaults)
 
     @property
@@ -231,8 +231,8 @@ class ShardedOptimizer:
                 offset += p.numel()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (AdamW: two moments of its slice, and the
-        steps)."""
+        """Bytes of optimizer state this rank holds (for AdamW: two moments of its slice, and
+        the step counts)."""
         return sum(
             t.numel() * t.element_size()
             for s in self.optimizer.state.values()

@@ -1,9 +1,12 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
 # the 12 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
-# solution there. Then check your script:
-#     python tools/check.py 05_multinode/exercise.py --nproc-per-node 2
-# The solution is 05_multinode/train.py (its README shows the diff). This file is made by
-# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
+# solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
+# course's tests read only this one). Then check your copy:
+#     cp -n 05_multinode/exercise.py 05_multinode/my_exercise.py
+#     python -m tools.check 05_multinode/my_exercise.py --nproc-per-node 2
+# The solution is 05_multinode/train.py (its README shows the diff). `cp -n` never overwrites a
+# copy; to start again, copy this file under another name. This file is made by
+# maintainer/make_exercises.py from the two scripts.
 """Chapter 04: DistributedDataParallel, one process per GPU, started by torchrun.
 
 Chapter 03's program, with nn.DataParallel replaced by DistributedDataParallel: torchrun starts

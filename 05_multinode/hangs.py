@@ -84,8 +84,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-# ---- the pieces of a training loop where the classic mistakes live
-# ---------------------------------
+# ---- the pieces of a training loop where the classic mistakes live -------------------------------
 
 
 def validation_losses(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
@@ -115,8 +114,8 @@ def case_eval_on_rank0(args, model, rank, world, step):
 
 
 def case_order(args, model, rank, world, step, loss):
-    """The mean loss for the log and rank 0's decision to stop (a time limit, say): two
-    collectives."""
+    """Two collectives: the mean loss for the log, and rank 0's decision to stop (a time
+    limit, say)."""
     stop = torch.tensor([0])
 
     def mean_loss():
@@ -175,8 +174,7 @@ def case_dies(args, model, rank, world, step):
         raise RuntimeError(f"rank {rank}: simulated fault at step {step}")
 
 
-# ---- the training loop
-# -------------------------------------------------------------------------------
+# ---- the training loop ---------------------------------------------------------------------------
 
 
 def average_gradients(model: torch.nn.Module, world: int) -> None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Elastic rendezvous (c10d): every node runs the SAME line. The nodes meet in a key-value store
-# at RDZV_ENDPOINT (hosted by the torchrun on that machine) and the store hands out node ranks in
-# order of arrival. When a process fails, torchrun stops the group, the nodes meet again and the
-# processes restart (up to MAX_RESTARTS times); train.py then resumes from its last checkpoint.
+# at RDZV_ENDPOINT (hosted by the torchrun on that machine). The node ranks follow the sorted
+# host names, not the order of arrival. When a process fails, torchrun stops the group, the
+# nodes meet again and the processes restart (up to MAX_RESTARTS times); train.py then resumes
+# from its last checkpoint.
 #
 #   on every node:  RDZV_ENDPOINT=10.0.0.1:29400 RDZV_ID=job42 bash 05_multinode/launch_c10d.sh --max-iters 2000
 #

@@ -1,4 +1,4 @@
-"""Preflight: check that every process of a multi-node job can reach every other, before a long run.
+r"""Preflight: check that every process of a multi-node job can reach every other before a long run.
 
 Run it under torchrun with the very launch line the training job will use, with preflight.py in
 place of train.py. In a minute it tells you what a failed hour-long job would have told you late:
@@ -19,7 +19,7 @@ place of train.py. In a minute it tells you what a failed hour-long job would ha
 It exits with status 1 when a check fails, so a job script can refuse to start training.
 
     torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py    # one machine
-    torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 \\
+    torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 \
         --master_addr=HOST --master_port=29500 05_multinode/preflight.py   # on each node
 """
 
@@ -235,8 +235,8 @@ def main():
             failures.append(gloo_failure)
         print(f"{prefix} gloo group check: {gloo_failure or 'OK'}", flush=True)
 
-        # every rank must run the same software: a torch or NCCL mismatch breaks or hangs
-        # collectives
+        # every rank must run the same software: a torch or NCCL mismatch breaks collectives
+        # or hangs them
         everyone = [None] * world_size
         dist.all_gather_object(everyone, versions(device))
         if len(set(everyone)) > 1:

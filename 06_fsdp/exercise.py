@@ -1,9 +1,12 @@
 # Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 20
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
-# there. Then check your script:
-#     python tools/check.py 06_fsdp/exercise.py --nproc-per-node 2
-# The solution is 06_fsdp/train.py (its README shows the diff). This file is made by
-# maintainer/make_exercises.py from the two scripts; `git checkout` it to start again.
+# there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
+#     cp -n 06_fsdp/exercise.py 06_fsdp/my_exercise.py
+#     python -m tools.check 06_fsdp/my_exercise.py --nproc-per-node 2
+# The solution is 06_fsdp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
+# start again, copy this file under another name. This file is made by maintainer/make_exercises.py
+# from the two scripts.
 """Chapter 05: one training job on several machines.
 
 Chapter 04's program, with what changes when the processes live on several machines ("nodes").

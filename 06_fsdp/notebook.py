@@ -113,6 +113,21 @@ shapes = {name: tensor.shape for name, tensor in saved["model"].items()}
 assert shapes == {name: tensor.shape for name, tensor in reference["model"].items()}
 
 # %% [markdown]
+# ## Inside one step
+#
+# One FSDP2 step on 2 ranks, traced by `torch.profiler` (`python maintainer/step_pictures.py`,
+# captions in `docs/figures/CAPTIONS.md`): each block is gathered before its forward and again
+# before its backward, and its gradient is reduce-scattered right after. The root unit is gathered
+# once and stays whole until its backward. Then what one rank holds under DDP, ZeRO-1 and FSDP,
+# with that root unit hatched.
+
+# %%
+from IPython.display import Image, display
+
+display(Image(filename="../docs/figures/fsdp_step.png"))
+display(Image(filename="../docs/figures/memory_per_rank.png"))
+
+# %% [markdown]
 # ## Questions
 #
 # * With 3 ranks, which rank holds the fewest bytes, and why by so little? (The last: each tensor's

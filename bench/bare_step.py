@@ -1,7 +1,7 @@
 """The bare training step: forward + backward + clip + optimizer step of the course model, nothing
 else.
 
-    python bench/bare_step.py --preset small --batch-size 8 --iters 30 --warmup 5 --out bare.json
+    python -m bench.bare_step --preset small --batch-size 8 --iters 30 --warmup 5 --out bare.json
 
 The reference a chapter's step time is divided by. Same model, initialisation, optimizer and
 micro-batch as chapter 01 (built with `common`), fed the batches chapter 01 would read, but all
@@ -17,16 +17,12 @@ import argparse
 import contextlib
 import itertools
 import resource
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_tools
 import torch
-from step_timer import StepTimer, schedule
 from torch.utils.data import RandomSampler
 
+from bench import bench_tools
+from bench.step_timer import StepTimer, schedule
 from common.data import batch_loader, load_splits, prepare
 from common.device import autocast_context, pick_device, pick_dtype, setup_math
 from common.model import GPT, model_config
@@ -131,7 +127,7 @@ def main(argv=None) -> dict:
         "step_cpu_ms": timer.median(cpu=True),
         "group_cpu_ms": timer.groups(cpu=True),
         "final_loss": loss.item(),
-        # Linux: KiB
+        # ru_maxrss is in KiB on Linux
         "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "cuda_max_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20
         if device.type == "cuda"

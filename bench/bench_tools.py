@@ -1,7 +1,5 @@
 """What the measuring scripts of bench/ share: their parser, chapter 01's optimizer and update, a
 result file.
-
-Imported after the script has put the repository on sys.path (for `common`).
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ from common.model import PRESETS
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
-    """A script's parser, described by the first paragraph of its docstring, with --preset (the
-    model)."""
+    """A script's parser: the first paragraph of the script's docstring as its description, and
+    --preset for the model's size."""
     p = argparse.ArgumentParser(
         description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )

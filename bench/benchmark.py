@@ -1,8 +1,8 @@
 """Benchmark every chapter under identical settings and write a table of where the time goes.
 
-    python bench/benchmark.py                          # small model, CPU or GPU, every setup
-    python bench/benchmark.py --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
-    python bench/benchmark.py --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
+    python -m bench.benchmark                          # small model, CPU or GPU, every setup
+    python -m bench.benchmark --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
+    python -m bench.benchmark --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
 
 A setup is a chapter launched one way (04x2: chapter 04 on 2 ranks), one row of the table. Every
 setup runs as a reader runs it (`python SCRIPT` or `torchrun ... SCRIPT`, unchanged) for the same
@@ -11,7 +11,7 @@ the metrics.jsonl each run writes, with the first log interval (the warm-up) lef
 
     tokens/s, step time, MFU, CUDA memory  medians of the chapter's own metrics lines
     communication                          1 - step without all-reduce / step with it, from
-                                           bench/ddp_worker.py in the same launch layout
+                                           workers/ddp_worker.py in the same launch layout
     step / bare                            the setup's step time over that of the bare model math
                                            on pre-built batches (bench/bare_step.py)
 
@@ -36,15 +36,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import common` from anywhere
-
-import scaling_model
-from bench_tools import stop_children_on_sigterm
-from tables import cell, percent, row
-
+from bench import scaling_model
+from bench.bench_tools import stop_children_on_sigterm
+from bench.tables import cell, percent, row
 from common.chapters import CHAPTERS
 from common.metrics import read_metrics
 from common.model import PRESETS
+from layout import REPO
 from tools.launch import (
     child_env,
     flags,
@@ -54,8 +52,7 @@ from tools.launch import (
     shown_command,
 )
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
+BENCH = REPO / "bench"
 # as --setups names them, in the table's order
 SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "06x1")
 
@@ -101,8 +98,8 @@ def setups(args) -> list[Setup]:
             ranks=2,
             flags=["--batch-size", g // 2],
         ),
-        # both simulated nodes see the one --data-dir: a shared file system, so rank 0 alone
-        # prepares
+        # both simulated nodes see the one --data-dir, as on a shared file system: rank 0 alone
+        # prepares the data
         Setup(
             "05",
             "05 2 nodes x 1 rank",
@@ -150,8 +147,8 @@ def run_commands(
 def run_for_result(
     commands: list[list[str]], env: dict, out: Path, timeout: float
 ) -> tuple[dict | None, str]:
-    """Run a worker that writes its result as JSON to `out`: (the result, or None; the output's
-    tail)."""
+    """Run a worker that writes its result as JSON to `out`; return the result (None if it
+    wrote none) and the tail of its output."""
     out.unlink(missing_ok=True)
     status, tail = run_commands(commands, env, out.with_suffix(".log"), timeout)
     if status != 0 or not out.exists():
@@ -161,9 +158,9 @@ def run_for_result(
 
 def run_env(args, threads: int | None) -> dict:
     """The environment of every run: `threads` torch threads a process (None: torch's choice)."""
-    # DataParallel would take them
+    # a CPU run hides the GPUs, which chapter 03's DataParallel would take
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
-    # the caller's kept
+    # the repository first, then the caller's own PYTHONPATH
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return child_env(threads, PYTHONPATH=path, **hide_gpus)
 
@@ -173,8 +170,8 @@ def run_env(args, threads: int | None) -> dict:
 
 
 def run_figures(out_dir: Path, log_path: Path) -> dict:
-    """Medians over the metrics lines after the first (warm-up) interval, and the threads the run
-    printed."""
+    """Medians over the metrics lines after the first (warm-up) interval, and the number of
+    threads the run printed."""
     lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
     timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
     if not timed:
@@ -245,7 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--no-comm",
         action="store_true",
-        help="skip the communication measurement (bench/ddp_worker.py)",
+        help="skip the communication measurement (workers/ddp_worker.py)",
     )
     p.add_argument(
         "--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)"
@@ -337,8 +334,8 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
 def worker_flags(
     args, batch_size: int, iters: int, group: int, device: str, out: Path
 ) -> list[str]:
-    """What bench/bare_step.py and bench/ddp_worker.py time (after the warm-up interval), and where
-    to."""
+    """The flags of bench/bare_step.py and workers/ddp_worker.py: what they time (after the
+    warm-up interval) and where they write it."""
     return flags(
         preset=args.preset,
         batch_size=batch_size,
@@ -374,7 +371,9 @@ def run_comm(args, setup: Setup, repeat: int) -> dict | None:
     iters = max(args.iters, args.log_interval + 4 * group)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     worker = worker_flags(args, args.batch_size // setup.ranks, iters, group, device, out)
-    commands = launch_commands(setup.launch, BENCH / "ddp_worker.py", setup.ranks, worker)
+    commands = launch_commands(
+        setup.launch, REPO / "workers" / "ddp_worker.py", setup.ranks, worker
+    )
     result, tail = run_for_result(commands, run_env(args, args.threads_per_rank), out, args.timeout)
     if result is None:
         print(f"  communication run for {setup.key} failed: {tail[-200:]}", flush=True)
@@ -510,7 +509,7 @@ def build_report(
             "python": platform.python_version(),
             "torch": __import__("torch").__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": "python bench/benchmark.py "
+            "command": "python -m bench.benchmark "
             + " ".join(argv if argv is not None else sys.argv[1:]),
         },
         "setups": rows,

@@ -5,7 +5,7 @@ Python's headers (gcc, Python.h) the first time it runs. A machine without them 
 something is compiled, so the check asks with the smallest program there is before it spends
 minutes compiling GPT-2.
 
-    python3 bench/compile_probe.py --device cuda --out probe.json
+    python3 -m bench.compile_probe --device cuda --out probe.json
 
 Prints one line, `compile probe: passed on cuda in 8.1 s` or `compile probe: FAILED on cuda: ...`
 (the error's first lines; its traceback above it), writes the same as JSON to --out, and exits 1

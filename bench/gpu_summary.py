@@ -10,8 +10,8 @@ keeps what ran):
 - `summary.md`: the table of steps, then the figures (the benchmark runs and the checks);
 - `details.tar.gz`: every step's log and results files.
 
-    python3 bench/gpu_summary.py record --out OUT --detail DETAIL --step NAME --status passed ...
-    python3 bench/gpu_summary.py DETAIL      # the figures of a folder of results, on the screen
+    python3 -m bench.gpu_summary record --out OUT --detail DETAIL --step NAME --status passed ...
+    python3 -m bench.gpu_summary DETAIL      # the figures of a folder of results, on the screen
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from tables import cell, percent, row
+from bench.tables import cell, percent, row
 
 # the results files each step writes under the detail folder; their content goes into its row
 RESULTS = {
@@ -38,7 +38,7 @@ RESULTS = {
     "loss_chunked": ["loss_chunked.json"],
 }
 # the lines of a step's log that are its figures, for steps that write no results file
-LOG_LINES = {"preflight": "preflight ", "from_scratch": "mean step time", "prepare_data": "prepar"}
+LOG_LINES = {"preflight": "preflight ", "by_hand": "mean step time", "prepare_data": "prepar"}
 
 
 def _load(path: Path):
@@ -111,7 +111,7 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
             f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
             f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
         )
-    for name in ("preflight", "from_scratch"):
+    for name in ("preflight", "by_hand"):
         found = _lines(detail / f"{name}.log", LOG_LINES[name])
         text.append(f"- {name}: " + ("; ".join(found) if found else f"no results (see {name}.log)"))
     chunked = detail / "loss_chunked.md"
@@ -130,8 +130,8 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
 
 
 def steps_table(rows: list[dict]) -> str:
-    """One line per step, the last try of each; the steps that did not pass, and how to rerun
-    them."""
+    """One line per step, from the last try of each; then the steps that did not pass, and how
+    to rerun them."""
     last = {r["step"]: r for r in rows}
     lines = ["| Step | Status | Seconds | Limit (s) |", "|---|---|---:|---:|"]
     lines += [
@@ -139,7 +139,7 @@ def steps_table(rows: list[dict]) -> str:
     ]
     again = [name for name, r in last.items() if r["status"] not in ("passed", "absent")]
     if again:
-        rerun = f"STEPS={','.join(again)} TOTAL=270 bash bench/gpu_check.sh"
+        rerun = f"STEPS={','.join(again)} TOTAL=250 bash bench/gpu_check.sh"
         lines += ["", f"Not passed: rerun them alone with `{rerun}`."]
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """Does mixed-precision training on the GPU follow float32 training on the CPU?
 
-    python bench/gpu_vs_cpu.py                                     # CPU float32 vs CUDA bfloat16
-    python bench/gpu_vs_cpu.py --test-device cpu --test-dtype bfloat16 --preset tiny  # no GPU
+    python -m bench.gpu_vs_cpu                                     # CPU float32 vs CUDA bfloat16
+    python -m bench.gpu_vs_cpu --test-device cpu --test-dtype bfloat16 --preset tiny  # no GPU
 
 Both sides start from the same weights (built once, on the CPU, in float32, and copied) and take
 --steps optimizer steps on the same batches (chapter 01's first ones): forward under the side's
@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_tools
 import torch
 from torch.utils.data import RandomSampler
 
+from bench import bench_tools
 from common.data import batch_loader, load_splits, prepare
 from common.device import autocast_context, pick_device, pick_dtype, setup_math
 from common.model import GPT, model_config
@@ -58,8 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train_losses(
     model: GPT, batches, device: torch.device, dtype: torch.dtype, args
 ) -> list[float]:
-    """The loss of every step of a short run of `model` (a copy is trained; the original is
-    kept)."""
+    """The loss of every step of a short run of `model`. A copy is trained, so the original
+    stays as it was."""
     setup_math(device)
     model = copy.deepcopy(model).to(device)
     optimizer = bench_tools.adamw(model, args.lr, device)

@@ -1,7 +1,7 @@
 """The plain and the chunked output layer + loss (common/chunked_loss.py), side by side in one run.
 
-    python bench/loss_bench.py steps  # bare step and chapter 01, plain vs chunked: time, peak RSS
-    python bench/loss_bench.py loss   # the loss alone at GPT-2's width: time, peak memory by chunk
+    python -m bench.loss_bench steps  # bare step and chapter 01, plain vs chunked: time, peak RSS
+    python -m bench.loss_bench loss   # the loss alone at GPT-2's width: time, peak memory by chunk
 
 `steps` runs, for each configuration (--configs: tiny, small, 4x128 = tiny with 4 layers of width
 128) and each repeat, four processes in turn: bench/bare_step.py and chapter 01 (as
@@ -30,24 +30,22 @@ import statistics
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(REPO / "02_grad_accumulation"))
+import torch
+from torch.nn import functional as F
 
-import torch  # noqa: E402
-from bench_tools import stop_children_on_sigterm  # noqa: E402
-from benchmark import run_commands, run_env, run_figures, run_for_result  # noqa: E402
-from measure_memory import cpu_peak_added  # noqa: E402
-from step_timer import StepTimer  # noqa: E402
-from tables import cell, row  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from bench.bench_tools import stop_children_on_sigterm
+from bench.benchmark import run_commands, run_env, run_figures, run_for_result
+from bench.step_timer import StepTimer
+from bench.tables import cell, row
+from common.chapters import CHAPTERS
+from common.chunked_loss import chunked_cross_entropy
+from common.model import PRESETS
+from layout import REPO, chapter_module
+from tools.launch import flags, launch_commands, measured_run_flags
 
-from common.chapters import CHAPTERS  # noqa: E402
-from common.chunked_loss import chunked_cross_entropy  # noqa: E402
-from common.model import PRESETS  # noqa: E402
-from tools.launch import flags, launch_commands, measured_run_flags  # noqa: E402
+BENCH = REPO / "bench"
+# chapter 02's memory probe; 02_grad_accumulation is no package name
+measure_memory = chapter_module("02_grad_accumulation", "measure_memory")
 
 MiB = 2**20
 # configuration name -> model flags, shared by bare_step.py and the chapters' scripts
@@ -282,7 +280,7 @@ def loss_alone(args) -> dict:
     dtype = getattr(torch, args.dtype)
     vocab = PRESETS["gpt2"].vocab_size
     gen = torch.Generator().manual_seed(0)
-    # a parameter
+    # the output layer's weight, a leaf that requires its gradient, as a parameter does
     weight = (0.02 * torch.randn(vocab, args.width, generator=gen)).to(device).requires_grad_()
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -309,7 +307,7 @@ def loss_alone(args) -> dict:
             step(chunk, h, y)
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) - before
-        return cpu_peak_added(lambda: step(chunk, h, y))
+        return measure_memory.cpu_peak_added(lambda: step(chunk, h, y))
 
     memory = {}
     for n in args.positions:
@@ -407,7 +405,7 @@ def main(argv=None) -> None:
     else:
         report = loss_alone(args)
         text = loss_table(report)
-    report["command"] = "python bench/loss_bench.py " + " ".join(
+    report["command"] = "python -m bench.loss_bench " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     print(text)

@@ -1,6 +1,6 @@
 """What one rank holds under DDP, ZeRO-1 and FSDP: parameters, gradients and AdamW's state.
 
-    python bench/memory_per_rank.py                # tiny and small measured, gpt2 counted, 2 ranks
+    python -m bench.memory_per_rank                # tiny and small measured, gpt2 counted, 2 ranks
 
 `tiny` and `small` are measured: chapter 06 trains each for 2 steps on 2 ranks (CPU, float32) and
 every rank prints the bytes it holds and a DDP rank's (common/sharding.py). `gpt2` is counted from
@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -1,6 +1,6 @@
 """Which number format do nn.DataParallel's replicas compute in? (chapter 03's autocast trap)
 
-    python bench/replica_dtype.py --device cuda --dtype bfloat16 --out replica_dtype.json
+    python -m bench.replica_dtype --device cuda --dtype bfloat16 --out replica_dtype.json
 
 DataParallel runs each replica's forward in a thread of its own (torch.nn.parallel.parallel_apply)
 and enters autocast there without a dtype; the thread then computes in the default format
@@ -26,14 +26,12 @@ import sys
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from common.dataparallel import in_autocast  # noqa: E402
-from common.device import DTYPES, autocast_context  # noqa: E402
+from common.dataparallel import in_autocast
+from common.device import DTYPES, autocast_context
+from layout import REPO
 
 
 class DtypeProbe(nn.Module):

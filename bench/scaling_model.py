@@ -1,8 +1,8 @@
 """A plain model of one data-parallel training step on W devices, predicted and compared with
 measurements.
 
-    python bench/scaling_model.py                      # the on-paper tables for GPT-2 124M on H100s
-    python bench/scaling_model.py --plot docs/figures/scaling_efficiency.png
+    python -m bench.scaling_model                      # the on-paper tables for GPT-2 124M on H100s
+    python -m bench.scaling_model --plot docs/figures/scaling_efficiency.png
 
 One optimizer step of DDP on W devices, each with B tokens of the global batch:
 
@@ -45,11 +45,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-BUCKET_CAP_BYTES = (
-    25 * 2**20
-)  # DistributedDataParallel(bucket_cap_mb=25), its default (first bucket: 1 MiB, ignored)
+# DistributedDataParallel(bucket_cap_mb=25), its default (its first bucket, 1 MiB, is ignored)
+BUCKET_CAP_BYTES = 25 * 2**20
 # of a step's compute: backward does twice the matrix multiplications of forward
 BACKWARD_SHARE = 2 / 3
 # float32 gradients: autocast computes in bf16 but keeps weights and grads in fp32
@@ -58,8 +55,8 @@ GRAD_BYTES_PER_PARAM = 4
 # Links, as all-reduce bus bandwidth per GPU in bytes/s. Sources (bench/README.md cites them too):
 #   NVLink: H100 SXM data sheet, NVLink 900 GB/s per GPU in both directions (450 GB/s each way);
 #           nccl-tests all_reduce_perf on 8 x H100 SXM reaches 460-480 GB/s busbw (NVLink SHARP).
-#   InfiniBand: DGX H100 User Guide, 8 single-port ConnectX-7 at 400 Gb/s = 50 GB/s per GPU; a
-# ring across nodes then carries 8 x 50 = 400 GB/s per node, which is the ceiling of busbw.
+#   InfiniBand: DGX H100 User Guide, 8 single-port ConnectX-7 at 400 Gb/s = 50 GB/s per GPU;
+#               a ring across nodes then carries 8 x 50 = 400 GB/s per node, the busbw ceiling.
 #   400 Gb/s per node (one NIC for 8 GPUs): 50 GB/s; Ethernet, 100 Gb/s per node: 12.5 GB/s.
 # Line rates are ceilings: measured busbw is lower, so these predictions are optimistic.
 HARDWARE = {
@@ -139,13 +136,12 @@ def predict(
     }
 
 
-# ---- against the benchmark's measurements (bench/benchmark.py)
-# -------------------------------------
+# ---- against the benchmark's measurements (bench/benchmark.py) -----------------------------------
 
 
 def against_benchmark(report: dict, busbw_gbs: float, preflight: str) -> dict | None:
-    """Predict 04 DDP with 2 ranks from the run's measured inputs and set it beside what was
-    measured."""
+    """Predict 04 DDP with 2 ranks from the run's measured inputs, and set the prediction beside
+    the measurement."""
     rows = {r["setup"]: r for r in report["setups"]}
     two, one = rows.get("04x2", {}), rows.get("04x1", {})
     bare = {
@@ -236,8 +232,7 @@ def markdown_lines(prediction: dict | None) -> list[str]:
     return lines
 
 
-# ---- on paper: GPT-2 124M on H100s
-# ----------------------------------------------------------------
+# ---- on paper: GPT-2 124M on H100s ---------------------------------------------------------------
 
 
 def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
@@ -272,8 +267,8 @@ def paper_rows(tokens_per_gpu: int, hw: dict = HARDWARE) -> list[dict]:
 
 
 def hiding_batch(busbw: float, world: int, seconds_per_token: float, layout: dict) -> dict:
-    """Per-GPU tokens from which backward hides every bucket but the last, and for 90%
-    efficiency."""
+    """The tokens per GPU from which backward hides every bucket but the last, and those for
+    90% efficiency."""
     last = ring_allreduce_seconds(layout["last_bucket_bytes"], world, busbw)
     others = ring_allreduce_seconds(
         layout["grad_bytes"] - layout["last_bucket_bytes"], world, busbw

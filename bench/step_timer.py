@@ -26,8 +26,8 @@ import torch
 
 
 def schedule(iters: int, warmup: int, group: int) -> list[tuple[int, bool]]:
-    """(steps, keep) for each group of `iters` steps: the warm-up first (not kept), then groups of
-    `group`."""
+    """(steps, keep) for each group of the `iters` steps: the warm-up first (not kept), then
+    groups of `group` steps."""
     groups = [(warmup, False)] if warmup > 0 else []
     done = warmup
     while done < iters:

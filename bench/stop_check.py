@@ -6,20 +6,15 @@ it is while a GPU computes) and asks `AgreedPreemption.requested()` after each, 
 It prints the mean time per step spent in that call, on the slowest rank: with the agreement every K
 steps (the course's), and on every step (what the chapters did before: one all-reduce per step).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/stop_check.py
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/stop_check.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m bench.stop_check
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 -m bench.stop_check
 """
 
 import argparse
 import datetime
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-# lets `import common` work from anywhere
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist

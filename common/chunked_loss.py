@@ -38,8 +38,8 @@ def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_gra
         rows = slice(start, start + chunk)
         h_c = h_lo[rows]  # (c, C)
         y_c = targets_2d[rows]  # (c, 1)
-        # the chunk's logits, the one large tensor, in float32 for the softmax as the plain path
-        # does
+        # the chunk's logits, the one large tensor, in float32 for the softmax: the plain path
+        # does the same
         log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
         loss_sum -= log_probs.gather(1, y_c).sum()
         if want_grads:
@@ -84,9 +84,9 @@ def chunked_cross_entropy(
     """`F.cross_entropy(h @ weight.T, targets)`, `chunk` positions at a time (default: by device).
 
     Under autocast the products run in the autocast dtype and the softmax in float32, as in the
-    plain `F.cross_entropy(lm_head(h).float(), targets)`; the gradients come back in the inputs'
-    dtypes (float32 for the model's weight: summed over the chunks in float32, never rounded to
-    bfloat16)."""
+    plain `F.cross_entropy(lm_head(h).float(), targets)`. The gradients come back in the inputs'
+    dtypes: float32 for the model's weight, summed over the chunks in float32 and never rounded
+    to bfloat16."""
     device_type = h.device.type
     if chunk is None:
         chunk = CPU_CHUNK if device_type == "cpu" else GPU_CHUNK

@@ -28,8 +28,8 @@ def prepare(
     text_column: str = "text",
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Tokenize `corpus` into `<data_root>/<name>/{train,val}.bin + meta.json` once; return that
-    folder."""
+    """Tokenize `corpus` once into `<data_root>/<name>/`, as train.bin, val.bin and meta.json;
+    return that folder."""
     kind, folder_name, fingerprint = corpus_source(corpus)
     folder = Path(data_root) / folder_name
     meta_path = folder / "meta.json"
@@ -118,8 +118,8 @@ def batch_loader(
     skip_batches: int = 0,
     pin_memory: bool = False,
 ) -> DataLoader:
-    """Batches in the sampler's order, starting `skip_batches` in; an incomplete last batch is
-    dropped."""
+    """Batches in the sampler's order, starting `skip_batches` in. An incomplete last batch
+    is dropped."""
     # the sampler's window indices for this epoch, from where a resumed run starts
     windows = list(sampler)[skip_batches * batch_size :]
     return DataLoader(

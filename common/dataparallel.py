@@ -15,8 +15,8 @@ from .support.errors import CourseError
 
 
 def in_autocast(module, device: torch.device, dtype: torch.dtype):
-    """`module` called inside autocast: DataParallel's replica threads lose it
-    (docs/deep/AUTOCAST_TRAP.md)"""
+    """`module` called inside autocast, which DataParallel's replica threads lose (the trap
+    that docs/deep/AUTOCAST_TRAP.md describes)."""
 
     def call(*args, **kwargs):
         with autocast_context(device, dtype):

@@ -16,23 +16,19 @@ GPT2_VOCAB_SIZE = 50257  # tiktoken's GPT-2 encoding: 50,256 BPE tokens + <|endo
 @dataclass(frozen=True)
 class GPTConfig:
     block_size: int = 256  # longest sequence the model can see (learned positions)
-    # GPT-2's 50,257 rounded up to a multiple of 64: friendlier matmul shapes
-    vocab_size: int = 50304
+    vocab_size: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64: faster matmuls
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
-    # the loss without the full logits (chunked_loss.py); False: the plain way
-    chunked_loss: bool = True
+    chunked_loss: bool = True  # without the full logits (chunked_loss.py); False: the plain loss
 
 
 PRESETS: dict[str, GPTConfig] = {
-    # for tests: milliseconds a step
-    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+    "tiny": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),  # for tests: a step in ms
     "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),  # the CPU default
-    # GPT-2 small, 124M: for GPUs
-    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),  # GPT-2 124M, for GPUs
 }
 
 
@@ -48,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        # q, k, v at once
+        # one matrix multiplication computes q, k and v at once
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -1,6 +1,8 @@
 """Print text from the model in any chapter's checkpoint.
 
-python -m common.sample --out-dir out/01_single_gpu --prompt "ROMEO:" --tokens 200
+    python -m common.sample --out-dir out/01_single_gpu --prompt "ROMEO:" --tokens 200
+
+The checkpoint holds the model's configuration, so the same command reads every chapter's.
 """
 
 from __future__ import annotations

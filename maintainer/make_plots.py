@@ -1,8 +1,8 @@
 """The course's figures, from real runs: loss parity (with a float64 control) and, on GPUs, memory.
 
-    python maintainer/make_plots.py     # run every chapter alike, then plot (minutes on a CPU)
-    python maintainer/make_plots.py --iters 300 --global-batch 16
-    python maintainer/make_plots.py --from-runs out/plots   # plot runs already made, run nothing
+    python -m maintainer.make_plots     # run every chapter alike, then plot (minutes on a CPU)
+    python -m maintainer.make_plots --iters 300 --global-batch 16
+    python -m maintainer.make_plots --from-runs out/plots   # plot runs already made, run nothing
 
 Every chapter trains the same model on the same data with the same global batch G sequences per
 optimizer step, launched the way it teaches:
@@ -47,15 +47,15 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common.chapters import CHAPTERS  # noqa: E402
-from tools import launch  # noqa: E402
+from common.chapters import CHAPTERS
+from layout import REPO
+from tools import launch
 
 NUMBER = {folder: number for number, folder in CHAPTERS.items()}  # 04_ddp -> 4
 NAMES = {1: "one device", 2: "gradient accumulation", 3: "DataParallel", 4: "DDP", 5: "two nodes"}
 NAMES[6] = "FSDP"
+# where maintainer/step_pictures.py's section of CAPTIONS.md begins (this script keeps it)
+STEP_PICTURES_SECTION = "<!-- step_pictures: begin -->"
 FLOAT64 = "-float64"  # the key (and run folder) of a chapter's float64 control run: 04_ddp-float64
 
 
@@ -130,8 +130,8 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
     K = largest_divisor(G)
     replicas = max(gpus, 1)
     micro_batches = f"{count(K, 'micro-batch')} of {G // K}"
-    # chapter -> (how it is launched, processes, its own flags, the layout in words, processes per
-    # node)
+    # chapter -> (how it is launched, processes, its own flags, the layout in words,
+    # processes per node)
     layouts = {
         1: ("python", 1, ["--batch-size", G], "1 process", 1),
         2: (
@@ -513,8 +513,13 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
             "(only GPU runs report peak memory).",
             "",
         ]
-    (figures / "CAPTIONS.md").write_text("\n".join(lines))
-    written.append(figures / "CAPTIONS.md")
+    captions_path = figures / "CAPTIONS.md"
+    # maintainer/step_pictures.py's section, about figures of its own, stays as it is
+    kept = ""
+    if captions_path.exists() and STEP_PICTURES_SECTION in captions_path.read_text():
+        kept = STEP_PICTURES_SECTION + captions_path.read_text().split(STEP_PICTURES_SECTION, 1)[1]
+    captions_path.write_text("\n".join(lines) + ("\n" + kept if kept else ""))
+    written.append(captions_path)
     return written
 
 
@@ -556,10 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu (default; the same numbers on every machine) "
         "or cuda (also draws memory per device)",
     )
-    p.add_argument("--data-dir", default=str(ROOT / "data"))
-    p.add_argument("--out-root", default=str(ROOT / "out" / "plots"), help="where the runs go")
+    p.add_argument("--data-dir", default=str(REPO / "data"))
+    p.add_argument("--out-root", default=str(REPO / "out" / "plots"), help="where the runs go")
     p.add_argument(
-        "--figures", type=Path, default=ROOT / "docs" / "figures", help="where the figures go"
+        "--figures", type=Path, default=REPO / "docs" / "figures", help="where the figures go"
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds one chapter's run may take")
     p.add_argument(
@@ -568,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         help="chapters run once more in float64 as the control for rounding (empty: none)",
     )
     args = p.parse_args(argv)
-    args.command = command = "python maintainer/make_plots.py" + "".join(
+    args.command = command = "python -m maintainer.make_plots" + "".join(
         f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:])
     )
 
@@ -598,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         for number, folder in CHAPTERS.items():
             if f"{number:02d}" not in numbers(args.chapters):
                 continue
-            if not (ROOT / folder / "train.py").exists():
+            if not (REPO / folder / "train.py").exists():
                 print(f"{folder}: no train.py yet, skipped")
                 continue
             if folder not in plans:

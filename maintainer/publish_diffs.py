@@ -1,7 +1,7 @@
 """Publish what each chapter changed: the diff of its train.py against the previous chapter's.
 
-    python maintainer/publish_diffs.py          # write docs/diffs/*.diff and the READMEs
-    python maintainer/publish_diffs.py --check  # exit 1 if anything published no longer matches
+    python -m maintainer.publish_diffs          # write docs/diffs/*.diff and the READMEs
+    python -m maintainer.publish_diffs --check  # exit 1 if anything published no longer matches
 
 For every chapter N >= 2, this writes `docs/diffs/<chapter>.diff`: a unified
 diff (the format of `diff -u`, three lines of context) from chapter N-1's train.py to chapter N's,
@@ -36,8 +36,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.chapters import CHAPTERS
+from layout import REPO
+from maintainer import REGENERATE
 
 BEGIN = "<!-- diff:begin -->"
 BEGIN_RE = re.compile(r'<!-- diff:begin(?: keep="([^"]*)")? -->')
@@ -91,8 +92,7 @@ def split_hunks(diff: str) -> tuple[str, list[str]]:
 
 
 def hunk_has(hunk: str, key: str) -> bool:
-    """Whether one of the hunk's added or removed lines contains key (context lines do not
-    count)."""
+    """Whether key is in one of the hunk's added or removed lines (context lines do not count)."""
     return any(line[:1] in "+-" and key in line for line in hunk.splitlines()[1:])
 
 
@@ -149,8 +149,7 @@ def marker_keys(text: str) -> list[str] | None:
 
 
 def replace_between_markers(text: str, block: str) -> str | None:
-    """README text with the part between the markers replaced, or None if the markers are
-    missing."""
+    """README text with the part between the markers replaced; None if the markers are missing."""
     match = BEGIN_RE.search(text)
     if match is None:
         return None
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--root",
         type=Path,
-        default=Path(__file__).resolve().parents[1],
+        default=REPO,
         help="the repository root (default: this script's repository)",
     )
     args = parser.parse_args(argv)
@@ -251,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'check failed' if args.check else 'warning'}: {problem}", file=sys.stderr)
     if args.check and problems:
         print(
-            "fix: add the markers where missing, then run `python maintainer/publish_diffs.py`",
+            f"fix: add the markers where missing, then run `{REGENERATE}`",
             file=sys.stderr,
         )
         return 1

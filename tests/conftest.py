@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 # One thread per process: the tests start many processes (ranks, notebooks, scripts) on few cores,
@@ -12,17 +11,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # `import common` in tests, as the scripts do
-
 
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory) -> Path:
-    """A data root holding the prepared Shakespeare corpus (tokenized once for all tests)."""
+def data_dir(tmp_path_factory, worker_id) -> Path:
+    """A data root holding the prepared Shakespeare corpus, tokenized once for all tests: with
+    pytest-xdist, once for all its workers (the first prepares it, the others wait for it)."""
+    from filelock import FileLock
+
     from common.data import prepare
 
-    root = tmp_path_factory.mktemp("data")
-    prepare("shakespeare", root, log=lambda *a: None)
+    if worker_id == "master":  # one process: its own folder
+        root = tmp_path_factory.mktemp("data")
+        prepare("shakespeare", root, log=lambda *a: None)
+        return root
+    # the workers' folders share a parent, made for this session
+    root = tmp_path_factory.getbasetemp().parent / "data"
+    with FileLock(f"{root}.lock"):
+        prepare("shakespeare", root, log=lambda *a: None)
     return root
 
 

@@ -4,14 +4,18 @@ show a check can fail)."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from tools.launch import REPO, child_env, flags, measured_run_flags, stop_launchers
+from layout import REPO
+from tools.launch import child_env, flags, measured_run_flags, stop_launchers
+
+# indentation: the one, re-exported for the tests that import it from here
+from tools.statements import Pattern, lines_of, replace, the_one
+from tools.statements import indentation as indentation
 
 
 def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
@@ -82,40 +86,21 @@ def outputs_of(procs: list[subprocess.Popen], timeout: float) -> list[str]:
         stop_launchers(procs)
 
 
-def indentation(line: str) -> str:
-    """The whitespace a line of code starts with."""
-    return line[: len(line) - len(line.lstrip())]
-
-
 def statement_lines(source: str, statement: str, script: str) -> range:
     """The lines (numbered from 0) of the one statement of `source` that is `statement`.
 
-    Compared as code (ast.unparse), so a formatter may indent or wrap the statement and move its
-    comment. Anything else than one such statement, alone on its lines, fails the test with a
-    message naming the script that changed.
+    Compared as code (tools/statements.py), so a formatter may indent or wrap the statement and
+    move its comment. Anything else than one such statement, alone on its lines, fails the test
+    with a message naming the script that changed.
     """
-    wanted = ast.unparse(ast.parse(statement))
-    found = [
-        n
-        for n in ast.walk(ast.parse(source))
-        if isinstance(n, ast.stmt) and ast.unparse(n) == wanted
-    ]
-    if len(found) != 1:
-        raise AssertionError(f"{script} changed: {len(found)} statements `{wanted}`, not one")
-    node, lines = found[0], source.splitlines()
-    before = lines[node.lineno - 1].encode()[: node.col_offset].decode()
-    after = lines[node.end_lineno - 1].encode()[node.end_col_offset :].decode().strip()
-    if before.strip() or after and not after.startswith("#"):
-        raise AssertionError(f"{script} changed: `{wanted}` shares a line with other code")
-    return range(node.lineno - 1, node.end_lineno)
+    try:
+        return lines_of(source, the_one(source, Pattern(code=statement), script), script)
+    except ValueError as err:
+        raise AssertionError(f"{err}: {script} changed") from None
 
 
 def replace_statement(source: str, old: str, new: str, script: str) -> str:
     """`source` with its one statement `old` (see statement_lines) replaced by the lines of `new`,
-    at that statement's indentation (its comment goes with it); an empty `new` removes the
-    statement."""
-    lines = source.splitlines(keepends=True)
-    where = statement_lines(source, old, script)
-    indent = indentation(lines[where.start])
-    lines[where.start : where.stop] = [f"{indent}{line}\n" for line in new.splitlines()]
-    return "".join(lines)
+    at that statement's indentation (its comment goes with it); an empty `new` removes it."""
+    statement_lines(source, old, script)  # one, alone on its lines, or the test fails here
+    return replace(source, Pattern(code=old), new, script)

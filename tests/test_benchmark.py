@@ -10,17 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import sys
 
 import pytest
 
-from tools.launch import REPO, run_python
-
-sys.path.insert(0, str(REPO / "bench"))
-
-import benchmark
-import gpu_summary
-import gpu_vs_cpu
+from bench import benchmark, gpu_summary, gpu_vs_cpu
+from layout import REPO
+from tools.launch import run_python
 
 ROW_NUMBERS = [
     "tokens_per_sec",
@@ -37,7 +32,8 @@ def bench_run(data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     proc = run_python(
         [
-            "bench/benchmark.py",
+            "-m",
+            "bench.benchmark",
             "--preset",
             "tiny",
             "--iters",
@@ -108,7 +104,7 @@ def test_json_has_a_complete_row_per_setup(bench_run):
         )  # the same global batch everywhere
         if setup.ranks == 1:
             assert row["comm_share"] is None
-        # measured by bench/ddp_worker.py; noise can make it slightly negative, so no sign check
+        # measured by workers/ddp_worker.py; noise can make it slightly negative, so no sign check
         else:
             assert isinstance(row["comm_share"], float)
             assert row["comm"]["backend"] == "gloo"
@@ -143,13 +139,12 @@ def test_markdown_table_is_well_formed(bench_run):
 
 @pytest.mark.slow
 def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
-    """bench/scaling_model.py's 2-rank prediction: computed from this run's measurements, by the
-    formula."""
+    """bench/scaling_model.py's 2-rank prediction: computed by the formula, from the measurements
+    of this run."""
     _, report, table, tmp = bench_run
     pred = report["prediction"]
     inputs, predicted, measured = pred["inputs"], pred["predicted"], pred["measured"]
-    # the inputs are the run's own measurements: the bare step of one rank's share (batch 2 of 4)
-    # ...
+    # the inputs are the run's own measurements: the bare step at a rank's share (batch 2 of 4) ...
     bare = {b["batch_size"]: min(r["step_ms"] for r in b["runs"] if r) for b in report["bare"]}
     assert inputs["bare_step_ms"] == bare[2]
     assert inputs["bare_step_ms_whole_batch"] == bare[4]

@@ -8,8 +8,8 @@ which shows the comparison can fail. Checkpoints of the three chapters resume in
 
 The runs use `--warmup-iters 2`: with the default 50-step warm-up the learning rate stays tiny for
 10 steps and a wrongly scaled gradient would hardly move the parameters differently.
-`--lr-decay-iters 14` fixes the schedule, so a 10-step run and its resumption to 14 steps follow one
-schedule."""
+`--lr-decay-iters 14` fixes the schedule, so a 10-step run and its resumption to 14 steps
+follow one schedule."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ from helpers import indentation, replace_statement, statement_lines, tiny_run_ar
 
 from common.chapters import CHAPTERS
 from common.metrics import read_metrics
-from tools.launch import REPO, run_python
+from layout import REPO
+from tools.launch import run_python
 
 ITERS = 10
 RESUMED_ITERS = 14
 SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": RESUMED_ITERS}
 LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
-# CPU runs everywhere: chapter 03 on a machine with GPUs would otherwise (rightly) refuse --device
-# cpu
+# CPU runs everywhere: on a machine with GPUs, chapter 03 would otherwise (rightly) refuse
+# --device cpu
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BROKEN_FLAGS = {"batch_size": 2, "grad_accum": 4}
 
@@ -125,8 +126,7 @@ def test_dataparallel_on_the_cpu_says_it_has_nothing_to_split(runs):
     assert "DataParallel has nothing to split" in runs["03_b8"][1].stdout
 
 
-# ---- the comparison can fail: broken copies of chapter 02
-# -----------------------------------------
+# ---- the comparison can fail: broken copies of chapter 02 ----------------------------------------
 
 # Statements of the micro-step loop and the optimizer step, found as code whatever their layout
 # (tests/helpers.py statement_lines)
@@ -216,8 +216,7 @@ def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
     assert (first_off > LOSS_RTOL) == (name == "step_every_micro_batch")
 
 
-# ---- checkpoints load across chapters
-# -------------------------------------------------------------
+# ---- checkpoints load across chapters ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +266,7 @@ def test_no_module_prefix_in_any_checkpoint(runs, resumed):
         assert keys == reference, out
 
 
-# ---- mistakes the reader can make
-# -------------------------------------------------------------------
+# ---- mistakes the reader can make ----------------------------------------------------------------
 
 
 def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
@@ -295,8 +293,7 @@ def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
     assert "0 CUDA GPU" in lines[0], lines[0]
 
 
-# ---- the memory measurement of chapter 02
-# ------------------------------------------------------------
+# ---- the memory measurement of chapter 02 --------------------------------------------------------
 
 
 def test_measure_memory_prints_a_table(data_dir):
@@ -324,8 +321,8 @@ def test_measure_memory_prints_a_table(data_dir):
     full, micro = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:])
     assert full[0] == "4 x 1"
     assert micro[0] == "1 x 4"
-    # both rows train on the same 4 sequences: the same loss; one sequence at a time needs less
-    # memory
+    # both rows train on the same 4 sequences, so the loss is the same; one sequence at a time
+    # needs less memory
     assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)
     assert float(full[3].replace(",", "")) > float(micro[3].replace(",", ""))
     # the profiler library's own lines are hidden

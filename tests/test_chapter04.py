@@ -29,7 +29,8 @@ import torch
 from helpers import epoch_permutation, start, tiny_run_args
 
 from common.metrics import read_metrics
-from tools.launch import REPO, run_python, run_torchrun, torchrun_command
+from layout import REPO
+from tools.launch import run_python, run_torchrun, torchrun_command
 
 SCRIPT = REPO / "04_ddp" / "train.py"
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
@@ -70,8 +71,8 @@ def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pair(data_dir, tmp_path_factory) -> dict[str, Path]:
-    """Chapter 01 and two ranks of chapter 04 with the same global batch (the quick check needs no
-    more)."""
+    """Chapter 01 and two ranks of chapter 04 with the same global batch: the quick check needs
+    no more."""
     root = tmp_path_factory.mktemp("chapter04_pair")
     out = {name: root / name for name in ("ch01", "ddp")}
     run_python(
@@ -173,8 +174,8 @@ def test_ranks_share_each_global_batch_as_chapter01_does(tmp_path):
     says which window each row came from."""
     T, B, W, N = 4, 2, 2, 50  # N is not a multiple of the global batch: an epoch drops its tail
     np.arange(N * T + 1, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
-    worker = REPO / "tests" / "workers" / "ddp_sampler_worker.py"
-    run_torchrun(worker, W, [tmp_path / "tokens.bin", T, B, tmp_path], timeout=120)
+    worker = "workers.ddp_sampler_worker"  # a module: `torchrun -m` from the repository root
+    run_torchrun(worker, W, [tmp_path / "tokens.bin", T, B, tmp_path], timeout=120, extra=["-m"])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(W)]
     assert [r["n_windows"] for r in ranks] == [N, N]
 

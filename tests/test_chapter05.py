@@ -22,7 +22,8 @@ from helpers import outputs_of, start, tiny_run_args
 
 from common.metrics import read_metrics
 from common.support.corpus import shakespeare_texts
-from tools.launch import REPO, child_env, free_port, run_python, torchrun_command
+from layout import REPO
+from tools.launch import child_env, flags, free_port, run_python, torchrun_command
 
 CHAPTER = REPO / "05_multinode"
 TRAIN = CHAPTER / "train.py"
@@ -35,24 +36,16 @@ PREPARING = re.compile(r"\[node (\d+) rank (\d+) local (\d+)\] preparing corpus 
 
 def train_flags(corpus: Path) -> list[str]:
     """train.py flags after the simulation's defaults: a short, deterministic tiny run."""
-    return [
-        "--dataset",
-        str(corpus),
-        "--max-iters",
-        str(ITERS),
-        "--eval-interval",
-        str(EVAL_EVERY),
-        "--log-interval",
-        "1",
-        "--eval-batches",
-        "2",
-        "--batch-size",
-        "2",
-        "--sample-tokens",
-        "0",
-        "--dropout",
-        "0",
-    ]
+    return flags(
+        dataset=corpus,
+        max_iters=ITERS,
+        eval_interval=EVAL_EVERY,
+        log_interval=1,
+        eval_batches=2,
+        batch_size=2,
+        sample_tokens=0,
+        dropout=0,
+    )
 
 
 def losses(out_dir: Path) -> dict[int, float]:
@@ -96,9 +89,9 @@ def simulate(
     """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, as the chapter runs it: 2 nodes x 2
     processes.
 
-    With kill_rank: once a checkpoint exists and a step after it is done, that global rank's process
-    is killed (SIGKILL), mid-run. Returns (the script's output, both node logs, the step of the
-    kill)."""
+    With kill_rank: once a checkpoint exists and a step after it is done, that global rank's
+    process is killed (SIGKILL), mid-run. Returns the script's output, both node logs and the
+    step of the kill."""
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
         proc = subprocess.Popen(
@@ -140,8 +133,8 @@ def simulate(
 def assert_two_nodes_of_two(logs: list[str]) -> None:
     """Global ranks 0-3 once each, local ranks 0 and 1 on each node, node ranks 0 and 1.
 
-    Only each node's first two start lines count: processes restarted by torchrun print theirs
-    again."""
+    Only each node's first two start lines count: the processes that torchrun restarts print
+    theirs again."""
     # (node, global rank, local rank) of each start line
     per_node = [[tuple(map(int, m[:3])) for m in START.findall(log)[:2]] for log in logs]
     starts = per_node[0] + per_node[1]
@@ -269,8 +262,8 @@ def test_launch_scripts_and_slurm_script_parse_and_name_existing_files():
     assert "srun" in slurm
     assert "05_multinode/train.py" in slurm
     assert "05_multinode/preflight.py" in slurm
-    # the c10d recipes give every restarted group a fresh store (the killed-worker test relies on
-    # it)
+    # the c10d recipes give every restarted group a fresh store, which the killed-worker test
+    # relies on
     for name in ("slurm.sbatch", "launch_c10d.sh"):
         assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in (CHAPTER / name).read_text(), (
             name

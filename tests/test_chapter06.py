@@ -26,7 +26,8 @@ from helpers import read_until, start, tiny_run_args
 
 from common.metrics import read_metrics
 from common.model import GPT, model_config
-from tools.launch import REPO, run_python, run_torchrun, stop_launchers, torchrun_command
+from layout import REPO
+from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
 SCRIPT = REPO / "06_fsdp" / "train.py"
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"

@@ -1,38 +1,39 @@
-"""tools/check.py: the chapter scripts are chapter 01's run, the exercises as given are not, every
-mistake of the catalogue (tools/mistakes.py) is named from the facts its plant leaves, and a
-selection of plants is caught and named by real runs.
+"""The checker (tools/check/): the chapter scripts are chapter 01's run, the exercises as given are
+not, every mistake of the catalogue (tools/check/mistakes.py) is named from the facts its plant
+(tests/plants.py) leaves, and a selection of plants is caught and named by real runs.
 
-Cheap first: every entry's lines and plant must still match the chapter scripts (after a restyle
-of a chapter, this is the test that says which entry to update), and every signature is tried on
-the facts its plant leaves, written down here, with the rule-outs that keep the advice from
-contradicting itself. Then real processes (torchrun with 2 ranks for chapter 04, two simulated
-nodes for chapter 05) on the tiny model, 8 steps in float64: chapter 01's reference run is made
-once per test process and shared by every check (the checker keeps it under its --out-root).
+Cheap first: every entry's patterns still find the chapter's statements and every plant applies, in
+the chapter scripts as they are and reformatted at another line length (the catalogue names
+statements by shape, so a restyle breaks no entry); every signature is tried on the facts its plant
+leaves, written down here, with the rule-outs that keep the advice from contradicting itself. Then
+real processes (torchrun with 2 ranks for chapter 04, two simulated nodes for chapter 05) on the
+tiny model, 8 steps in float64: chapter 01's reference run is made once per test process and shared
+by every check (the checker keeps it under its --out-root).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import replace_statement
+from plants import PLANTS
 
 from common.chapters import CHAPTERS
-from maintainer import make_exercises
-from tools import check
-from tools.launch import REPO
-from tools.mistakes import (
-    MISTAKES,
-    Facts,
-    describe,
-    diagnose,
-    keys,
-    normalized,
-    where_to_look,
-)
+from layout import REPO
+from maintainer import REGENERATE, make_exercises
+from tools.check import runner
+from tools.check.__main__ import fresh_folder, main
+from tools.check.facts import Facts
+from tools.check.mistakes import MISTAKES, describe, diagnose, where_to_look
+from tools.check.plan import PLANS
+from tools.check.report import Seen, plotted_run, same_lines
+from tools.launch import child_env
+from tools.statements import Pattern, find, header, rewrite, statements
 
 BY_NAME = {m.name: m for m in MISTAKES}
 
@@ -43,7 +44,7 @@ def out_root(tmp_path_factory) -> Path:
 
 
 def run_check(capsys, out_root: Path, script: Path, *flags: str) -> tuple[int, str]:
-    code = check.main([str(script), "--out-root", str(out_root), *flags])
+    code = main([str(script), "--out-root", str(out_root), *flags])
     return code, capsys.readouterr().out
 
 
@@ -51,67 +52,75 @@ def chapter_script(chapter: int) -> str:
     return (REPO / CHAPTERS[chapter] / "train.py").read_text()
 
 
-def planted(mistake) -> str:
-    source = chapter_script(mistake.chapter)
-    for old, new in mistake.plant:
-        source = replace_statement(source, old, new, f"{CHAPTERS[mistake.chapter]}/train.py")
-    return source
+def planted(name: str, source: str | None = None) -> str:
+    plant = PLANTS[name]
+    source = source if source is not None else chapter_script(plant.chapter)
+    return plant.applied(source, f"{CHAPTERS[plant.chapter]}/train.py")
 
 
-def planted_copy(folder: Path, mistake) -> Path:
+def planted_copy(folder: Path, name: str) -> Path:
     folder.mkdir(parents=True)
-    (folder / "train.py").write_text(planted(mistake))
+    (folder / "train.py").write_text(planted(name))
     return folder / "train.py"
 
 
 # ---- cheap: the catalogue against the chapter scripts, the signatures against facts ----------
 
 
+def assert_entry_matches(mistake, sources: dict[int, str]) -> None:
+    """The right statements are the chapter's, look_for and near find statements there, the plant
+    applies, and the planted statement is found and quoted (not the chapter's own statement)."""
+    plant = PLANTS[mistake.name]
+    script = f"{CHAPTERS[mistake.chapter]}/train.py"
+    source = sources[mistake.chapter]
+    for pattern in mistake.right:
+        assert find(source, pattern), f"{script} has no statement that is {pattern}"
+    assert any(find(source, p) for p in mistake.look_for), mistake.look_for
+    assert find(source, mistake.near), f"{script} has no statement that is {mistake.near}"
+    assert not where_to_look(mistake, source, script, source).fits  # the chapter is right
+    if plant.edits:
+        copy = planted(mistake.name, sources[plant.chapter])
+        theirs = sources[plant.chapter]
+        look = where_to_look(mistake, copy, "copy.py", theirs)
+        assert look.fits, look.text
+        quoted = re.search(r"look at line (\d+) of copy.py: `(.*?)`[;i ]", look.text)
+        if quoted:
+            rights = {header(n) for p in mistake.right for n in find(theirs, p)}
+            node, _ = statements(copy)[int(quoted.group(1))]
+            moved = " inside `" in look.text or " after `" in look.text
+            assert header(node) not in rights or moved, look.text
+
+
+def test_every_entry_has_a_plant():
+    assert set(PLANTS) == set(BY_NAME)
+
+
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
 def test_every_entry_still_matches_the_chapter_scripts(mistake):
-    """The right line is the chapter's statement, look_for and near find lines there, the plant
-    applies, and the planted line is found and quoted (not the chapter's own line)."""
-    source = chapter_script(mistake.chapter)
-    have = {key[-1] for key in keys(source)}
-    for statement in normalized(mistake.line):
-        assert statement in have, f"{CHAPTERS[mistake.chapter]}/train.py has no `{statement}`"
-    assert any(text in source for text in mistake.look_for), mistake.look_for
-    assert mistake.near in source, mistake.near
-    script = f"{CHAPTERS[mistake.chapter]}/train.py"
-    assert not where_to_look(mistake, source, script, source).fits  # the chapter is right
-    if mistake.plant:
-        look = where_to_look(mistake, planted(mistake), "copy.py", source)
-        assert look.fits, look.text
-        quoted = re.search(r"look at line \d+ of copy.py: `(.*?)`[;i ]", look.text)
-        if quoted:
-            assert quoted.group(1) not in mistake.line.split("\n") or " inside `" in look.text
+    assert_entry_matches(mistake, {n: chapter_script(n) for n in CHAPTERS})
 
 
-def same_facts(**changes) -> Facts:
-    """The facts of a run that is chapter 01's (2 ranks, K = 2), with `changes`."""
-    facts = Facts(
-        chapter=4,
-        world_size=2,
-        grad_accum=2,
-        steps_per_epoch=3,
-        script_steps_per_epoch=3,
-        first_loss_diff=None,
-        loss_ratio_at_1=1.0,
-        grad_ratio_at_1=1.0,
-        first_data_diff=None,
-        rank0_reads_its_share=True,
-        ranks_overlap=False,
-        repeats_first_epoch=False,
-        zero_grads_per_step=1,
-        ranks_drift_from=None,
-        params_equal=True,
-        stopped_after=None,
-        resume_at=None,
-        resume_diff=None,
-        logged_steps=8,
-        optimizer_steps=8,
+def test_the_catalogue_survives_a_restyle(tmp_path):
+    """Every chapter script reformatted at line length 79 (lines rewrapped, brackets moved): every
+    entry and every plant still matches."""
+    for number, name in CHAPTERS.items():
+        shutil.copy(REPO / name / "train.py", tmp_path / f"{number}.py")
+    subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--line-length", "79", "--no-cache", "."],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
     )
-    return dataclasses.replace(facts, **changes)
+    sources = {n: (tmp_path / f"{n}.py").read_text() for n in CHAPTERS}
+    assert any(sources[n] != chapter_script(n) for n in CHAPTERS), "ruff changed nothing"
+    for mistake in MISTAKES:
+        assert_entry_matches(mistake, sources)
+
+
+def same_facts(chapter: int = 4, **changes) -> Facts:
+    """The facts of a run that is chapter 01's (2 ranks, K = 2, 3 steps an epoch, 8 steps), as
+    chapter `chapter` plans it, with `changes` (each a field's name: Facts.but)."""
+    return Facts(plan=PLANS[chapter]).but(**{"script_steps_per_epoch": 3, **changes})
 
 
 TRAINING = dict(params_equal=False, first_param_diff=1, first_loss_diff=2, first_grad_diff=2)
@@ -122,7 +131,7 @@ def trained(**changes) -> dict:
     return {**TRAINING, **changes}
 
 
-# the facts each plant leaves (read from `python tools/check.py COPY --facts`)
+# the facts each plant leaves (read from `python -m tools.check COPY --facts`)
 PLANT_FACTS = {
     "a collective called by only some ranks": dict(hung=True),
     "the replicas' losses not reduced": dict(
@@ -216,6 +225,16 @@ PLANT_FACTS = {
     "a restart that does not continue the run": dict(
         chapter=5, restart="after the restart: error: out/run holds another run"
     ),
+    # the sharded model's gradient is clipped, so its norm is chapter 01's; saving fails at the end
+    "the optimizer built before fully_shard": trained(
+        chapter=6,
+        fsdp_forwards=True,
+        sharded=False,
+        first_val_diff=8,
+        stopped_after=8,
+        failure="KeyError: 0 (line 320 of copy/train.py)",
+    ),
+    "the GPU chosen by RANK, not LOCAL_RANK": dict(chapter=5, devices=((0, 0, 0), (1, 0, 1))),
 }
 
 
@@ -229,8 +248,8 @@ def test_each_signature_names_its_plant_from_the_facts(name):
     planted script's line is quoted (tried on the planted copy, where the entry has a plant)."""
     mistake = BY_NAME[name]
     facts = same_facts(**PLANT_FACTS[name])
-    source = planted(mistake) if mistake.plant else ""
-    chapter = chapter_script(facts.chapter) if source else None
+    source = planted(name) if PLANTS[name].edits else ""
+    chapter = chapter_script(facts.plan.chapter) if source else None
     found, _, look = diagnose(facts, source, "copy.py", chapter)
     assert found is mistake, (found and found.name, look)
 
@@ -274,18 +293,18 @@ def test_a_relative_script_path_keeps_its_line_number(tmp_path):
         '  File "02_grad_accumulation/train.py", line 61, in main\n'
         "AttributeError: 'Namespace' object has no attribute 'grad_acum'\n"
     )
-    run = check.Run(tmp_path, tmp_path, log, 1)
-    line = check.failure_line(run, Path("02_grad_accumulation/train.py"))
+    run = runner.Run(tmp_path, tmp_path, log, 1)
+    line = runner.failure_line(run, Path("02_grad_accumulation/train.py"))
     assert line.endswith("(line 61 of 02_grad_accumulation/train.py)"), line
 
 
 def test_exercises_are_made_from_the_current_scripts():
-    assert make_exercises.main(["--check"]) == 0, "run python maintainer/make_exercises.py"
+    assert make_exercises.main(["--check"]) == 0, f"run {REGENERATE}"
 
 
 def test_every_check_gets_a_folder_of_its_own(tmp_path):
     script = REPO / CHAPTERS[2] / "train.py"
-    first, second = check.fresh_folder(tmp_path, script), check.fresh_folder(tmp_path, script)
+    first, second = fresh_folder(tmp_path, script), fresh_folder(tmp_path, script)
     assert first != second
     assert first.is_dir()
     assert second.is_dir()
@@ -376,6 +395,8 @@ RUN = [
     "the replicas' losses summed, not averaged",  # chapter 03's stand-in replicas
     "a resume that does not restore the optimizer state",  # the resumed run's steps
     "a checkpoint of rank 0's shards only",  # FSDP: the resumed run's start, gathered whole
+    "the optimizer built before fully_shard",  # FSDP: a sharded forward, an unsharded optimizer
+    "the GPU chosen by RANK, not LOCAL_RANK",  # two nodes: the GPU index each rank asked for
 ]
 
 
@@ -386,9 +407,9 @@ RUN = [
 )
 def test_planted_mistakes_are_caught_and_named(capsys, out_root, tmp_path, name):
     mistake = BY_NAME[name]
-    script = planted_copy(tmp_path / "copy", mistake)
+    script = planted_copy(tmp_path / "copy", name)
     code, out = run_check(
-        capsys, out_root, script, "--nproc-per-node", str(mistake.plant_ranks), "--no-plot"
+        capsys, out_root, script, "--nproc-per-node", str(PLANTS[name].ranks), "--no-plot"
     )
     assert code == 1, out
     assert "not the same run:" in out, out
@@ -399,7 +420,7 @@ def test_planted_mistakes_are_caught_and_named(capsys, out_root, tmp_path, name)
 
 def test_a_collective_on_some_ranks_only_is_named_as_a_hang(capsys, out_root, tmp_path):
     """Each rank's line and the collective it waits in, in well under the gloo timeout."""
-    script = planted_copy(tmp_path / "copy", MISTAKES[0])
+    script = planted_copy(tmp_path / "copy", "a collective called by only some ranks")
     began = time.monotonic()
     code, out = run_check(capsys, out_root, script, "--nproc-per-node", "2", "--no-plot")
     took = time.monotonic() - began
@@ -414,10 +435,11 @@ def test_a_collective_on_some_ranks_only_is_named_as_a_hang(capsys, out_root, tm
 
 def test_a_script_that_fails_is_one_line_without_a_traceback(capsys, out_root, tmp_path):
     source = (REPO / CHAPTERS[2] / "train.py").read_text()
-    typo = replace_statement(
+    typo = rewrite(
         source,
-        "global_batch = args.batch_size * args.grad_accum",
-        "global_batch = args.batch_size * args.grad_acum",
+        Pattern(assigns="global_batch"),
+        "args.grad_accum",
+        "args.grad_acum",
         "02_grad_accumulation/train.py",
     )
     (tmp_path / "train.py").write_text(typo)
@@ -427,3 +449,98 @@ def test_a_script_that_fails_is_one_line_without_a_traceback(capsys, out_root, t
     assert last.startswith("could not run the script: AttributeError: "), out
     assert "grad_acum" in last, out
     assert "Traceback" not in out
+
+
+# ---- what the checker says, and what it cannot see -----------------------------------------
+
+
+def probe_without_its_hook(tmp_path: Path, hook: str) -> subprocess.CompletedProcess:
+    """The probe, in a process whose torch has `hook` in place of the private function it watches
+    (`del`: none at all), started on chapter 01's script."""
+    facts, script = str(tmp_path / "facts"), str(REPO / CHAPTERS[1] / "train.py")
+    code = (
+        "import runpy, sys\n"
+        "import torch.distributed.checkpoint.state_dict as state_dict\n"
+        f"{hook}\n"
+        f"sys.argv = ['probe', {facts!r}, {script!r}]\n"
+        "runpy.run_module('tools.check.probe', run_name='__main__', alter_sys=True)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=child_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "hook, says",
+    [
+        ("del state_dict._init_optim_state", "has no torch.distributed.checkpoint"),
+        ("state_dict._init_optim_state = lambda optimizer, strict: None", "(optimizer, strict)"),
+    ],
+)
+def test_a_torch_without_the_probes_private_hook_gives_no_verdict(tmp_path, hook, says):
+    """Where torch's private function is missing or changed, the probe runs nothing and the check
+    says so in one line, never a verdict."""
+    proc = probe_without_its_hook(tmp_path, hook)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    run = runner.Run(tmp_path / "out", tmp_path / "facts", tmp_path / "log", proc.returncode)
+    line = run.unsupported()
+    assert line.startswith("could not run: this torch ("), line
+    assert says in line, line
+    assert "\n" not in line
+
+
+def test_a_quote_that_differs_by_a_local_name_says_what_each_name_holds():
+    """`options=whole` against `options=full`: the learner's `whole` and the chapter's `full`."""
+    source = chapter_script(6)
+    saving = find(source, Pattern(assigns="model_state", call="get_model_state_dict"))[0]
+    options = [n for n in find(source, Pattern(assigns="full")) if n.lineno < saving.lineno][-1]
+    lines = source.splitlines(keepends=True)
+    lines[options.lineno - 1] = lines[options.lineno - 1].replace("full =", "whole =")
+    lines[options.lineno - 1] = lines[options.lineno - 1].replace("=True,", "=False,", 1)
+    lines[saving.lineno - 1] = lines[saving.lineno - 1].replace("options=full", "options=whole")
+    copy = "".join(lines)
+    look = where_to_look(BY_NAME["a checkpoint of rank 0's shards only"], copy, "copy.py", source)
+    assert f"look at line {saving.lineno} of copy.py" in look.text, look.text
+    assert "your `whole = StateDictOptions(full_state_dict=False" in look.text, look.text
+    assert "chapter 06's `full = StateDictOptions(full_state_dict=True" in look.text, look.text
+
+
+def test_look_at_line_names_the_wrong_line_of_a_long_statement():
+    """A statement over several lines: the line the learner changed, not the statement's first."""
+    source = chapter_script(4)
+    sampler = find(source, Pattern(assigns="sampler", call="DistributedSampler"))[0]
+    assert sampler.end_lineno > sampler.lineno, "the sampler fits on one line now: pick another"
+    lines = source.splitlines(keepends=True)
+    wrong = next(
+        n for n in range(sampler.lineno, sampler.end_lineno + 1) if "rank=rank" in lines[n - 1]
+    )
+    lines[wrong - 1] = lines[wrong - 1].replace("rank=rank", "rank=0")
+    mistake = BY_NAME["all ranks reading the same windows"]
+    look = where_to_look(mistake, "".join(lines), "copy.py", source)
+    assert look.text.startswith(f"look at line {wrong} of copy.py"), look.text
+
+
+def test_the_plot_shows_the_resumed_run_when_only_it_differs(tmp_path):
+    run, ref, resumed = (runner.Run(tmp_path / n, tmp_path, tmp_path / n, 0) for n in "abc")
+    facts = same_facts(resume_at=5, resume_diff=6)
+    shown, label, first = plotted_run(Seen(facts, run, ref, resumed, None))
+    assert shown is resumed, label
+    assert "resumed" in label
+    assert first == 6
+    shown, _, _ = plotted_run(Seen(same_facts(**trained()), run, ref, resumed, None))
+    assert shown is run
+
+
+def test_every_same_run_verdict_names_what_it_did_not_check(tmp_path):
+    run = runner.Run(tmp_path, tmp_path, tmp_path / "log", 0)
+    for plan in PLANS.values():
+        facts = Facts(plan=plan).but(devices=())
+        said = "\n".join(same_lines(Seen(facts, run, run, None, None)))
+        assert "  unchecked: " in said, said
+        if plan.picks_gpu:
+            assert "which GPU each rank drives" in said, said

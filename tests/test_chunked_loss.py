@@ -110,7 +110,7 @@ def test_the_model_trains_on_the_same_loss_and_gradients():
 def test_tied_weight_gradient_arrives_once():
     """Embedding and output layer share one matrix; its gradient (the sum of both uses) must be
     accumulated once per backward, so that post-accumulate-grad hooks (DDP's, chapter 04's
-    from-scratch buckets) fire once per parameter."""
+    by-hand buckets) fire once per parameter."""
     for model in tiny_pair():
         fired = {name: 0 for name, _ in model.named_parameters()}
         for name, p in model.named_parameters():

@@ -1,5 +1,5 @@
-"""The course around the code stays true to it: published diffs, figures, troubleshooting,
-workshop."""
+"""The course around the code stays true to it: the published diffs, the figures, the
+troubleshooting guide and the workshop."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.chapters import CHAPTERS
-from tools.launch import REPO
+from layout import REPO
 
 FOLDERS = list(CHAPTERS.values())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,14 +28,14 @@ def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 
 def test_published_diffs_are_current():
-    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the train.py
-    files."""
-    proc = tool("maintainer/publish_diffs.py", "--check")
+    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the chapters'
+    train.py files."""
+    proc = tool("-m", "maintainer.publish_diffs", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def copy_course(tmp_path: Path) -> Path:
-    """The chapters' train.py files and READMEs (with the diff markers) in a scratch repository."""
+    """The chapters' train.py files and READMEs (with the diff markers) in a scratch folder."""
     root = tmp_path / "repo"
     for chapter in FOLDERS:
         (root / chapter).mkdir(parents=True)
@@ -51,9 +51,9 @@ def copy_course(tmp_path: Path) -> Path:
 def test_diff_check_fails_when_the_code_changes(tmp_path):
     root = copy_course(tmp_path)
     # nothing published yet
-    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode != 0
-    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
-    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode != 0
+    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode == 0
 
     before = copy_course(tmp_path / "untouched") / FOLDERS[1] / "README.md"
     readme = (root / FOLDERS[1] / "README.md").read_text()
@@ -67,16 +67,16 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     # a change to a chapter's script that is not republished: both the file and the README are stale
     script = root / FOLDERS[1] / "train.py"
     script.write_text(script.read_text() + "# changed, and not republished\n")
-    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert f"docs/diffs/{FOLDERS[1]}.diff is out of date" in proc.stderr
     assert f"the diff in {FOLDERS[1]}/README.md is out of date" in proc.stderr
 
     # republishing fixes it, and a README without the markers is reported
-    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
-    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode == 0
     (root / FOLDERS[1] / "README.md").write_text("# no markers\n")
-    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert "lacks the lines" in proc.stderr
 
@@ -88,8 +88,8 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
         r"<!-- diff:begin[^>]*-->", '<!-- diff:begin keep="no_sync" -->', readme.read_text()
     )
     readme.write_text(text)
-    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
-    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode == 0
     # chapter 04's README shows its diff against chapter 02
     full = (root / "docs" / "diffs" / f"{FOLDERS[3]}_from_02.diff").read_text()
     shown = readme.read_text().split("```diff\n")[1].split("```")[0]
@@ -105,16 +105,16 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     # a key that no hunk changes (the code moved on) is reported, in --check and when publishing
     readme.write_text(readme.read_text().replace('keep="no_sync"', 'keep="no_sync|no_such_line"'))
     for args in (["--check"], []):
-        proc = tool("maintainer/publish_diffs.py", *args, "--root", root)
+        proc = tool("-m", "maintainer.publish_diffs", *args, "--root", root)
         assert "no_such_line" in proc.stderr
-    assert tool("maintainer/publish_diffs.py", "--check", "--root", root).returncode != 0
+    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode != 0
 
     # and a chosen hunk that goes stale is caught like a whole diff
     readme.write_text(readme.read_text().replace('keep="no_sync|no_such_line"', 'keep="no_sync"'))
-    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
     script = root / FOLDERS[3] / "train.py"
     script.write_text(script.read_text().replace("no_sync()", "no_sync( )", 1))
-    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
 
@@ -131,7 +131,7 @@ def test_diffs_are_unified_diffs_of_neighbouring_chapters():
 
 def test_chapter04_against_chapter02_is_published_shown_and_checked(tmp_path):
     root = copy_course(tmp_path)
-    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
     diffs = root / "docs" / "diffs"
     from_02 = diffs / f"{FOLDERS[3]}_from_02.diff"
     # both diffs are published: against 03 (the neighbour) and against 02
@@ -148,12 +148,12 @@ def test_chapter04_against_chapter02_is_published_shown_and_checked(tmp_path):
     # a change to chapter 02 alone makes the 04-from-02 diff stale, and a lost one is missing
     script = root / FOLDERS[1] / "train.py"
     script.write_text(script.read_text() + "# changed, and not republished\n")
-    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert f"docs/diffs/{FOLDERS[3]}_from_02.diff is out of date" in proc.stderr
-    assert tool("maintainer/publish_diffs.py", "--root", root).returncode == 0
+    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
     from_02.unlink()
-    proc = tool("maintainer/publish_diffs.py", "--check", "--root", root)
+    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert f"docs/diffs/{FOLDERS[3]}_from_02.diff is missing" in proc.stderr
 
@@ -173,7 +173,8 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
     runs, figures = tmp_path / "runs", tmp_path / "figures"
     # the plotting command itself: run two chapters with the same global batch, then draw
     proc = tool(
-        "maintainer/make_plots.py",
+        "-m",
+        "maintainer.make_plots",
         "--chapters",
         "01,02",
         "--iters",
@@ -207,7 +208,7 @@ def test_make_plots_on_real_tiny_runs(tmp_path, data_dir):
 
     # ... and from runs already made, without running anything
     again = tmp_path / "again"
-    proc = tool("maintainer/make_plots.py", "--from-runs", runs, "--figures", again)
+    proc = tool("-m", "maintainer.make_plots", "--from-runs", runs, "--figures", again)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_png(again / "parity_loss.png")
     assert "01_single_gpu:" not in proc.stdout  # nothing was trained
@@ -220,7 +221,7 @@ def test_committed_figures_cover_every_chapter():
     assert "in float64" in captions  # the rounding control is in the committed figure
     for chapter in FOLDERS:
         assert f"{chapter}/train.py" in captions, (
-            f"the committed figures predate {chapter}: rerun maintainer/make_plots.py"
+            f"the committed figures predate {chapter}: rerun python -m maintainer.make_plots"
         )
 
 
@@ -248,76 +249,55 @@ MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in MAIN_LINE)]
 AFTER_MAIN_LINE = [f"{chapter}/README.md" for chapter in FOLDERS[5:]]
 
 
-@pytest.mark.parametrize(
-    "page",
-    ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *AFTER_MAIN_LINE, *DEEP_DIVES],
-)
-def test_docs_name_files_that_exist(page):
-    """Every repository path a page names (`01_single_gpu/train.py`, `maintainer/make_plots.py`,
-    ...) exists."""
-    text = (REPO / page).read_text()
-    paths = set(
-        re.findall(
-            r"(?<![\w/.-])((?:0\d_[a-z_]+|tools|common|docs|tests)/[\w./-]+\.(?:py|sh|ipynb|md|png|sbatch))",
-            text,
-        )
-    )
-    assert paths
-    missing = sorted(p for p in paths if not (REPO / p).exists())
-    assert not missing, f"{page} names files that do not exist: {missing}"
-
-
-# ---- the main path: short, in five parts, with its deep dives beside it ------------------------
-
 MAIN_PATH_WORDS = 14_000
 CHAPTER_AFTER_MAIN_LINE_WORDS = 2_500
 PARTS = ["## The idea", "## Run it", "## The diff", "## Check it yourself", "## Deep dives"]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+PAGES = ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *AFTER_MAIN_LINE, *DEEP_DIVES]
+# a repository path as the pages write it: 01_single_gpu/train.py, maintainer/make_plots.py, ...
+NAMED_PATH = re.compile(
+    r"(?<![\w/.-])((?:0\d_[a-z_]+|tools|common|docs|tests|bench|maintainer|workers|\.ci)/"
+    r"[\w./-]+\.(?:py|sh|ipynb|md|png|sbatch))"
+)
 
 
-def test_the_main_path_stays_short():
-    """README + the five chapter READMEs, embedded diffs included, fit an afternoon's reading."""
+@pytest.mark.parametrize("page", PAGES)
+def test_every_path_a_page_names_or_links_exists(page):
+    """The paths a page names (`01_single_gpu/train.py`) and the files it links to exist: a move
+    or a rename that left a page behind fails here."""
+    path = REPO / page
+    text = path.read_text()
+    named = set(NAMED_PATH.findall(text))
+    # a learner's own copy (04_ddp/my_exercise.py) is the learner's to make
+    mine = {p for p in named if p.rsplit("/", 1)[-1].startswith("my_")}
+    missing = sorted(p for p in named - mine if not (REPO / p).exists())
+    assert not missing, f"{page} names files that do not exist: {missing}"
+    links = [target for target in LINK.findall(text) if "://" not in target]
+    missing = [target for target in links if not (path.parent / target).exists()]
+    assert not missing, f"{page} links to files that do not exist: {missing}"
+
+
+def test_the_main_path_stays_short_and_every_chapter_reads_in_five_parts():
+    """README + the five chapter READMEs, embedded diffs included, fit an afternoon's reading; a
+    chapter after the main line stays short; every chapter README has the same five parts, and
+    its check is one a learner can run without breaking the course (exercises are solved in a
+    copy, so the course's own exercise and its tests stay intact)."""
     words = sum(len((REPO / page).read_text().split()) for page in MAIN_PATH)
     assert words <= MAIN_PATH_WORDS, f"the main path has {words} words, more than {MAIN_PATH_WORDS}"
-
-
-@pytest.mark.parametrize("page", AFTER_MAIN_LINE)
-def test_a_chapter_after_the_main_line_stays_short(page):
-    words = len((REPO / page).read_text().split())
-    limit = CHAPTER_AFTER_MAIN_LINE_WORDS
-    assert words <= limit, f"{page} has {words} words, more than {limit}"
-
-
-@pytest.mark.parametrize("chapter", FOLDERS)
-def test_every_chapter_readme_has_the_five_parts_in_order(chapter):
-    text = (REPO / chapter / "README.md").read_text()
-    headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings == PARTS, f"{chapter}/README.md has the parts {headings}, not {PARTS}"
-    check = text.split("## Check it yourself")[1].split("## Deep dives")[0]
-    if chapter == FOLDERS[0]:
-        assert "pytest -m quick" in check
-    else:
-        assert f"python tools/check.py {chapter}/exercise.py" in check
-
-
-@pytest.mark.parametrize(
-    "page",
-    [
-        *MAIN_PATH,
-        *AFTER_MAIN_LINE,
-        *DEEP_DIVES,
-        "docs/deep/DDP_FROM_SCRATCH.md",
-        "docs/deep/ZERO.md",
-    ],
-)
-def test_links_between_pages_resolve(page):
-    path = REPO / page
-    missing = [
-        target
-        for target in LINK.findall(path.read_text())
-        if "://" not in target and not (path.parent / target).exists()
-    ]
-    assert not missing, f"{page} links to files that do not exist: {missing}"
+    for page in AFTER_MAIN_LINE:
+        words = len((REPO / page).read_text().split())
+        limit = CHAPTER_AFTER_MAIN_LINE_WORDS
+        assert words <= limit, f"{page} has {words} words, more than {limit}"
+    for chapter in FOLDERS:
+        text = (REPO / chapter / "README.md").read_text()
+        headings = [line for line in text.splitlines() if line.startswith("## ")]
+        assert headings == PARTS, f"{chapter}/README.md has the parts {headings}, not {PARTS}"
+        check = text.split("## Check it yourself")[1].split("## Deep dives")[0]
+        if chapter == FOLDERS[0]:
+            assert "pytest -m quick" in check
+        else:
+            assert f"cp -n {chapter}/exercise.py {chapter}/my_exercise.py" in check, chapter
+            assert f"python -m tools.check {chapter}/my_exercise.py" in check, chapter
 
 
 def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
@@ -328,7 +308,7 @@ def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
             for t in LINK.findall((REPO / page).read_text())
         }
     assert len(DEEP_DIVES) >= 5
-    for page in [*DEEP_DIVES, "docs/deep/DDP_FROM_SCRATCH.md", "docs/deep/ZERO.md"]:
+    for page in DEEP_DIVES:
         assert (REPO / page).resolve() in linked, f"no README links to {page}"
         first = (REPO / page).read_text().split("\n\n")[1]
         assert not first.startswith(("#", "```", "|", "-")), (

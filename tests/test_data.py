@@ -1,5 +1,5 @@
-"""The data pipeline: prepared once and deterministically, windows shifted by one, a fixed
-order."""
+"""The data pipeline: prepared once and deterministically, windows shifted by one, and a
+fixed order."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from common.data import (
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.tokenizer import encode, eot_id
+from layout import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [
     "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
     "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n",
@@ -53,8 +53,7 @@ def expected_tokens(docs: list[str]) -> list[int]:
     return [t for doc in docs for t in encode(doc) + [eot_id()]]
 
 
-# ---- the default corpus
-# ---------------------------------------------------------------------------
+# ---- the default corpus --------------------------------------------------------------------------
 
 
 def test_shakespeare_is_clean_play_text():
@@ -106,8 +105,7 @@ def test_prepare_is_deterministic(data_dir, tmp_path):
         assert (again / name).read_bytes() == (data_dir / "shakespeare" / name).read_bytes(), name
 
 
-# ---- local files through `datasets`
-# -----------------------------------------------------------------
+# ---- local files through `datasets` --------------------------------------------------------------
 
 
 def test_local_text_file(tmp_path):
@@ -208,8 +206,7 @@ def test_validation_windows_fixed_and_spread(data_dir):
     assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)
 
 
-# ---- the data order of README.md, "How the chapters stay the same run"
-# ----------------------------------
+# ---- the data order of README.md, "How the chapters stay the same run" ---------------------------
 
 
 def chapter01_batches(train_set, seed: int, epoch: int, batch_size: int, skip_batches: int = 0):

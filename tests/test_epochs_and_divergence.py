@@ -41,8 +41,9 @@ from common.data import TokenWindows, load_splits, prepare
 from common.metrics import read_metrics
 from common.support.errors import CourseError
 from common.training import is_divergence, stop_if_diverged
+from layout import REPO
 from tools.check import corpus_text
-from tools.launch import REPO, child_env, run_python, torchrun_command, two_node_commands
+from tools.launch import child_env, run_python, torchrun_command, two_node_commands
 
 ITERS, RESUME_AT = 8, 5
 ACCUMULATE = {"batch_size": 2, "grad_accum": 2}  # with 2 ranks: the global batch of 8
@@ -110,9 +111,9 @@ def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int 
 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
-    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn it
-    into ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data gives
-    ~1e-2."""
+    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn
+    it into ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data
+    gives ~1e-2."""
     a, b = model_state(out_dir), model_state(reference_dir)
     assert a.keys() == b.keys()
     a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
@@ -129,8 +130,7 @@ def folder_state(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in files}
 
 
-# ---- the corpus and the runs, made once per module
-# ------------------------------------------------
+# ---- the corpus and the runs, made once per module -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     """(the corpus file, a data root where it is prepared)."""
     root = tmp_path_factory.mktemp("epochs")
     path = root / "act1.txt"
-    path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check.py)
+    path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check/)
     folder = prepare(str(path), root / "data", log=lambda *a: None)
     train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
     assert len(train_set) == N_WINDOWS
@@ -251,8 +251,7 @@ def runs(corpus, tmp_path_factory) -> dict:
     return out | {"01_read": read, "diverged": diverged}
 
 
-# ---- every chapter is chapter 01's run, through the epoch boundaries
-# --------------------------------
+# ---- every chapter is chapter 01's run, through the epoch boundaries -----------------------------
 
 
 @pytest.mark.slow
@@ -341,8 +340,8 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
     assert "timed out" not in (proc.stdout + proc.stderr).lower()
     assert (folder / "ckpt.pt").read_bytes() == before["ckpt.pt"]
-    # the good run's lines are kept; the steps after it that were still finite are logged, nothing
-    # else
+    # the good run's lines are kept; after them, only the steps that were still finite
+    # are logged
     kept = before["metrics.jsonl"].decode()
     assert (folder / "metrics.jsonl").read_text().startswith(kept)
     assert_finite_metrics(folder)

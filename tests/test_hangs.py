@@ -21,7 +21,8 @@ import time
 import pytest
 from helpers import start
 
-from tools.launch import REPO, stop_launchers, torchrun_command
+from layout import REPO
+from tools.launch import stop_launchers, torchrun_command
 
 HANGS = REPO / "05_multinode" / "hangs.py"
 PG_TIMEOUT = 3  # seconds a collective waits before it fails

@@ -1,5 +1,5 @@
-"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (Hugging Face's
-logits)."""
+"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (the same
+logits as Hugging Face's)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls
 
 
 def test_vocabulary_padded_to_multiple_of_64():
-    # the smallest multiple of 64 that holds GPT-2's
+    # 50,304 is the smallest multiple of 64 that holds GPT-2's 50,257 tokens
     assert 50304 % 64 == 0
     assert 50304 - 64 < 50257 <= 50304
     for name, cfg in PRESETS.items():
@@ -25,16 +25,16 @@ def test_vocabulary_padded_to_multiple_of_64():
 @pytest.mark.quick
 def test_presets_and_overrides():
     cfg = model_config("tiny", n_embd=64, block_size=None)
-    # None keeps the preset
     assert cfg.n_embd == 64
+    # None keeps the preset's value
     assert cfg.block_size == PRESETS["tiny"].block_size
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("huge")
 
 
 def expected_params(cfg: GPTConfig) -> int:
-    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + final
-    LayerNorm."""
+    """Embeddings (tied: counted once) + per layer 12 C^2 weights and 13 C biases/gains + the
+    final LayerNorm."""
     C = cfg.n_embd
     return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
 
@@ -144,8 +144,8 @@ def hf_gpt2(n_positions: int = 64):
         activation_function="gelu_new",
     )
     model = GPT2LMHeadModel(config).eval()
-    # random biases and gains too, so a missed or transposed tensor cannot hide behind zeros and
-    # ones
+    # random biases and gains too, so that a missed or transposed tensor cannot hide behind
+    # zeros and ones
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

@@ -17,8 +17,9 @@ import nbformat
 import pytest
 
 from common.chapters import CHAPTERS
+from layout import REPO
+from maintainer import REGENERATE
 from maintainer.build_notebooks import KERNEL, execute, main, source
-from tools.launch import REPO
 
 FOLDERS = list(CHAPTERS.values())
 
@@ -37,7 +38,7 @@ def python3_kernel():
 
 def test_committed_notebooks_are_their_sources_run():
     proc = subprocess.run(
-        [sys.executable, "maintainer/build_notebooks.py", "--check"],
+        [sys.executable, "-m", "maintainer.build_notebooks", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -50,7 +51,7 @@ def test_check_names_a_stale_notebook_and_its_fix(tmp_path, capsys):
     (tmp_path / chapter).mkdir()
     for name in ("notebook.py", "notebook.ipynb"):
         shutil.copy(REPO / chapter / name, tmp_path / chapter)
-    fix = f"(run python maintainer/build_notebooks.py {chapter})"
+    fix = f"(run {REGENERATE})"
     assert main(["--check", "--root", str(tmp_path)]) == 0
 
     path = tmp_path / chapter / "notebook.ipynb"
@@ -88,8 +89,8 @@ def test_notebook_runs(chapter, data_dir, python3_kernel):
 
 
 def test_the_readme_set_up_installs_jupyter_lab():
-    """`pip install -r requirements-dev.txt`, the README's set-up, must give a working `jupyter
-    lab`."""
+    """The README's set-up, `pip install -r requirements-dev.txt`, must give a working
+    `jupyter lab`."""
     assert any(
         line.split(">")[0].split("=")[0].strip() == "jupyterlab"
         for line in (REPO / "requirements-dev.txt").read_text().splitlines()

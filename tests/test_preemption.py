@@ -136,8 +136,7 @@ def test_sigterm_stops_chapter_01_with_one_line_and_status_75(runs):
     assert step == max(logged_losses(out["single"]))
 
 
-# ---- in-process: the signal handling
-# ----------------------------------------------------------------
+# ---- in-process: the signal handling -------------------------------------------------------------
 
 
 @pytest.fixture

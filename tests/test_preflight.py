@@ -7,7 +7,8 @@ import subprocess
 
 from helpers import outputs_of, start
 
-from tools.launch import REPO, run_python, two_node_commands
+from layout import REPO
+from tools.launch import run_python, two_node_commands
 
 PREFLIGHT = REPO / "05_multinode" / "preflight.py"
 

@@ -1,30 +1,24 @@
 """One number, one source: the texts quote only figures that bench/results/results.json holds.
 
 bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every
-measured figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up, an
-efficiency, a loss, a memory size or byte count, a tolerance, a count like "11 of 28", a range,
-"about 0.4", the step an example output names) must be one the results hold. The texts are read when
-the test runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff blocks,
-inline code (flags, settings, error messages) and the short list of figures that are not
-measurements, each with its reason (maintainer/results.py's NOT_MEASURED, also printed at the end of
-RESULTS.md)."""
+measured figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up,
+an efficiency, a loss, a memory size or byte count, a tolerance, a count like "11 of 28", a range,
+"about 0.4", the step an example output names) must be one the results hold. The texts are read
+when the test runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff
+blocks, inline code (flags, settings, error messages) and the short list of figures that are not
+measurements, each with its reason (maintainer/results.py's NOT_MEASURED, which the end of
+RESULTS.md prints too)."""
 
 from __future__ import annotations
 
-import sys
-
-from tools.launch import REPO
-
-sys.path.insert(0, str(REPO / "maintainer"))
-
-import results
+from layout import REPO
+from maintainer import REGENERATE, results
 
 
 def test_results_md_is_rendered_from_the_json():
     rendered = results.render(results.load())
     assert (REPO / "bench" / "RESULTS.md").read_text() == rendered, (
-        "bench/RESULTS.md is out of step with bench/results/results.json: "
-        "run `python maintainer/results.py`"
+        f"bench/RESULTS.md is out of step with bench/results/results.json: run `{REGENERATE}`"
     )
 
 
@@ -48,13 +42,13 @@ def test_every_figure_the_texts_quote_is_in_the_results():
     assert not missing, (
         f"{len(missing)} measured figure(s) in the texts are not in bench/results/results.json "
         "(quote a figure from bench/RESULTS.md, or record the run that gave it with "
-        "`python maintainer/results.py record`):\n" + "\n".join(missing)
+        "`python -m maintainer.results record`):\n" + "\n".join(missing)
     )
 
 
 def test_the_checker_finds_a_planted_figure(tmp_path):
-    """A text quoting a figure the results do not hold fails; the same figure in the results
-    passes."""
+    """A text that quotes a figure the results do not hold fails; with the figure in the
+    results, it passes."""
     (tmp_path / "README.md").write_text(
         "The run took 4 min 4 s at 1,940 tokens/s,\n"
         "two ranks gave 1.23x and 71% scaling efficiency.\n"

@@ -29,12 +29,13 @@ from helpers import snapshot, start, tiny_run_args
 
 from common.support import rundir
 from common.support.errors import CourseError
-from tools.launch import REPO, child_env, run_python, stop_launchers, torchrun_command
+from layout import REPO
+from tools.launch import child_env, run_python, stop_launchers, torchrun_command
 
 
 def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:
-    """Read proc's merged output until `needle` appears (or the process ends); returns what was
-    read."""
+    """Read proc's merged output until `needle` appears or the process ends; return what was
+    read so far."""
     seen, deadline = "", time.monotonic() + limit
     while needle not in seen and time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
@@ -200,8 +201,8 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
 
 
 def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_path):
-    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: a terminal that reports 0
-    columns."""
+    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: in a terminal that reports
+    0 columns."""
     parent, child = pty.openpty()
     assert os.get_terminal_size(child).columns == 0
     proc = subprocess.Popen(
@@ -235,7 +236,7 @@ def test_a_file_system_that_cannot_lock_is_named_and_can_be_run_without_the_lock
     tmp_path, monkeypatch
 ):
     """lockf's own errors, planted: only EAGAIN (or EACCES) means another run; ENOLCK (NFS without
-    its lock service) and ENOSYS (Lustre without flock) mean the file system cannot lock."""
+    its lock service) and ENOSYS (Lustre mounted with noflock) mean the file system cannot lock."""
 
     def failing(code):
         def lockf(fd, operation):

@@ -1,7 +1,7 @@
 """05_multinode/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves the step,
 the job is requeued under its id, and the requeued job resumes from that step and completes.
 
-The cluster is 05_multinode/test_cluster/start.sh's (CI brings it up and exports SLURM_CONF). The
+The cluster is .ci/slurm/start.sh's (CI brings it up and exports SLURM_CONF). The
 script is submitted as it is, with a tiny CPU run: what differs is given on sbatch's command line
 (one node, no GPU, two cores) and in the environment the script reads (two processes per node, the
 prepared token files, the run folder).
@@ -27,9 +27,10 @@ import torch
 from helpers import tiny_run_args
 
 from common.metrics import read_metrics
-from tools.launch import REPO, child_env, free_port
+from layout import REPO
+from tools.launch import child_env, free_port
 
-START = "sudo bash 05_multinode/test_cluster/start.sh /tmp/course-slurm"
+START = "sudo bash .ci/slurm/start.sh /tmp/course-slurm"
 # sbatch options that fit the script to the test cluster; the script itself is not changed
 ONE_SMALL_NODE = ["--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2"]
 ITERS = 16
@@ -175,7 +176,7 @@ def test_the_real_time_limit_signal_stops_and_requeues(slurm, data_dir, tmp_path
 
 def start_cluster(folder: Path, ports: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "05_multinode/test_cluster/start.sh", str(folder)],
+        ["bash", ".ci/slurm/start.sh", str(folder)],
         cwd=REPO,
         env={**os.environ, **ports},
         stdin=subprocess.DEVNULL,
@@ -224,8 +225,6 @@ def test_start_sh_keeps_a_cluster_that_answers_and_restarts_one_that_does_not(sl
         assert not is_running(controller)
         assert int((folder / "slurmctld.pid").read_text()) != controller
     finally:
-        subprocess.run(
-            ["bash", "05_multinode/test_cluster/stop.sh", str(folder)], cwd=REPO, timeout=60
-        )
+        subprocess.run(["bash", ".ci/slurm/stop.sh", str(folder)], cwd=REPO, timeout=60)
     assert not (folder / "slurmctld.pid").exists()
     assert not (folder / "slurmd.pid").exists()

@@ -1,10 +1,10 @@
-"""04_ddp/zero1.py (ZeRO-1 from scratch) and ZeroRedundancyOptimizer against DDP + AdamW and chapter
+"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and chapter
 01.
 
 All runs are real processes; the runs are made once (a module fixture) and shared:
 
     01, 5 steps (checkpoint at step 5), then --resume to 10     the reference: losses, parameters
-    torchrun 2 ranks: tests/workers/zero_worker.py              K = 1 and K = 3
+    torchrun 2 ranks: workers/zero_worker.py         K = 1 and K = 3
     torchrun 3 ranks: the same, with --extras                   uneven shards; broken variants,
                                                                 checkpoints in both directions
     01 --resume from the ZeRO-1 and from the ZeroRedundancyOptimizer checkpoints of step 5
@@ -26,10 +26,11 @@ import torch
 from helpers import start, tiny_run_args
 
 from common.metrics import read_metrics
-from tools.launch import REPO, run_python, run_torchrun
+from layout import REPO
+from tools.launch import run_python, run_torchrun
 
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
-WORKER = REPO / "tests" / "workers" / "zero_worker.py"
+WORKER = "workers.zero_worker"  # a module: `torchrun -m` from the repository root
 ITERS, SAVE_AT, CLIP = 10, 5, 1.0
 REL = 1e-5  # losses, as chapter 04's tests: float32, dropout 0, only the order of additions differs
 # parameters after 10 AdamW steps: rounding, amplified a little by Adam's division
@@ -70,6 +71,7 @@ def runs(data_dir, tmp_path_factory) -> dict:
             world,
             [out, step5, ch01, *extras, "--", *flags(data_dir, root / "unused", ITERS)],
             timeout=300,
+            extra=["-m"],
         )
         results[world] = json.loads((out / "results.json").read_text())
     # chapter 01 resumes the gathered step-5 checkpoints of the 3-rank launch: both at once
@@ -189,8 +191,8 @@ def test_chapter01_checkpoint_continues_under_zero(runs):
 def test_zero_checkpoint_continues_in_chapter01(runs, impl):
     saved = torch.load(runs["w3"] / f"{impl}_step{SAVE_AT}" / "ckpt.pt", weights_only=True)
     ours = torch.load(runs["ch01"] / "ckpt.pt", weights_only=True)
-    # the gathered optimizer state has chapter 01's layout: every parameter, numbered as AdamW
-    # numbers them
+    # the gathered optimizer state has chapter 01's layout: every parameter, with the number
+    # AdamW gives it
     assert saved["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
     assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == [
         len(g["params"]) for g in ours["optimizer"]["param_groups"]

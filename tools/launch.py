@@ -1,9 +1,9 @@
 """Starting the chapters' scripts as a reader does: `python X`, `torchrun X`, or two torchruns as
 two nodes.
 
-The tests, the benchmark, the plots and the notebooks all start runs; this is the one place that
-knows how. No chapter imports it: a chapter is started by these commands, it does not start anything
-itself."""
+The tests, the benchmark, the plots, the notebooks and the checker all start runs; this is the one
+place that knows how. No chapter imports it: a chapter is started by these commands, it starts
+nothing itself."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from layout import REPO
 
 # `torchrun` is `python -m torch.distributed.run`: this spelling uses the running Python, whatever
 # environment it is in, where a bare `torchrun` could find another one on the PATH.
@@ -84,8 +85,8 @@ def two_node_commands(script: str | Path, nproc_per_node: int, args: list) -> li
 
 
 def shown_command(cmd: list) -> str:
-    """A command as a reader would type it: `python`, `torchrun` and paths relative to the
-    repository."""
+    """A command as a reader would type it: `python`, `torchrun`, and paths relative to the
+    course's root."""
     words = [str(word) for word in cmd]
     if words[: len(TORCHRUN)] == TORCHRUN:
         words = ["torchrun", *words[len(TORCHRUN) :]]
@@ -146,33 +147,46 @@ def stop_launchers(procs: list[subprocess.Popen], grace: float = 15) -> None:
                 proc.wait()
 
 
-def run_together(commands: list[list[str]], env: dict, logs: list, timeout: float) -> int:
-    """Start the commands at once (the nodes of one run), each writing to its open log; wait for
-    all.
-
-    Returns the first non-zero exit status (124 after `timeout` seconds), else 0. When one node
-    fails the others are stopped at once: they would otherwise wait for it until their own timeout.
-    """
-    procs = [
+def start_together(commands: list[list[str]], env: dict, logs: list) -> list[subprocess.Popen]:
+    """Start the commands at once (the nodes of one run), each writing to its open log, each a
+    launcher in a session of its own (stop_launchers ends it with everything it started)."""
+    return [
         subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         for cmd, log in zip(commands, logs)
     ]
+
+
+def wait_together(
+    procs: list[subprocess.Popen], timeout: float, give_up: Callable[[], bool] | None = None
+) -> int:
+    """Wait for all the started commands; stop whatever still runs when one fails, after `timeout`
+    seconds, or when give_up() says so (a hang the caller recognised).
+
+    Returns the first non-zero exit status (124 after the timeout), else 0. One node that fails
+    stops the others at once: they would otherwise wait for it until their own timeout.
+    """
     deadline = time.monotonic() + timeout
-    status = 0
     try:
-        for proc in procs:
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = 124
-            if code != 0 and status == 0:
-                status = code
-                stop_launchers(procs, grace=5)
+        while any(proc.poll() is None for proc in procs):
+            failed = [proc.returncode for proc in procs if proc.poll() not in (None, 0)]
+            if failed:
+                return failed[0]
+            if time.monotonic() > deadline:
+                return 124
+            if give_up is not None and give_up():
+                return 1
+            time.sleep(0.25)
+        return next((proc.returncode for proc in procs if proc.returncode != 0), 0)
     finally:
-        stop_launchers(procs, grace=0)
-    return status
+        stop_launchers(procs, grace=5)
+
+
+def run_together(commands: list[list[str]], env: dict, logs: list, timeout: float) -> int:
+    """start_together, then wait_together: the first non-zero exit status (124 after `timeout`
+    seconds), else 0."""
+    return wait_together(start_together(commands, env, logs), timeout)
 
 
 def flags(**values) -> list[str]:

@@ -1,0 +1,336 @@
+"""Is your script chapter 01's run? Run it next to chapter 01 and compare them step by step.
+
+    python -m tools.check 02_grad_accumulation/exercise.py
+    python -m tools.check 04_ddp/exercise.py --nproc-per-node 2
+    python -m tools.check my_ddp.py --nproc-per-node 2 --chapter 4
+
+SCRIPT is a copy of a chapter's train.py that takes the course's flags. It runs (under torchrun with
+--nproc-per-node N > 1) next to chapter 01, both in float64 on the tiny model, with the same global
+batch of 8 sequences, the same seed and a corpus of 29 windows, so that 8 steps cross two epoch
+boundaries. Equal runs then agree to the last digit. Compared: every row the script logs (loss,
+learning rate, validation loss), the optimizer steps per logged step, the windows every rank read,
+every step's gradient norm and parameters, every rank's copy of them, the GPU index each rank asks
+for, and a run stopped at step 5 and resumed. What a CPU cannot show is stood in for: chapter 03's
+DataParallel splits each batch over 2 replicas; chapter 05 runs as two nodes of one process each
+(so LOCAL_RANK is not RANK), and instead of a plain resume, one rank is killed after step 6 and
+torchrun restarts the group. Chapter 06's ranks hold shards of the parameters (FSDP): they are
+gathered whole to be compared. A hang (ranks waiting in collectives that do not match) is named
+with each rank's line within seconds. The verdict: "same run" (exit 0), with what the check could
+not observe; "not the same run" (exit 1) with what differs first and a diagnosis from
+tools/check/mistakes.py (or, where no entry fits, what the facts show); or "could not run" (exit
+2). The logs, metrics, facts and a plot of both loss curves go to a new folder under out/check/
+(about 1 MB; the checkpoints and parameter files are deleted once compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.chapters import CHAPTERS
+from tools.check import facts as gather
+from tools.check.mistakes import BY_NAME, known_failure, same_run, where_to_look
+from tools.check.plan import GLOBAL_BATCH, PLANS, RESTART_EVAL, RESTART_KILL, RESUME_AT, Plan
+from tools.check.reference import prepared_corpus, reference_run, run_flags
+from tools.check.report import Seen, different_lines, plot, same_lines
+from tools.check.runner import (
+    CannotRun,
+    Launch,
+    Run,
+    failure_line,
+    finish,
+    run_one,
+    shown,
+    start,
+    stop,
+)
+from tools.launch import REPO
+from tools.statements import quoted, statements
+
+
+def written_as(source: str) -> tuple[int | None, int | None]:
+    """(N, line) of the script's call that names its chapter (parse_args(chapter=N, ...))."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None, None
+    for node in ast.walk(tree):
+        for word in node.keywords if isinstance(node, ast.Call) else []:
+            if word.arg == "chapter" and isinstance(word.value, ast.Constant):
+                return int(word.value.value), node.lineno
+    return None, None
+
+
+def chapter_of(script: Path, source: str, given: int | None) -> int:
+    """--chapter, else the chapter folder the script is in, else the one its parse_args names."""
+    if given is not None:
+        return given
+    for number, name in CHAPTERS.items():
+        if script.resolve().parent == REPO / name:
+            return number
+    number, _ = written_as(source)
+    if number is None:
+        raise CannotRun(
+            f"cannot tell which chapter {shown(script)} is: give --chapter N (1-{max(CHAPTERS)})"
+        )
+    return number
+
+
+def fresh_folder(root: Path, script: Path) -> Path:
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{script.resolve().parent.name}_{script.stem}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        folder = root / f"{stem}_{stamp}" if n == 0 else root / f"{stem}_{stamp}_{n}"
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:
+            continue
+    raise CannotRun(f"no free folder under {root}")
+
+
+def hang_report(run: Run, script: Path, source: str, nproc: int) -> list[str]:
+    """Each rank's line in the script and the collective it waits in (or how it ended)."""
+    hangs, lines, mine = run.hangs(), source.splitlines(), statements(source)
+    statuses = {r["rank"]: r.get("status") for r in run.ranks()}
+    out = []
+    for rank in range(nproc):
+        if rank in hangs:
+            where = hangs[rank]
+            node = mine.get(where["line"])
+            said = quoted(node[0], lines) if node else lines[where["line"] - 1].strip()
+            out.append(
+                f"  rank {rank} waits in {where['collective']} at line {where['line']} of "
+                f"{shown(script)}: `{said}`"
+            )
+        elif statuses.get(rank) == 0:
+            out.append(f"  rank {rank} finished the script: nobody answers the others")
+        else:
+            out.append(f"  rank {rank} stopped: no line recorded")
+    return out
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: the script, the chapter's plan, its ranks, and where its runs go."""
+
+    script: Path
+    source: str
+    plan: Plan
+    nproc: int
+    folder: Path
+    corpus: Path
+    data: Path
+    resume: bool  # the stop-and-resume (or restart) check runs
+    theirs: str  # the chapter's own train.py
+
+    @property
+    def launch(self) -> Launch:
+        return Launch(self.nproc, self.plan.nodes, self.plan.env(), torchrun=self.plan.distributed)
+
+    def flags(self, out: str, iters: int | None = None, **more) -> list[str]:
+        split, extra = self.plan.split(self.nproc), self.plan.extra_flags()
+        if iters is not None:
+            more["iters"] = iters
+        return run_flags(self.corpus, self.data, self.folder / out, **split, **extra, **more)
+
+    def run(self, name: str, launch: Launch | None = None, **more) -> Run:
+        args = self.flags(name, **more)
+        return run_one(self.script, launch or self.launch, args, self.folder, name)
+
+
+def planned(args) -> tuple[Plan, int, str]:
+    """The chapter's plan, the ranks to run and the script's source; or CannotRun saying why not."""
+    script = Path(args.script)
+    if not script.is_file():
+        raise CannotRun(f"{args.script}: no such file")
+    source = script.read_text(errors="replace")
+    chapter = chapter_of(script, source, args.chapter)
+    if chapter not in PLANS:
+        raise CannotRun(f"--chapter {chapter}: the chapters are 1 to {max(PLANS)}")
+    plan = PLANS[chapter]
+    if args.nproc_per_node > 1 and not plan.distributed:
+        raise CannotRun(f"chapter {chapter:02d} runs in one process: drop --nproc-per-node")
+    nproc = plan.nproc(args.nproc_per_node)
+    if GLOBAL_BATCH % nproc:
+        raise CannotRun(
+            f"--nproc-per-node {nproc}: the check's global batch of 8 needs 1, 2, 4 or 8 ranks"
+        )
+    says, line = written_as(source)
+    if says is not None and says != chapter:
+        raise CannotRun(
+            f"{shown(script)} is still chapter {says:02d}'s script (line {line}: "
+            f"parse_args(chapter={says}, ...)) and is checked as chapter {chapter:02d}: "
+            f"do its TODOs (one sets chapter={chapter})"
+        )
+    return plan, nproc, source
+
+
+def resumed_run(c: Check) -> Run:
+    """Stopped at step 5, then resumed to the end: the resumed run."""
+    first = c.run("resumed", iters=RESUME_AT)
+    if first.status == 0:
+        resumed = c.run("resumed", resume=True)
+    failed = first if first.status != 0 else resumed
+    if failed.status != 0:
+        raise CannotRun(
+            f"the resume check failed: {failure_line(failed, c.script)} (see {shown(failed.log)})"
+        )
+    return resumed
+
+
+def restart_check(c: Check, ref: Run) -> str | None:
+    """Kill rank 1 after step 6 (checkpoint at step 4); torchrun restarts the group, which must
+    continue from the checkpoint to chapter 01's end. None: it did."""
+    env = (*c.launch.env, ("CHECK_KILL", f"1:{RESTART_KILL}"))
+    launch = Launch(c.nproc, c.plan.nodes, env, ("--max-restarts=1",), torchrun=True)
+    run = c.run("restarted", launch, eval_interval=RESTART_EVAL)
+    if run.status == 0 and not any(r.get("restart") for r in run.ranks()):
+        return "rank 1 was killed, yet the run ended without a restart"
+    if run.status != 0:
+        return f"after the restart: {failure_line(run, c.script)}"
+    diff = gather.first_diff(run.losses(), ref.losses())
+    if diff is not None:
+        return f"the restarted run's loss differs from step {diff}"
+    if gather.relative_distance(run.params(), ref.params()) > gather.PARAM_RTOL:
+        return "the restarted run ends with other parameters than chapter 01's"
+    return None
+
+
+def hung(c: Check, run: Run) -> int:
+    print("not the same run: the ranks hang, each waiting for the others in a collective")
+    print(*hang_report(run, c.script, c.source, c.nproc), sep="\n")
+    print(
+        "  nothing is known to differ: the run was stopped at the hang "
+        f"(the whole output: {shown(run.log)})"
+    )
+    hang = BY_NAME["a collective called by only some ranks"]
+    print(f"diagnosis: {hang.name}: {hang.did}")
+    look = where_to_look(hang, c.source, shown(c.script), c.theirs)
+    if look.text.startswith("look at"):  # the statement around the collective that differs
+        where = look.text.split("; chapter")[0]
+        print(
+            f"  {where}; chapter {c.plan.chapter:02d} has no such statement: "
+            "every rank reaches the collective"
+        )
+    return 1
+
+
+def failed_early(c: Check, run: Run) -> int:
+    """The run logged no step: a known failure is a diagnosis, any other cannot be compared."""
+    failure = failure_line(run, c.script)
+    known = known_failure(failure)
+    if known is None:
+        raise CannotRun(f"{failure} (the whole output: {shown(run.log)})")
+    print(f"not the same run: it stopped before step 1: {failure}")
+    print(f"diagnosis: {known.name}: {known.did}")
+    print(f"  {where_to_look(known, c.source, shown(c.script), c.theirs).text}")
+    return 1
+
+
+def verdict(c: Check, run: Run, ref: Run, args) -> int:
+    if run.unsupported():
+        raise CannotRun(run.unsupported())
+    if run.status != 0 and run.hangs():
+        return hung(c, run)
+    if not run.losses():
+        return failed_early(c, run)
+    failure = failure_line(run, c.script) if run.status != 0 else None
+    facts = gather.gather(c.plan, c.nproc, run, ref, failure)
+    resumed = None
+    restarted = False
+    # the stop and the resume (or the restart) are checked on a run whose plain part is right
+    plain = run.status == 0 and facts.log.first_loss_diff is None and facts.grads.params_equal
+    if plain and c.resume and c.plan.restart:
+        facts = gather.with_restart(facts, restart_check(c, ref))
+        restarted = True
+    elif plain and c.resume:
+        resumed = resumed_run(c)
+        facts = gather.with_resume(facts, run, resumed, ref)
+    (c.folder / "facts.json").write_text(json.dumps(facts.as_dict(), indent=1))
+    if args.facts:
+        print(json.dumps(facts.as_dict(), indent=1))
+    seen = Seen(facts, run, ref, resumed, failure, restarted)
+    if same_run(facts):
+        print(*same_lines(seen), sep="\n")
+    else:
+        facts_file = shown(c.folder / "facts.json")
+        print(*different_lines(seen, c.source, shown(c.script), c.theirs, facts_file), sep="\n")
+    if not args.no_plot:
+        png = c.folder / "losses.png"
+        drawn = plot(png, seen, f"{shown(c.script)} against chapter 01")
+        print(f"plot: {shown(png)}" if drawn else "plot: none (matplotlib is not installed)")
+    return 0 if same_run(facts) else 1
+
+
+def tidy(folder: Path) -> None:
+    """Keep what a learner looks at (logs, metrics, facts, the plot): the checkpoints and the
+    parameter files, 100 MB a check, are deleted once compared."""
+    for path in folder.rglob("*.pt"):
+        path.unlink(missing_ok=True)
+
+
+def check(args) -> int:
+    plan, nproc, source = planned(args)
+    script, root = Path(args.script), Path(args.out_root)
+    corpus_file, data, corpus = prepared_corpus(root)
+    folder = fresh_folder(root, script)
+    theirs = (REPO / CHAPTERS[plan.chapter] / "train.py").read_text()
+    c = Check(script, source, plan, nproc, folder, corpus_file, data, not args.no_resume, theirs)
+    shape = plan.shape(nproc)
+    print(f"checking {shown(script)} as chapter {plan.chapter:02d} ({shape}) against chapter 01")
+    print(f"  float64, tiny model, 8 steps over 3 epochs of a small corpus; in {shown(folder)}/")
+    started = start(script, c.launch, c.flags("run"), folder, "run")
+    try:
+        ref = reference_run(root, corpus_file, data, corpus)  # meanwhile, unless already made
+    except BaseException:
+        stop(started)
+        raise
+    run = finish(started)
+    try:
+        return verdict(c, run, ref, args)
+    finally:
+        tidy(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("script", help="your copy of a chapter's train.py")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=1, help="ranks (under torchrun when more than 1)"
+    )
+    p.add_argument(
+        "--chapter", type=int, default=None, help="the chapter whose flags the script takes"
+    )
+    p.add_argument("--out-root", default=str(REPO / "out" / "check"), help="where the runs go")
+    p.add_argument(
+        "--no-resume", action="store_true", help="skip the stop-and-resume (05: restart) check"
+    )
+    p.add_argument("--no-plot", action="store_true", help="draw no plot")
+    p.add_argument(
+        "--facts", action="store_true", help="print the facts the diagnosis is made from"
+    )
+    args = p.parse_args(argv)
+    try:
+        return check(args)
+    except CannotRun as err:
+        said = str(err)
+        print(said if said.startswith("could not run: ") else f"could not run the script: {said}")
+        return 2
+    except KeyboardInterrupt:
+        print("stopped (Ctrl-C)")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

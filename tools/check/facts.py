@@ -1,0 +1,379 @@
+"""What the comparison of a run with chapter 01's found, in small groups: each a frozen dataclass,
+computed where it is defined (`of`). Steps count from 1. The catalogue (tools/check/mistakes.py)
+reads these facts; nothing changes them once computed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from tools.check.plan import RESUME_AT, STEPS, Plan
+from tools.check.runner import Run
+
+# float64: runs that take the same steps agree to about 1e-15; the order of additions differs
+# between the chapters (micro-batches, ranks), so allow a little more, still far below any
+# real difference
+LOSS_RTOL, PARAM_RTOL = 1e-10, 1e-9
+
+
+def relative_distance(a, b) -> float:
+    if a is None or b is None or a.shape != b.shape:
+        return math.inf
+    return ((a - b).norm() / b.norm()).item()
+
+
+def differs(a: float | None, b: float | None, rtol: float) -> bool:
+    if a is None or b is None:
+        return a is not b
+    return abs(a - b) > rtol * abs(b)
+
+
+def first_diff(run: dict[int, float], ref: dict[int, float], after: int = 0, rtol=LOSS_RTOL):
+    """The first step after `after` where the two columns differ (a missing row differs)."""
+    for step in sorted(set(ref) | set(run)):
+        if step > after and differs(run.get(step), ref.get(step), rtol):
+            return step
+    return None
+
+
+def first_step_diff(steps: list[dict], ref_steps: list[dict], read, offset: int = 0, rtol=1e-9):
+    """The first optimizer step (numbered as chapter 01's) where read(step) differs."""
+    for i, step in enumerate(steps):
+        if offset + i >= len(ref_steps):
+            return offset + i + 1
+        mine, theirs = read(step), read(ref_steps[offset + i])
+        if isinstance(mine, list):
+            if any(differs(a, b, rtol) for a, b in zip(mine, theirs)) or len(mine) != len(theirs):
+                return offset + i + 1
+        elif differs(mine, theirs, rtol):
+            return offset + i + 1
+    return None
+
+
+def lr_speed(lrs: dict[int, float], ref_lrs: dict[int, float]) -> int | None:
+    """k > 1 if the logged lr of every step s is chapter 01's of step (s - 1) * k + 1."""
+    for k in range(2, STEPS + 1):
+        pairs = [(s, (s - 1) * k + 1) for s in lrs if (s - 1) * k + 1 in ref_lrs]
+        if len(pairs) >= 2 and all(not differs(lrs[s], ref_lrs[t], 1e-9) for s, t in pairs):
+            if any(s != t for s, t in pairs):
+                return k
+    return None
+
+
+def grad_norm(step: dict) -> float:
+    return step["grad_norm"]
+
+
+def checksum(step: dict):
+    return step.get("checksum")
+
+
+def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
+    """Every rank's windows of step i (from 0), together, sorted."""
+    return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
+
+
+@dataclass(frozen=True)
+class Logged:
+    """What metrics.jsonl and the log say, against chapter 01's."""
+
+    logged_steps: int = 8  # training-loss rows in metrics.jsonl
+    first_loss_diff: int | None = None  # the first step whose logged loss differs
+    loss_ratio_at_1: float = 1.0  # the script's logged loss at step 1 / chapter 01's
+    first_lr_diff: int | None = None  # the first logged step whose learning rate differs
+    # the logged lr of step s is chapter 01's of step (s - 1) * lr_speed + 1 (None: no such number)
+    lr_speed: int | None = None
+    first_val_diff: int | None = None  # the first step whose validation loss differs
+    val_ratio: float | None = None  # the validation loss there / chapter 01's
+    stopped_after: int | None = None  # the script failed after this many logged steps
+    failure: str | None = None  # the line that says why the run failed
+    hung: bool = False  # the ranks waited in collectives that do not match
+    # what the script printed ("N steps per epoch"), None if not found
+    script_steps_per_epoch: int | None = None
+
+    @classmethod
+    def of(cls, run: Run, ref: Run, failure: str | None) -> Logged:
+        losses, ref_losses = run.losses(), ref.losses()
+        lrs, ref_lrs = run.column("lr"), ref.column("lr")
+        vals, ref_vals = run.column("val_loss"), ref.column("val_loss")
+        first_val = first_diff(vals, ref_vals)
+        val_ratio = None
+        if first_val is not None and vals.get(first_val) and ref_vals.get(first_val):
+            val_ratio = vals[first_val] / ref_vals[first_val]
+        found = re.search(r"(\d+) steps per epoch", run.output())
+        return cls(
+            logged_steps=len(losses),
+            first_loss_diff=first_diff(losses, ref_losses),
+            loss_ratio_at_1=losses[1] / ref_losses[1] if 1 in losses else math.nan,
+            first_lr_diff=first_diff(lrs, ref_lrs, rtol=1e-9),
+            lr_speed=lr_speed(lrs, ref_lrs),
+            first_val_diff=first_val,
+            val_ratio=val_ratio,
+            stopped_after=None if run.status == 0 and len(losses) == STEPS else len(losses),
+            failure=failure,
+            script_steps_per_epoch=int(found.group(1)) if found else None,
+        )
+
+
+@dataclass(frozen=True)
+class Data:
+    """The training windows every rank read, against chapter 01's."""
+
+    steps_per_epoch: int = 3  # chapter 01's
+    first_data_diff: int | None = None  # the first step whose windows (all ranks) differ
+    rank0_reads_its_share: bool = True  # rank 0 read only windows of chapter 01's batch in epoch 0
+    ranks_overlap: bool = False  # two ranks read the same window in epoch 0
+    repeats_first_epoch: bool = False  # the second epoch's first step read epoch 0's first windows
+    ranks_same_windows: bool = False  # every rank read the same windows at step 1
+
+    @classmethod
+    def of(cls, ranks_steps: list[list[dict]], ref_steps: list[dict], per_epoch: int) -> Data:
+        if not any(step["windows"] for steps in ranks_steps for step in steps):
+            # the script reads its data some other way than common.data: no facts about the data
+            return cls(per_epoch, None, False, False, False, False)
+        done = min(map(len, ranks_steps), default=0)
+        first = next(
+            (
+                s + 1
+                for s in range(min(done, len(ref_steps)))
+                if windows_of(ranks_steps, s) != sorted(ref_steps[s]["windows"])
+            ),
+            None,
+        )
+        if first is None and done < max(map(len, ranks_steps)) and done < len(ref_steps):
+            first = done + 1  # a rank took fewer steps than another: it read nothing there
+        rank0 = ranks_steps[0]
+        epoch0 = [{w for st in steps[:per_epoch] for w in st["windows"]} for steps in ranks_steps]
+        firsts = [steps[0]["windows"] if steps else [] for steps in ranks_steps]
+        return cls(
+            steps_per_epoch=per_epoch,
+            first_data_diff=first,
+            rank0_reads_its_share=all(
+                set(rank0[s]["windows"]) <= set(ref_steps[s]["windows"])
+                for s in range(min(len(rank0), per_epoch))
+            ),
+            ranks_overlap=any(a & b for i, a in enumerate(epoch0) for b in epoch0[i + 1 :]),
+            repeats_first_epoch=done > per_epoch
+            and windows_of(ranks_steps, per_epoch) == windows_of(ranks_steps, 0),
+            ranks_same_windows=len(firsts) > 1
+            and all(firsts)
+            and all(f == firsts[0] for f in firsts),
+        )
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """Rank 0's optimizer steps: gradients, parameters, zero_grad, the sync switch."""
+
+    grad_accum: int = 2  # K: micro-batches per optimizer step on each rank
+    grad_ratio_at_1: float | None = 1.0  # the gradient norm (before clipping) at step 1 / ch. 01's
+    first_grad_diff: int | None = None  # the first step whose gradient norm differs
+    first_param_diff: int | None = None  # the first step after which the parameters differ
+    params_equal: bool = True  # the final parameters equal chapter 01's
+    optimizer_steps: int = 8  # optimizer.step() calls on rank 0
+    zero_grads_per_step: int = 1  # the most zero_grad calls between two optimizer steps
+    # a step whose last micro-step did not reduce the gradients while another did
+    last_micro_step_unsynced: bool = False
+    distance: float = 0.0  # the final parameters' relative distance to chapter 01's
+
+    @classmethod
+    def of(cls, rank0: list[dict], ref_steps: list[dict], run: Run, ref: Run, k: int) -> Gradients:
+        distance = relative_distance(run.params(), ref.params())
+        ref_norm = ref_steps[0]["grad_norm"]
+        first_param = first_step_diff(rank0, ref_steps, checksum)
+        if first_param is None and distance > PARAM_RTOL:
+            first_param = len(rank0) or STEPS
+        syncs = [s.get("syncs") or [] for s in rank0]
+        return cls(
+            grad_accum=k,
+            grad_ratio_at_1=rank0[0]["grad_norm"] / ref_norm if rank0 and ref_norm else None,
+            first_grad_diff=first_step_diff(rank0, ref_steps, grad_norm),
+            first_param_diff=first_param,
+            params_equal=distance <= PARAM_RTOL,
+            optimizer_steps=len(rank0),
+            zero_grads_per_step=max((s["zero_grads"] for s in rank0[1:]), default=0),
+            last_micro_step_unsynced=any(f and not f[-1] and any(f) for f in syncs),
+            distance=distance,
+        )
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks against each other: their copies, what they did, the GPU each asked for."""
+
+    world_size: int = 2
+    ranks_drift_from: int | None = None  # the first step after which a rank's copy differs
+    drifting: tuple[int, ...] = ()  # the ranks whose copies differ from rank 0's there
+    ranks_clip_differ: bool = False  # some ranks clipped the gradient and others did not
+    ranks_steps_differ: bool = False  # the ranks took different numbers of optimizer steps
+    sharded: bool = False  # the optimizer's parameters are FSDP's shards (DTensors)
+    fsdp_forwards: bool = False  # a module sharded by fully_shard ran forward
+    replicas: int | None = None  # DataParallel's stand-in replicas used (0: never; None: no plan)
+    # each rank: (its RANK, its LOCAL_RANK, the GPU index it asked for, None: none)
+    devices: tuple[tuple[int, int, int | None], ...] = ()
+    # the data ranks that read windows outside the first differing step's batch
+    data_ranks: tuple[int, ...] = ()
+
+    @property
+    def gpu_by_global_rank(self) -> bool:
+        """A rank asked for the GPU of its global rank where that is not its local rank."""
+        return any(i is not None and i == r != lr for r, lr, i in self.devices)
+
+    @property
+    def gpu_seen(self) -> bool:
+        return any(i is not None for _, _, i in self.devices)
+
+    @classmethod
+    def of(cls, run: Run, nproc: int, plan: Plan, first_data: int | None, ref_steps) -> Ranks:
+        ranks = run.ranks()
+        ranks_steps = [r["steps"] for r in ranks]
+        drift, drifting = None, []
+        for step in range(1, min(map(len, ranks_steps), default=0) + 1):
+            sums = [steps[step - 1].get("checksum") for steps in ranks_steps]
+            drifting = [r for r, s in enumerate(sums) if s != sums[0]]
+            if drifting:
+                drift = step
+                break
+        if drift is None and ranks_steps:  # every rank's final copy, whole, against rank 0's
+            import torch
+
+            params = run.params()
+            finals = [run.params(r) for r in range(len(ranks))]
+            drifting = [
+                r
+                for r, p in enumerate(finals)
+                if p is None or params is None or not torch.equal(p, params)
+            ]
+            drift = STEPS if drifting else None
+        data_ranks = []
+        if first_data is not None and all(len(s) >= first_data for s in ranks_steps):
+            wanted = set(ref_steps[first_data - 1]["windows"])
+            data_ranks = [
+                r
+                for r, steps in enumerate(ranks_steps)
+                if not set(steps[first_data - 1]["windows"]) <= wanted
+            ]
+        clipped = [{s.get("clipped") for s in steps} for steps in ranks_steps]
+        return cls(
+            world_size=nproc,
+            ranks_drift_from=drift,
+            drifting=tuple(drifting),
+            ranks_clip_differ=len({frozenset(c) for c in clipped}) > 1,
+            ranks_steps_differ=len({len(steps) for steps in ranks_steps}) > 1,
+            sharded=bool(ranks and ranks[0].get("sharded")),
+            fsdp_forwards=bool(ranks and ranks[0].get("fsdp_forwards")),
+            replicas=(ranks[0].get("replicated", 0) and plan.replicas)
+            if plan.replicas and ranks
+            else None,
+            devices=tuple(
+                (r["rank"], r.get("local_rank", r["rank"]), r.get("device_index")) for r in ranks
+            ),
+            data_ranks=tuple(data_ranks),
+        )
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The run stopped at step 5 and resumed (or, where the plan says, killed and restarted)."""
+
+    resume_at: int | None = None  # where the resume check stopped and resumed; None: not run
+    resume_diff: int | None = None  # the first step after resuming that differs
+    resume_reads_steps: tuple[int, ...] = ()  # its first step read these steps' windows
+    resume_first_data_diff: int | None = None
+    resume_first_grad_diff: int | None = None
+    resume_first_param_diff: int | None = None
+    # the resumed run's first step starts from other parameters than the stopped run ended with
+    resume_start_differs: bool = False
+    restart: str | None = None  # what the killed-and-restarted run did wrong
+
+    @classmethod
+    def of(cls, resumed: Run, ref: Run, rank0: list[dict], per_epoch: int) -> Resume:
+        ref_steps = ref.ranks()[0]["steps"]
+        diff = first_diff(resumed.losses(), ref.losses(), after=RESUME_AT)
+        if diff is None and relative_distance(resumed.params(), ref.params()) > PARAM_RTOL:
+            diff = STEPS
+        steps = [r["steps"] for r in resumed.ranks()]
+        if not steps or not all(steps):
+            return cls(resume_at=RESUME_AT, resume_diff=diff)
+        mine = steps[0]
+        ended = rank0[RESUME_AT - 1].get("checksum") if len(rank0) >= RESUME_AT else None
+        start = mine[0].get("checksum_before")
+        first_read = {w for s in steps for w in s[0]["windows"]}
+        epoch = RESUME_AT // per_epoch
+        done = min(map(len, steps))
+        return cls(
+            resume_at=RESUME_AT,
+            resume_diff=diff,
+            resume_reads_steps=tuple(
+                s + 1
+                for s in range(epoch * per_epoch, (epoch + 1) * per_epoch)
+                if s < len(ref_steps) and first_read & set(ref_steps[s]["windows"])
+            ),
+            resume_first_data_diff=next(
+                (
+                    RESUME_AT + i + 1
+                    for i in range(done)
+                    if RESUME_AT + i < len(ref_steps)
+                    and windows_of(steps, i) != sorted(ref_steps[RESUME_AT + i]["windows"])
+                ),
+                None,
+            ),
+            resume_first_grad_diff=first_step_diff(mine, ref_steps, grad_norm, offset=RESUME_AT),
+            resume_first_param_diff=first_step_diff(mine, ref_steps, checksum, offset=RESUME_AT),
+            resume_start_differs=ended is not None
+            and start is not None
+            and any(differs(a, b, 1e-12) for a, b in zip(start, ended)),
+        )
+
+
+GROUPS = {"log": Logged, "data": Data, "grads": Gradients, "ranks": Ranks, "resume": Resume}
+
+
+@dataclass(frozen=True)
+class Facts:
+    plan: Plan
+    log: Logged = field(default_factory=Logged)
+    data: Data = field(default_factory=Data)
+    grads: Gradients = field(default_factory=Gradients)
+    ranks: Ranks = field(default_factory=Ranks)
+    resume: Resume = field(default_factory=Resume)
+
+    def but(self, **changes) -> Facts:
+        """These facts with some fields changed, each named alone (`first_loss_diff=1`): every
+        field's name is unique over the groups."""
+        groups = {}
+        for name, value in changes.items():
+            group = next(g for g, kind in GROUPS.items() if name in {f.name for f in fields(kind)})
+            groups.setdefault(group, {})[name] = value
+        return replace(self, **{g: replace(getattr(self, g), **c) for g, c in groups.items()})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gather(plan: Plan, nproc: int, run: Run, ref: Run, failure: str | None) -> Facts:
+    """The facts of a plain run (no resume yet) against chapter 01's."""
+    ranks, ref_steps = run.ranks(), ref.ranks()[0]["steps"]
+    ranks_steps = [r["steps"] for r in ranks]
+    per_epoch = int(re.search(r"(\d+) steps per epoch", ref.output()).group(1))
+    rank0 = ranks_steps[0] if ranks_steps else []
+    data = Data.of(ranks_steps, ref_steps, per_epoch)
+    k = plan.split(nproc).get("grad_accum", 1)
+    return Facts(
+        plan=plan,
+        log=Logged.of(run, ref, failure),
+        data=data,
+        grads=Gradients.of(rank0, ref_steps, run, ref, k),
+        ranks=Ranks.of(run, nproc, plan, data.first_data_diff, ref_steps),
+    )
+
+
+def with_resume(facts: Facts, run: Run, resumed: Run, ref: Run) -> Facts:
+    rank0 = run.ranks()[0]["steps"] if run.ranks() else []
+    return replace(facts, resume=Resume.of(resumed, ref, rank0, facts.data.steps_per_epoch))
+
+
+def with_restart(facts: Facts, restart: str | None) -> Facts:
+    return replace(facts, resume=Resume(restart=restart))

@@ -1,0 +1,737 @@
+"""The classic mistakes of data-parallel training, each with its signature in the numbers.
+
+The checker (tools/check/) compares a learner's run with chapter 01's and gathers facts
+(tools/check/facts.py). An entry of MISTAKES is the diagnosis when its signature fits the facts,
+the facts do not rule it out (ruled_out: parameters equal to chapter 01's rule out every training
+mistake, ...) and the learner's script does not already have the chapter's statement there
+(where_to_look). The first such entry wins. None fits: the checker describes what the facts show
+(describe) rather than guess.
+
+An entry names the statements it is about by their shape (tools/statements.py: "a call to
+no_sync", "the assignment to skip"), never by a copy of the chapter's text: what the chapter has
+there is read from the chapter's own train.py when the advice is given, so a restyled chapter
+changes nothing here. An entry whose mistake stops the run before any fact can show it is named by
+its failure message (FailsWith) instead of a signature.
+
+To add a mistake: plant it in a copy of a chapter script, run `python -m tools.check COPY
+--facts`, read the facts, and write the entry: what the learner did, the signature as a small test
+of the facts, and the patterns of the right statement, of the learner's version and of a
+neighbour. Then add its plant (the statement edits) to tests/plants.py. Put specific signatures
+before general ones: the first that fits wins. tests/test_check.py checks that every entry's
+patterns still find the chapter's statements, in the chapter scripts as they are and reformatted,
+and that each signature fits the facts its plant leaves.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.chapters import CHAPTERS
+from tools.check.facts import Facts
+from tools.launch import REPO
+from tools.statements import Pattern as P
+from tools.statements import find, header, header_end, keys, quoted, statements
+
+
+@dataclass(frozen=True)
+class FailsWith:
+    """An entry named by its failure: the run stops (regex of the failure line) before a fact can
+    show the mistake."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Mistake:
+    name: str
+    did: str  # what the learner did, and why the numbers show it
+    signature: Callable[[Facts], bool] | FailsWith  # does this mistake explain the facts?
+    chapter: int  # the chapter whose train.py shows the right statements
+    right: tuple[P, ...]  # the right statement(s), as the chapter has them
+    look_for: tuple[P, ...]  # what finds the learner's version of them
+    near: P  # a neighbouring statement: where they belong when the learner has none
+    # what the mistake changes: "training" (the parameters), "logging", "evaluation", "resume",
+    # "hang", "idea" (the chapter's new part is missing), "device" (what a CPU run cannot show)
+    kind: str = "training"
+    # the right statement's place: after the statement of this shape (None: anywhere)
+    comes_after: P | None = None
+    # facts that rule the entry out although its signature fits: why, or None
+    unless: Callable[[Facts], str | None] | None = None
+
+
+def near(value: float | None, target: float, rel: float = 1e-6) -> bool:
+    return value is not None and not math.isnan(value) and abs(value - target) <= rel * abs(target)
+
+
+# ---- what "the same run" is: the predicates the verdict and the catalogue share -----------------
+
+
+def training_right(f: Facts) -> bool:
+    """Chapter 01's parameters after every step, on every rank: the training is right."""
+    return (
+        f.grads.params_equal
+        and f.grads.first_param_diff is None
+        and f.ranks.ranks_drift_from is None
+        and f.log.stopped_after is None
+    )
+
+
+def logging_right(f: Facts) -> bool:
+    """Every logged row is chapter 01's: loss, learning rate, validation loss, one per step."""
+    return (
+        f.log.first_loss_diff is None
+        and f.log.first_lr_diff is None
+        and f.log.first_val_diff is None
+        and f.grads.optimizer_steps == f.log.logged_steps
+    )
+
+
+def resume_right(f: Facts) -> bool:
+    """Stopped and resumed (or killed and restarted), the run ends as chapter 01's."""
+    return f.resume.resume_diff is None and f.resume.restart is None
+
+
+def idea_present(f: Facts) -> bool:
+    """The chapter's own idea is in the run: DataParallel's replicas, FSDP's shards, the GPU
+    chosen by the local rank."""
+    return (
+        f.ranks.replicas != 0
+        and (f.ranks.sharded or not f.plan.shards)
+        and not f.ranks.gpu_by_global_rank
+    )
+
+
+def same_run(f: Facts) -> bool:
+    return training_right(f) and logging_right(f) and resume_right(f) and idea_present(f)
+
+
+def averaged(f: Facts) -> str | None:
+    if near(f.grads.grad_ratio_at_1, 1, 1e-9):
+        return "rank 0's gradient at step 1 equals chapter 01's: the gradients were averaged"
+    return None
+
+
+# the learner's version of the statement that divides the loss by K
+DIVIDED = P(assigns="micro_loss", uses="grad_accum")
+THE_LOSS = P(assigns="micro_loss", call="model")  # the forward that computes the loss
+MICRO_LOOP = P(kind="for", uses="micro_step")
+SAMPLER = P(assigns="sampler", call="DistributedSampler")
+STEP = P(call="step")  # scaler.step(optimizer), optimizer.step()
+
+MISTAKES = [
+    Mistake(
+        name="a collective called by only some ranks",
+        did="a collective (all_reduce, barrier, ...) that every rank must call is called by some "
+        "only, or by each at a different place: the ranks wait for each other forever",
+        signature=lambda f: f.log.hung,
+        chapter=4,
+        right=(P(call="all_reduce", arg="val_stats"),),
+        look_for=(
+            P(call="all_reduce"),
+            P(call="barrier"),
+            P(call="broadcast"),
+            P(call="all_gather"),
+            P(call="all_gather_into_tensor"),
+        ),
+        near=P(assigns="val_stats"),
+        kind="hang",
+    ),
+    Mistake(
+        name="the replicas' losses not reduced",
+        did="DataParallel returns one loss per replica (a vector); without .mean() backward() "
+        "refuses it: on GPUs as here, where the check splits each batch over 2 stand-in replicas",
+        signature=FailsWith(r"only for scalar outputs|doesn't match the broadcast shape"),
+        chapter=3,
+        right=(P(assigns="micro_loss", call="mean"),),
+        look_for=(P(assigns="micro_loss", call="mean"), P(assigns="micro_loss", call="sum")),
+        near=THE_LOSS,
+    ),
+    Mistake(
+        name="the replicas' losses summed, not averaged",
+        did="each replica returns the mean loss of its share: their sum is R times the batch's "
+        "mean loss (R replicas), and so is the gradient from step 1",
+        signature=lambda f: (
+            bool(f.ranks.replicas)
+            and near(f.log.loss_ratio_at_1, 2)
+            and near(f.grads.grad_ratio_at_1, 2)
+        ),
+        chapter=3,
+        right=(P(assigns="micro_loss", call="mean"),),
+        look_for=(P(assigns="micro_loss", call="mean"), P(assigns="micro_loss", call="sum")),
+        near=THE_LOSS,
+    ),
+    Mistake(
+        name="no DataParallel",
+        did="the model is never called through nn.DataParallel: the script is still chapter 02's "
+        "(the check splits every DataParallel batch over 2 stand-in replicas, and saw none)",
+        signature=lambda f: f.ranks.replicas == 0,
+        chapter=3,
+        right=(P(assigns="model", call="AutocastDataParallel"),),
+        look_for=(P(call="DataParallel"), P(call="AutocastDataParallel")),
+        near=P(assigns="raw_model"),
+        kind="idea",
+    ),
+    Mistake(
+        name="the optimizer built before fully_shard",
+        did="the optimizer was built on the model's parameters before fully_shard replaced them "
+        "with shards (DTensors): the model was sharded, and its forward and backward ran on the "
+        "shards, but the optimizer holds the old whole tensors, which get no gradient, so it never "
+        "moves the parameters the model uses",
+        signature=lambda f: f.plan.shards and f.ranks.fsdp_forwards and not f.ranks.sharded,
+        chapter=6,
+        right=(P(assigns="optimizer"),),
+        look_for=(P(assigns="optimizer"),),
+        near=P(call="fully_shard", arg="model"),
+        comes_after=P(call="fully_shard", arg="model"),
+    ),
+    Mistake(
+        name="no FSDP",
+        did="the model is never sharded with fully_shard: every rank still holds the whole model "
+        "(the script is still chapter 05's); under FSDP each rank's parameters are shards "
+        "(DTensors), and the check found none",
+        signature=lambda f: (
+            f.plan.shards
+            and not f.ranks.sharded
+            and not f.ranks.fsdp_forwards
+            and f.grads.optimizer_steps > 0
+        ),
+        chapter=6,
+        right=(P(call="fully_shard", arg="model"),),
+        look_for=(P(call="fully_shard"),),
+        near=P(assigns="raw_model"),
+        kind="idea",
+    ),
+    Mistake(
+        name="optimizer.step() inside the micro-loop",
+        did="the optimizer steps after every micro-batch instead of once per global batch: more "
+        "optimizer steps than logged steps, each on a part of the batch",
+        signature=lambda f: f.log.logged_steps > 0 and f.grads.optimizer_steps > f.log.logged_steps,
+        chapter=2,
+        right=(P(call="step", arg="optimizer"),),
+        look_for=(STEP,),
+        near=P(call="update"),
+    ),
+    Mistake(
+        name="zero_grad inside the micro-loop",
+        did="the gradients are zeroed on every micro-step, so only the last micro-batch's gradient "
+        "reaches the optimizer: step 1's loss is right, its gradient is not",
+        signature=lambda f: f.grads.grad_accum > 1 and f.grads.zero_grads_per_step > 1,
+        chapter=2,
+        right=(P(call="zero_grad"),),
+        look_for=(P(call="zero_grad"),),
+        near=P(call="update"),
+    ),
+    Mistake(
+        name="the learning rate advanced per micro-step",
+        did="the schedule counts micro-steps, not optimizer steps: the logged lr of step s is "
+        "chapter 01's of a later step, and warmup and decay end K times too early",
+        signature=lambda f: f.log.lr_speed is not None and f.log.lr_speed > 1,
+        chapter=2,
+        right=(P(assigns="lr", call="lr_at"),),
+        look_for=(P(call="lr_at"), P(call="step", uses="scheduler")),
+        near=P(kind="for", uses="param_groups"),
+    ),
+    Mistake(
+        name="the gradient-sync switch off on the last micro-step",
+        did="FSDP reduce-scatters the gradients in the backward of a micro-step whose gradient "
+        "sync is on; here the last micro-step's is off, so what it adds stays in this rank's "
+        "unsharded gradient and never reaches the shards the optimizer steps on: the gradient "
+        "is not the batch's from step 1",
+        signature=lambda f: f.plan.shards and f.grads.last_micro_step_unsynced,
+        chapter=6,
+        right=(P(call="set_requires_gradient_sync"),),
+        look_for=(P(call="set_requires_gradient_sync"),),
+        near=MICRO_LOOP,
+    ),
+    Mistake(
+        name="no_sync on the wrong micro-step",
+        did="DDP averages the gradients in the backward of a micro-step outside no_sync(); here "
+        "the last micro-step is inside it, so what it adds stays this rank's own and the copies "
+        "drift",
+        signature=lambda f: f.grads.last_micro_step_unsynced and not f.ranks.sharded,
+        chapter=4,
+        right=(P(call="no_sync"),),
+        look_for=(P(call="no_sync"),),
+        near=MICRO_LOOP,
+    ),
+    Mistake(
+        name="gradients never averaged",
+        did="each rank steps with its own gradient (no DDP wrapper, or no_sync() on every "
+        "micro-step), so the ranks' copies drift apart from the first step",
+        signature=lambda f: (
+            f.ranks.world_size > 1
+            and f.ranks.ranks_drift_from is not None
+            and not f.ranks.ranks_clip_differ
+            and not f.ranks.ranks_steps_differ
+        ),
+        chapter=4,
+        right=(P(call="no_sync"),),
+        look_for=(P(call="no_sync"), P(call="DDP"), P(call="DistributedDataParallel")),
+        near=MICRO_LOOP,
+        unless=averaged,
+    ),
+    Mistake(
+        name="clipping or stepping on some ranks only",
+        did="the gradient is clipped (or the optimizer steps) on some ranks only: the averaged "
+        "gradient is right on every rank, what each rank does with it is not, and the copies drift",
+        signature=lambda f: (
+            f.ranks.world_size > 1
+            and (
+                f.ranks.ranks_clip_differ
+                or f.ranks.ranks_steps_differ
+                or (f.ranks.ranks_drift_from is not None and near(f.grads.grad_ratio_at_1, 1, 1e-9))
+            )
+        ),
+        chapter=4,
+        right=(P(kind="if", uses="grad_clip"), P(call="step", arg="optimizer")),
+        look_for=(P(kind="if", uses="grad_clip"), P(call="clip_grad_norm_"), STEP),
+        near=P(call="update"),
+    ),
+    Mistake(
+        name="a global batch that forgets world_size or grad_accum",
+        did="global_batch leaves out a factor, so the epoch is longer than chapter 01's: the ranks "
+        "read past the end of chapter 01's epoch (or run out of windows there)",
+        signature=lambda f: (f.log.script_steps_per_epoch or 0) > f.data.steps_per_epoch,
+        chapter=4,
+        right=(P(assigns="global_batch"),),
+        look_for=(P(assigns="global_batch"),),
+        near=P(assigns="tokens_per_step"),
+    ),
+    Mistake(
+        name="all ranks reading the same windows",
+        did="every rank reads the same share of the batch (a sampler without this rank's place: "
+        "rank=0, a local rank, or one replica), so a step sees fewer distinct windows than "
+        "chapter 01's",
+        signature=lambda f: f.ranks.world_size > 1 and f.data.ranks_same_windows,
+        chapter=4,
+        right=(SAMPLER,),
+        look_for=(P(call="DistributedSampler"),),
+        near=P(call="batch_loader"),
+    ),
+    Mistake(
+        name="loss divided by world_size by hand",
+        did="the loss is divided by world_size, but DDP already averages the gradients over the "
+        "ranks: the loss and the gradient are 1/world_size of chapter 01's from step 1",
+        signature=lambda f: (
+            f.ranks.world_size > 1
+            and near(f.log.loss_ratio_at_1, 1 / f.ranks.world_size)
+            and near(f.grads.grad_ratio_at_1, 1 / f.ranks.world_size)
+        ),
+        chapter=4,
+        right=(DIVIDED,),
+        look_for=(DIVIDED, P(assigns="micro_loss", uses="world_size")),
+        near=THE_LOSS,
+    ),
+    Mistake(
+        name="loss not divided by K",
+        did="each micro-batch's loss is not divided by --grad-accum: the summed gradient is K "
+        "times too large from step 1 (AdamW hides most of it; clipping and the logged loss do not)",
+        signature=lambda f: (
+            f.grads.grad_accum > 1
+            and f.data.first_data_diff is None
+            and (
+                near(f.log.loss_ratio_at_1, f.grads.grad_accum)
+                or near(f.grads.grad_ratio_at_1, f.grads.grad_accum)
+            )
+        ),
+        chapter=2,
+        right=(DIVIDED,),
+        look_for=(DIVIDED, P(call="backward", uses="grad_accum")),
+        near=THE_LOSS,
+    ),
+    Mistake(
+        name="samplers seeded per rank",
+        did="each rank's sampler draws its own permutation (a seed that depends on the rank), so "
+        "the ranks' shares are not one permutation cut in world_size pieces: other windows from "
+        "step 1",
+        signature=lambda f: (
+            f.ranks.world_size > 1
+            and f.data.first_data_diff == 1
+            and (f.data.rank0_reads_its_share or f.data.ranks_overlap)
+        ),
+        chapter=4,
+        right=(SAMPLER,),
+        look_for=(P(call="DistributedSampler"),),
+        near=P(call="batch_loader"),
+    ),
+    Mistake(
+        name="a forgotten set_epoch",
+        did="the sampler is not told the epoch, so every epoch repeats epoch 0's order: the same "
+        "run for one epoch, then different",
+        signature=lambda f: (
+            f.log.first_loss_diff == f.data.steps_per_epoch + 1
+            and f.data.first_data_diff == f.data.steps_per_epoch + 1
+            and f.data.repeats_first_epoch
+        ),
+        chapter=4,
+        right=(P(call="set_epoch"),),
+        look_for=(P(call="set_epoch"), P(call="manual_seed", uses="epoch")),
+        near=P(assigns="step_in_epoch"),
+    ),
+    Mistake(
+        name="ranks' logged loss not averaged",
+        did="the logged loss is not the mean over the ranks (rank 0's share alone, or the sum): "
+        "the training is right (chapter 01's parameters, the same on every rank), the logged "
+        "number is not",
+        signature=lambda f: (
+            f.ranks.world_size > 1
+            and f.log.first_loss_diff is not None
+            and f.data.first_data_diff is None
+        ),
+        chapter=4,
+        right=(P(call="all_reduce", arg="loss"), P(assigns="loss_value")),
+        look_for=(P(call="all_reduce", arg="loss"), P(assigns="loss_value")),
+        near=P(assigns="loss_value"),
+        kind="logging",
+    ),
+    Mistake(
+        name="your evaluation differs; training is the same",
+        did="every training loss and the parameters are chapter 01's, the validation loss is not: "
+        "with several ranks, each evaluates its part of the windows, and the parts must be added "
+        "up over the ranks (the loss sums and the counts) before dividing",
+        signature=lambda f: f.log.first_val_diff is not None and f.log.first_loss_diff is None,
+        chapter=4,
+        right=(P(call="all_reduce", arg="val_stats"),),
+        look_for=(P(call="all_reduce", arg="val_stats"), P(assigns="val_loss")),
+        near=P(assigns="val_stats"),
+        kind="evaluation",
+    ),
+    Mistake(
+        name="a checkpoint of rank 0's shards only",
+        did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
+        "rank 0's shards, not the model. Saved as ckpt.pt, the resumed run starts from other "
+        "parameters than the stopped run ended with; the whole tensors must be gathered from "
+        "every rank first (get_model_state_dict with full_state_dict=True, on every rank)",
+        signature=lambda f: f.plan.shards and f.resume.resume_start_differs,
+        chapter=6,
+        right=(P(assigns="model_state", call="get_model_state_dict"),),
+        look_for=(P(assigns="model_state"), P(call="state_dict")),
+        near=P(call="StateDictOptions"),
+        kind="resume",
+    ),
+    Mistake(
+        name="resume skipping steps instead of micro-batches",
+        did="a resumed run skips step_in_epoch batches of the loader, but every step read "
+        "grad_accum micro-batches: after the resume it reads windows it already trained on",
+        signature=lambda f: (
+            f.grads.grad_accum > 1
+            and f.resume.resume_at is not None
+            and f.resume.resume_diff == f.resume.resume_at + 1
+            and len(f.resume.resume_reads_steps) > 1
+            and max(f.resume.resume_reads_steps) <= f.resume.resume_at
+        ),
+        chapter=2,
+        right=(P(assigns="skip"),),
+        look_for=(P(assigns="skip"),),
+        near=P(assigns="step_in_epoch"),
+        kind="resume",
+    ),
+    Mistake(
+        name="a resume that re-reads an earlier step's windows",
+        did="the resumed run does not skip what this epoch already trained on: its first step "
+        "reads the windows of an earlier step again",
+        signature=lambda f: (
+            f.resume.resume_at is not None
+            and f.resume.resume_diff == f.resume.resume_at + 1
+            and bool(f.resume.resume_reads_steps)
+            and max(f.resume.resume_reads_steps) <= f.resume.resume_at
+        ),
+        chapter=2,
+        right=(P(assigns="skip"),),
+        look_for=(P(assigns="skip"),),
+        near=P(assigns="step_in_epoch"),
+        kind="resume",
+    ),
+    Mistake(
+        name="a resume that does not restore the optimizer state",
+        did="the resumed run starts AdamW afresh (its running averages lost): the first step after "
+        "the resume reads the right windows and has the right gradient, yet moves the parameters "
+        "differently",
+        signature=lambda f: (
+            f.resume.resume_at is not None
+            and f.resume.resume_first_data_diff is None
+            and f.resume.resume_first_param_diff == f.resume.resume_at + 1
+            and f.resume.resume_first_grad_diff in (None, f.resume.resume_at + 2)
+        ),
+        chapter=2,
+        right=(P(assigns="iter_num", call="restore_training_state"),),
+        look_for=(P(call="restore_training_state"), P(assigns="iter_num")),
+        near=P(call="load_checkpoint"),
+        kind="resume",
+    ),
+    Mistake(
+        name="a restart that does not continue the run",
+        did="torchrun restarted the group after a rank was killed, and the run did not continue "
+        "from its checkpoint to chapter 01's end: a restarted process must find the checkpoint "
+        "and resume as --resume would (chapter 05)",
+        signature=lambda f: f.resume.restart is not None,
+        chapter=5,
+        right=(P(assigns="checkpoint", call="load_checkpoint"),),
+        look_for=(P(call="load_checkpoint"),),
+        near=P(call="claim_out_dir"),
+        kind="resume",
+    ),
+    Mistake(
+        name="the GPU chosen by RANK, not LOCAL_RANK",
+        did="a rank asks for the GPU of its global RANK: on every machine but the first, RANK is "
+        "past the machine's GPUs (the second of two 8-GPU machines has ranks 8-15 and GPUs 0-7). "
+        "The check runs two nodes of one process each, so rank 1 has LOCAL_RANK 0 and asked for "
+        "GPU 1. On a CPU no number changes; on GPUs the run fails or stacks ranks on one GPU",
+        signature=lambda f: f.ranks.gpu_by_global_rank,
+        chapter=5,
+        right=(P(assigns="device", uses="local_rank"),),
+        look_for=(P(assigns="device", uses="rank"), P(call="set_device"), P(assigns="device")),
+        near=P(call="set_device"),
+        kind="device",
+    ),
+]
+
+BY_NAME = {mistake.name: mistake for mistake in MISTAKES}
+
+
+def ruled_out(mistake: Mistake, f: Facts) -> str | None:
+    """Why the facts rule the entry out although its signature fits, or None."""
+    if mistake.kind == "training" and training_right(f):
+        return "the parameters equal chapter 01's after every step: the training is right"
+    if mistake.kind in ("logging", "evaluation") and not training_right(f):
+        return "the parameters differ from chapter 01's: more than the logging differs"
+    return mistake.unless(f) if mistake.unless is not None else None
+
+
+def fits(mistake: Mistake, f: Facts) -> bool:
+    """The entry's signature fits the facts; an entry named by its failure: the run failed so."""
+    if isinstance(mistake.signature, FailsWith):
+        return (
+            f.log.failure is not None
+            and re.search(mistake.signature.message, f.log.failure) is not None
+        )
+    return mistake.signature(f)
+
+
+def known_failure(failure: str | None) -> Mistake | None:
+    """The entry named by this failure, if any."""
+    for mistake in MISTAKES:
+        if isinstance(mistake.signature, FailsWith) and failure is not None:
+            if re.search(mistake.signature.message, failure):
+                return mistake
+    return None
+
+
+# ---- the learner's statements, compared with the chapter's ----------------------------------
+
+
+@dataclass(frozen=True)
+class Look:
+    fits: bool  # False: the learner's statements are the chapter's, the entry does not fit
+    text: str  # where to look, for the learner
+
+
+def chapter_source(chapter: int) -> str:
+    return (REPO / CHAPTERS[chapter] / "train.py").read_text()
+
+
+def right_statements(mistake: Mistake, theirs: str | None) -> tuple[int, list[ast.stmt], str]:
+    """(the chapter, its right statements, their source): from the checked chapter's script where
+    it has them all, else from the entry's chapter."""
+    for chapter, source in ((None, theirs), (mistake.chapter, None)):
+        source = source if source is not None else chapter_source(mistake.chapter)
+        found = [find(source, pattern) for pattern in mistake.right]
+        if all(found):
+            return chapter or mistake.chapter, [nodes[0] for nodes in found], source
+    raise ValueError(f"{CHAPTERS[mistake.chapter]}/train.py has no {mistake.right}")
+
+
+def in_order(source: str, node: ast.stmt, after: P | None) -> bool:
+    """The statement comes after the first statement of shape `after` (None: anywhere)."""
+    anchors = find(source, after) if after is not None else []
+    return not anchors or node.lineno > anchors[0].lineno
+
+
+def wrong_line(node: ast.stmt, lines: list[str], theirs: list[str]) -> int:
+    """The first line of a statement that the chapter's statement has not (else its first)."""
+    own = [line.split("#")[0].strip() for line in theirs]
+    for number in range(node.lineno, header_end(node) + 1):
+        if lines[number - 1].split("#")[0].strip() not in own:
+            return number
+    return node.lineno
+
+
+def held(name: str, source: str, before: int) -> str | None:
+    """What a local name holds: the last assignment to it before that line, quoted."""
+    found = [n for n in find(source, P(assigns=name)) if n.lineno < before]
+    return quoted(found[-1], source.splitlines()) if found else None
+
+
+def renamed(mine: ast.stmt, right: ast.stmt) -> list[tuple[str, str]]:
+    """(the learner's name, the chapter's) where two statements differ by the names alone."""
+    a, b = list(ast.walk(mine)), list(ast.walk(right))
+    if len(a) != len(b):
+        return []
+    pairs = []
+    for x, y in zip(a, b):
+        if type(x) is not type(y):
+            return []
+        if isinstance(x, ast.Name) and x.id != y.id:
+            pairs.append((x.id, y.id))
+        elif isinstance(x, ast.Constant) and x.value != y.value:
+            return []
+        elif isinstance(x, ast.Attribute) and x.attr != y.attr:
+            return []
+    return pairs
+
+
+def what_names_hold(mine, right, source: str, their_source: str, chapter: int) -> str:
+    """`options=whole` against `options=full`: what each of the two names holds, where known."""
+    said = []
+    for name, theirs in renamed(mine, right):
+        here, there = held(name, source, mine.lineno), held(theirs, their_source, right.lineno)
+        if here and there:
+            said.append(f"your `{here}`; chapter {chapter:02d}'s `{there}`")
+    return f" ({'; '.join(said)})" if said else ""
+
+
+def where_to_look(mistake: Mistake, source: str, script: str, theirs: str | None = None) -> Look:
+    """The line of the learner's script to look at (the first found by look_for that is not the
+    chapter's own statement in the chapter's place), and what the chapter has there."""
+    chapter, rights, their_source = right_statements(mistake, theirs)
+    their_lines, lines = their_source.splitlines(), source.splitlines()
+    right_code = "`; `".join(quoted(node, their_lines) for node in rights)
+    says = f"chapter {chapter:02d} has `{right_code}`"
+    mine, their_keys = statements(source), keys(their_source)
+    for pattern in mistake.look_for:
+        for node in find(source, pattern):
+            _, key = mine[node.lineno]
+            placed = in_order(source, node, mistake.comes_after)
+            if key in their_keys and placed:
+                continue  # the chapter's own statement in the chapter's place
+            if not placed:
+                at = f"look at line {node.lineno} of {script}: `{quoted(node, lines)}`"
+                after = quoted(find(their_source, mistake.comes_after)[0], their_lines)
+                return Look(True, f"{at}; chapter {chapter:02d} has it after `{after}`")
+            return Look(
+                True, differing(mistake, node, key, source, script, chapter, rights, their_source)
+            )
+    have = {key[-1] for key in keys(source)}
+    if all(header(node) in have for node in rights):
+        return Look(False, f"your script has chapter {chapter:02d}'s own `{right_code}`")
+    anchors = find(source, mistake.near)
+    where = f", near line {anchors[0].lineno}" if anchors else ""
+    return Look(True, f"your script has no such line; {says}{where}")
+
+
+def differing(mistake, node, key, source, script, chapter, rights, their_source) -> str:
+    """Where the learner's statement (or the first statement around it, from the outside in) is
+    not the chapter's, and what the chapter has."""
+    lines, their_lines = source.splitlines(), their_source.splitlines()
+    mine, their_keys = statements(source), keys(their_source)
+    depth = next(d for d in range(1, len(key) + 1) if key[:d] not in their_keys)
+    outer = outer_node(mine, key[:depth], node)
+    right = next((r for r in rights if header(r) == key[-1]), rights[0])
+    theirs = their_lines[right.lineno - 1 : header_end(right)]
+    at = f"look at line {wrong_line(outer, lines, theirs)} of {script}: `{quoted(outer, lines)}`"
+    if key[-1] in {header(r) for r in rights} and depth == len(key):
+        # the chapter's statement, in another place: say where each has it
+        at += f" inside `{key[-2]}`" if len(key) > 1 else ""
+        places = [k[-2] for k in their_keys if k[-1] == key[-1] and len(k) > 1]
+        inside = f" inside `{places[0]}`" if places else ""
+        return f"{at}; chapter {chapter:02d} has it{inside}"
+    right_code = "`; `".join(quoted(r, their_lines) for r in rights)
+    names = what_names_hold(outer, right, source, their_source, chapter)
+    return f"{at}; chapter {chapter:02d} has `{right_code}`{names}"
+
+
+def outer_node(mine: dict, key: tuple[str, ...], node: ast.stmt) -> ast.stmt:
+    """The statement of `mine` whose key is `key` and that holds `node`'s line."""
+    best = node
+    for candidate, k in mine.values():
+        if k == key and candidate.lineno <= node.lineno <= (candidate.end_lineno or 0):
+            best = candidate
+    return best
+
+
+def diagnose(
+    facts: Facts, source: str = "", script: str = "", theirs: str | None = None
+) -> tuple[Mistake | None, list[str], str]:
+    """(the first entry that fits, notes on the entries the facts or the script ruled out, where
+    to look)."""
+    notes = []
+    for mistake in MISTAKES:
+        if not fits(mistake, facts):
+            continue
+        why = ruled_out(mistake, facts)
+        if why is not None:
+            notes.append(f'not "{mistake.name}": {why}')
+            continue
+        if not source:
+            return mistake, notes, ""
+        look = where_to_look(mistake, source, script, theirs)
+        if not look.fits:
+            notes.append(f'not "{mistake.name}": {look.text}')
+            continue
+        return mistake, notes, look.text
+    return None, notes, ""
+
+
+def ratio_words(value: float | None, f: Facts) -> str:
+    """A ratio to chapter 01's, with the whole-number reading that fits it exactly, if any."""
+    if value is None or math.isnan(value):
+        return "not measured"
+    text = f"{value:.6g}"
+    w, k = f.ranks.world_size, f.grads.grad_accum
+    names = {"W": w, "K": k, "W*K": w * k}
+    if f.ranks.replicas:
+        names["R (replicas)"] = f.ranks.replicas
+    if near(value, 1, 1e-9):
+        return f"{text} (equal)"
+    for name, n in names.items():
+        if n > 1 and near(value, n):
+            return f"{text} (= {name} = {n})"
+        if n > 1 and near(value, 1 / n):
+            return f"{text} (= 1/{name} = 1/{n})"
+    return text
+
+
+def describe(f: Facts) -> list[str]:
+    """What the facts show, when no entry fits: ratios, first differences, the ranks' copies."""
+    out = [
+        f"at step 1: loss {ratio_words(f.log.loss_ratio_at_1, f)} x chapter 01's, "
+        f"gradient norm {ratio_words(f.grads.grad_ratio_at_1, f)} x"
+    ]
+    first = {
+        "loss": f.log.first_loss_diff,
+        "gradient": f.grads.first_grad_diff,
+        "parameters": f.grads.first_param_diff,
+        "windows": f.data.first_data_diff,
+        "learning rate": f.log.first_lr_diff,
+        "validation loss": f.log.first_val_diff,
+    }
+    differ = sorted((s, name) for name, s in first.items() if s is not None)
+    same = [name for name, s in first.items() if s is None]
+    if differ:
+        parts = ", ".join(f"{name} from step {s}" for s, name in differ)
+        out.append(f"first differences: {parts}; the same throughout: {', '.join(same)}")
+    if f.grads.optimizer_steps != f.log.logged_steps and f.log.logged_steps:
+        out.append(
+            f"{f.grads.optimizer_steps} optimizer steps for {f.log.logged_steps} logged steps"
+        )
+    if f.ranks.world_size > 1:
+        if f.ranks.sharded:
+            out.append("the ranks hold shards of the parameters (FSDP), compared whole")
+        elif f.ranks.ranks_drift_from is None:
+            out.append("the ranks' copies agree at every step")
+        else:
+            out.append(f"the ranks' copies differ from step {f.ranks.ranks_drift_from}")
+    if training_right(f) and not logging_right(f):
+        out.append("only the logging differs: the parameters equal chapter 01's after every step")
+    if f.resume.resume_diff is not None:
+        out.append(
+            f"after the resume at step {f.resume.resume_at}: differs from step "
+            f"{f.resume.resume_diff}"
+        )
+    if f.resume.resume_start_differs:
+        out.append("the resumed run starts from other parameters than the stopped run ended with")
+    return out

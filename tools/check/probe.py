@@ -1,0 +1,362 @@
+"""Run a training script as `python SCRIPT ARGS` would, and write down what each optimizer step did.
+
+    python -m tools.check.probe FACTS_DIR SCRIPT [ARGS...]   (or torchrun ... -m tools.check.probe)
+
+The checker (tools/check/) starts the learner's script and chapter 01 through this, so that it can
+compare more than the logged loss: for every optimizer step of every rank, which training windows
+were read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients
+were zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
+parameters before and after the step; the GPU index each rank asked for; at the end, every rank's
+parameters. Under FSDP a rank's parameters and gradients are shards (DTensors): the probe gathers
+them whole on every rank (a collective, at the optimizer step every rank takes), so the norm, the
+checksums and the final parameters are the whole model's. It only watches: nothing of the
+script's run changes, with three exceptions the checker asks for by environment variable:
+
+- CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
+  as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
+  missing or wrong reduction of the replicas' losses shows;
+- CHECK_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that optimizer step, once (not in a
+  process torchrun restarted);
+- CHECK_HANG_AFTER=S: a rank that waits in a collective for S seconds writes where it waits (its
+  line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
+
+Each rank writes FACTS_DIR/rank<R>.json and FACTS_DIR/rank<R>.pt, even when the script fails.
+Where this torch lacks what the probe hooks (a private function of torch.distributed.checkpoint),
+the rank's facts say so ("unsupported") and the checker gives no verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.optim.optimizer as optim_hooks
+from torch.distributed.tensor import DTensor
+
+from tools.check.hangs import watch_for_hangs
+
+# torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
+# state before loading into it) is not a training step: the probe must see it to ignore it. It is a
+# private function, so the probe checks that it is there, as it was written against
+PRIVATE_HOOK = "torch.distributed.checkpoint.state_dict._init_optim_state"
+PRIVATE_HOOK_PARAMETERS = ("optim",)
+
+
+class Unsupported(Exception):
+    """This torch lacks what the probe watches: no verdict can be given."""
+
+
+class Recorder:
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.windows: list[int] = []  # training windows read since the last optimizer step
+        self.zero_grads = 0  # zero_grad calls since the last optimizer step
+        self.clip_norm: float | None = None  # the norm clip_grad_norm_ measured before clipping
+        self.syncs: list[bool] = []  # per DDP forward since the last step: will backward average?
+        self.sharded = False  # the parameters are FSDP's shards (DTensors)
+        self.whole: torch.Tensor | None = None  # under FSDP: the whole parameters after the step
+        # FSDP: the module whose gradient-sync switch was set last, and the switch
+        self.fsdp_root: torch.nn.Module | None = None
+        self.fsdp_sync = True
+        # torch.distributed.checkpoint's optimizer step with zero gradients, made to create AdamW's
+        # state before loading into it: not a training step
+        self.ignoring = False
+        self.replicated = 0  # forwards split over stand-in replicas
+        self.fsdp_forwards = False  # a module sharded by fully_shard ran its forward
+        # the GPU index this rank asked for (rank_device's LOCAL_RANK, torch.cuda.set_device's)
+        self.device_index: int | None = None
+        self.unsupported: str | None = None  # what this torch lacks for the probe, if anything
+        self.params: list[torch.Tensor] = []
+
+    def pre_step(self, optimizer, args, kwargs):
+        if self.ignoring:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = params
+        self.sharded = any(isinstance(p, DTensor) for p in params)
+        grads = [whole(p.grad).detach().double().norm() for p in params if p.grad is not None]
+        norm = torch.stack(grads).norm().item() if grads else 0.0
+        self.steps.append(
+            {
+                # the parameters the step starts from: after a resume, the checkpoint's
+                "checksum_before": checksum(params),
+                "windows": self.windows,
+                "zero_grads": self.zero_grads,
+                "grad_norm": self.clip_norm if self.clip_norm is not None else norm,
+                "clipped": self.clip_norm is not None,
+                "lr": optimizer.param_groups[0]["lr"],
+                "syncs": self.syncs,
+            }
+        )
+        self.windows, self.zero_grads, self.clip_norm, self.syncs = [], 0, None, []
+
+    def post_step(self, optimizer, args, kwargs):
+        if self.ignoring:
+            return
+        if self.sharded:
+            # kept: after the script the process group may be gone, and with it the other shards
+            self.whole = flat_whole(self.params).cpu()
+        self.steps[-1]["checksum"] = checksum(self.params)
+
+    def save(self, folder: Path, rank: int, status: int | None) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        facts = {
+            "rank": rank,
+            "status": status,
+            "steps": self.steps,
+            "replicated": self.replicated,
+            "sharded": self.sharded,
+            "fsdp_forwards": self.fsdp_forwards,
+            "device_index": self.device_index,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "unsupported": self.unsupported,
+            # torchrun's restarts of this rank's process before this one (--max-restarts)
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        }
+        (folder / f"rank{rank}.json").write_text(json.dumps(facts))
+        if self.whole is not None:
+            torch.save(self.whole, folder / f"rank{rank}.pt")
+        elif self.params:
+            flat = torch.cat([p.detach().double().reshape(-1).cpu() for p in self.params])
+            torch.save(flat, folder / f"rank{rank}.pt")
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: FSDP's shard (a DTensor) gathered from every rank, which all call this."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def flat_whole(params: list[torch.Tensor]) -> torch.Tensor:
+    """Every parameter whole, in float64, as one vector."""
+    return torch.cat([whole(p).detach().double().reshape(-1) for p in params])
+
+
+def checksum(params: list[torch.Tensor]) -> list[float]:
+    flat = flat_whole(params)
+    return [flat.sum().item(), flat.square().sum().item()]
+
+
+def watch(recorder: Recorder) -> None:
+    """Hooks on what every training script calls: the data set, zero_grad, clipping, the optimizer,
+    DDP's and FSDP's forward, the device."""
+    from common.data import TokenWindows
+
+    read = TokenWindows.__getitem__
+
+    def reading(self, i):
+        if self.path.name == "train.bin":
+            recorder.windows.append(int(i))
+        return read(self, i)
+
+    TokenWindows.__getitem__ = reading
+
+    for owner in (torch.optim.Optimizer, torch.nn.Module):
+        zero = owner.zero_grad
+
+        def zeroing(self, *args, _zero=zero, **kwargs):
+            recorder.zero_grads += 1
+            return _zero(self, *args, **kwargs)
+
+        owner.zero_grad = zeroing
+
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clipping(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        recorder.clip_norm = float(whole(norm))
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clipping
+    watch_sync(recorder)
+    ignore_dcp_optimizer_init(recorder)
+    watch_devices(recorder)
+    optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
+    optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
+
+
+def watch_sync(recorder: Recorder) -> None:
+    """On which micro-steps the gradients are reduced: DDP's require_backward_grad_sync at each
+    forward, FSDP's gradient-sync switch at each forward of the module it was set on."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_forward = DistributedDataParallel.forward
+
+    def ddp_forwarding(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            recorder.syncs.append(bool(self.require_backward_grad_sync))
+        return ddp_forward(self, *args, **kwargs)
+
+    DistributedDataParallel.forward = ddp_forwarding
+
+    # FSDP: the gradient-sync switch, recorded at each forward of the module it was set on
+    switch = FSDPModule.set_requires_gradient_sync
+
+    def switching(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        recorder.fsdp_root = self
+        recorder.fsdp_sync = bool(requires_gradient_sync)
+        return switch(self, requires_gradient_sync, recurse=recurse)
+
+    FSDPModule.set_requires_gradient_sync = switching
+
+    def fsdp_forwarding(module, args):
+        if isinstance(module, FSDPModule):
+            recorder.fsdp_forwards = True
+        if module is recorder.fsdp_root and torch.is_grad_enabled():
+            recorder.syncs.append(recorder.fsdp_sync)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(fsdp_forwarding)
+
+
+def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
+    """DCP's optimizer step with zero gradients, which creates AdamW's state before a load, is not
+    recorded as a training step. Raises Unsupported where this torch has no such function, or one
+    with other parameters: the probe would then count a step that is not the script's."""
+    import importlib
+    import inspect
+
+    module_name, name = PRIVATE_HOOK.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    original = getattr(module, name, None)
+    if original is None:
+        raise Unsupported(f"this torch ({torch.__version__}) has no {PRIVATE_HOOK}")
+    parameters = tuple(inspect.signature(original).parameters)
+    if parameters != PRIVATE_HOOK_PARAMETERS:
+        raise Unsupported(
+            f"this torch ({torch.__version__}) has {PRIVATE_HOOK}({', '.join(parameters)}), "
+            f"not ({', '.join(PRIVATE_HOOK_PARAMETERS)})"
+        )
+
+    def initializing(optim) -> None:
+        zero_grads = recorder.zero_grads
+        recorder.ignoring = True
+        try:
+            original(optim)
+        finally:
+            recorder.ignoring = False
+            recorder.zero_grads = zero_grads
+
+    setattr(module, name, initializing)
+
+
+def watch_devices(recorder: Recorder) -> None:
+    """The GPU index the rank asks for, on a CPU too: the local rank it gives rank_device (which
+    then picks the CPU, there being no GPU), or what it gives torch.cuda.set_device."""
+    import inspect
+
+    import common.distributed
+
+    choose = getattr(common.distributed, "rank_device", None)
+    names = list(inspect.signature(choose).parameters) if choose is not None else []
+    if "local_rank" in names:  # a script that chooses its device itself is seen by set_device
+        at = names.index("local_rank")
+
+        def choosing(*args, **kwargs):
+            index = kwargs.get("local_rank", args[at] if len(args) > at else None)
+            recorder.device_index = int(index) if index is not None else None
+            return choose(*args, **kwargs)
+
+        common.distributed.rank_device = choosing
+    set_device = torch.cuda.set_device
+
+    def setting(device) -> None:
+        recorder.device_index = (
+            torch.device("cuda", device).index
+            if isinstance(device, int)
+            else torch.device(device).index
+        )
+        return set_device(device)
+
+    torch.cuda.set_device = setting
+
+
+def stand_in_replicas(recorder: Recorder, replicas: int) -> None:
+    """nn.DataParallel without GPUs splits the batch in `replicas` as scatter() would, runs the
+    shared model on each piece (through the script's parallel_apply, if it has its own) and gathers
+    as gather() does: the outputs concatenated, the 0-dim losses as a vector of one per replica."""
+    from torch import nn
+
+    def forward(self, *inputs, **kwargs):
+        if self.device_ids:
+            return real_forward(self, *inputs, **kwargs)
+        recorder.replicated += 1
+        rows = inputs[0].shape[0]
+        pieces = [
+            tuple(t.tensor_split(replicas)[i] for t in inputs) for i in range(min(replicas, rows))
+        ]
+        outputs = self.parallel_apply([self.module] * len(pieces), pieces, [kwargs] * len(pieces))
+        logits = None  # the model returns none when it computes the loss in chunks
+        if outputs[0][0] is not None:
+            logits = torch.cat([out[0] for out in outputs])
+        losses = torch.stack([out[1].reshape(()) for out in outputs])
+        return logits, losses
+
+    def parallel_apply(self, modules, inputs, kwargs):
+        if self.device_ids:
+            return real_parallel_apply(self, modules, inputs, kwargs)
+        return [m(*i, **k) for m, i, k in zip(modules, inputs, kwargs)]
+
+    real_forward = nn.DataParallel.forward
+    real_parallel_apply = nn.DataParallel.parallel_apply
+    nn.DataParallel.forward = forward
+    nn.DataParallel.parallel_apply = parallel_apply
+
+
+def kill_after(recorder: Recorder, rank: int, step: int) -> None:
+    """SIGKILL this process after optimizer step `step`, in the first attempt only."""
+    if int(os.environ.get("RANK", 0)) != rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return
+
+    def killing(optimizer, args, kwargs):
+        if len(recorder.steps) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    optim_hooks.register_optimizer_step_post_hook(killing)
+
+
+def main() -> None:
+    folder, script, *args = sys.argv[1:]
+    # `python SCRIPT` puts the script's folder first on the path, where `-m` put the course's root
+    # (which PYTHONPATH keeps): the script finds its neighbours as it would
+    sys.path[0] = str(Path(script).resolve().parent)
+    sys.argv = [script, *args]
+    recorder = Recorder()
+    try:
+        watch(recorder)
+    except Unsupported as err:
+        recorder.unsupported = str(err)
+        recorder.save(Path(folder), int(os.environ.get("RANK", 0)), None)
+        sys.exit(3)
+    if os.environ.get("CHECK_REPLICAS"):
+        stand_in_replicas(recorder, int(os.environ["CHECK_REPLICAS"]))
+    if os.environ.get("CHECK_KILL"):
+        rank, step = os.environ["CHECK_KILL"].split(":")
+        kill_after(recorder, int(rank), int(step))
+    watching = None
+    if os.environ.get("CHECK_HANG_AFTER"):
+        hang_after = float(os.environ["CHECK_HANG_AFTER"])
+        watching = watch_for_hangs(os.path.abspath(script), Path(folder), hang_after)
+    status: int | None = 1
+    try:
+        runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        raise
+    finally:
+        if watching is not None:
+            watching.set()  # the thread ends before the interpreter does
+        recorder.save(Path(folder), int(os.environ.get("RANK", 0)), status)
+
+
+if __name__ == "__main__":
+    main()

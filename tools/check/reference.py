@@ -1,0 +1,114 @@
+"""Chapter 01's run, the one every check compares with: made once per version of the course and
+kept under the check's root, keyed by a hash of everything it depends on; with the small corpus and
+the flags both runs take."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+from common.chapters import CHAPTERS
+from tools.check.plan import GLOBAL_BATCH, STEPS
+from tools.check.runner import RUN_TIMEOUT, CannotRun, Launch, Run, failure_line, run_one
+from tools.launch import REPO, flags
+
+CORPUS_CHARS = 3500  # the first 3500 characters of the first play: 29 training windows of 32 tokens
+REFERENCE = REPO / CHAPTERS[1] / "train.py"
+
+
+def run_flags(corpus: Path, data: Path, out: Path, iters: int = STEPS, **more) -> list[str]:
+    """The flags of a checked run: tiny, float64, every step logged, one evaluation at the end."""
+    values = {
+        "preset": "tiny",
+        "device": "cpu",
+        "dtype": "float64",
+        "dataset": corpus,
+        "data_dir": data,
+        "out_dir": out,
+        "max_iters": iters,
+        "lr_decay_iters": STEPS,
+        "warmup_iters": 2,
+        "log_interval": 1,
+        "eval_interval": STEPS,
+        "eval_batches": 1,
+        "sample_tokens": 0,
+        "dropout": 0,
+        **more,
+    }
+    return flags(**values)
+
+
+def corpus_text() -> str:
+    """The small corpus the epoch tests use too: it crosses two epoch boundaries in 8 steps."""
+    from common.support.corpus import shakespeare_texts
+
+    return shakespeare_texts()[0][:CORPUS_CHARS]
+
+
+def prepared_corpus(root: Path) -> tuple[Path, Path, str]:
+    """(the corpus file, the data root where it is prepared, its text), made once under root: every
+    run then finds the token files ready (one check after another, or two at once)."""
+    from common.data import prepare
+
+    root.mkdir(parents=True, exist_ok=True)
+    corpus, data, text = root / "corpus.txt", root / "data", corpus_text()
+    with open(root / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second check waits here until the files are written
+        if not corpus.exists() or corpus.read_text(encoding="utf-8") != text:
+            corpus.write_text(text, encoding="utf-8")
+        prepare(str(corpus), data, log=lambda *a: None)
+    return corpus, data, text
+
+
+def version(corpus: str) -> str:
+    """A hash of what chapter 01's run depends on: its script, the probe, common/, the corpus."""
+    digest = hashlib.sha256()
+    checker = sorted((REPO / "tools" / "check").glob("*.py"))
+    for path in [REFERENCE, *checker, *sorted((REPO / "common").rglob("*.py"))]:
+        digest.update(path.read_bytes())
+    digest.update(corpus.encode())
+    digest.update(" ".join(run_flags(Path("c"), Path("d"), Path("o"))).encode())
+    return digest.hexdigest()[:16]
+
+
+def made(folder: Path) -> Run:
+    return Run(folder / "01", folder / "01_facts", folder / "01.log", 0)
+
+
+def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run:
+    """Chapter 01's run, kept under root/reference/ by a hash of everything it depends on."""
+    final = root / "reference" / version(corpus)
+    if (final / "ok").exists():
+        os.utime(final)  # in use: see prune()
+        return made(final)
+    building = root / "reference" / f".building-{os.getpid()}-{time.time_ns()}"
+    building.mkdir(parents=True)
+    args = run_flags(corpus_file, data, building / "01", batch_size=GLOBAL_BATCH)
+    run = run_one(REFERENCE, Launch(1), args, building, "01")
+    if run.unsupported():
+        raise CannotRun(run.unsupported())
+    if run.status != 0 or len(run.losses()) != STEPS:
+        raise CannotRun(
+            f"chapter 01 itself did not run: {failure_line(run, REFERENCE)} (see {run.log})"
+        )
+    for checkpoint in building.rglob("ckpt.pt"):
+        checkpoint.unlink()  # kept: its metrics, facts and parameters
+    (building / "ok").write_text("")
+    try:
+        building.rename(final)
+    except OSError:  # another check made it at the same time: use theirs
+        shutil.rmtree(building, ignore_errors=True)
+    prune(root / "reference", final)
+    return made(final)
+
+
+def prune(folder: Path, final: Path) -> None:
+    """Remove the runs an earlier version of the course made, unused for longer than a check."""
+    for older in folder.iterdir():
+        unused = time.time() - older.stat().st_mtime > 2 * RUN_TIMEOUT
+        if older != final and not older.name.startswith(".") and unused:
+            shutil.rmtree(older, ignore_errors=True)

@@ -1,0 +1,231 @@
+"""The verdict a learner reads: "same run" with what was compared and what could not be, or "not
+the same run" with each difference the facts show (a table of rules: when, and what it says), the
+diagnosis, and a plot of the loss curves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.check.facts import Facts
+from tools.check.mistakes import describe, diagnose, logging_right, resume_right, training_right
+from tools.check.plan import RESTART_KILL, RESUME_AT, STEPS
+from tools.check.runner import Run
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The facts and the columns the report quotes."""
+
+    facts: Facts
+    run: Run
+    ref: Run
+    resumed: Run | None
+    failure: str | None  # the run's failure line, if it failed
+    restarted: bool = False  # the killed-and-restarted run was checked
+
+
+def ranks_compared(s: Seen) -> str:
+    if s.facts.ranks.sharded:
+        return f"gathered whole from the shards of all {s.facts.ranks.world_size} ranks"
+    if s.facts.ranks.world_size > 1:
+        return f"on all {s.facts.ranks.world_size} ranks"
+    return "in its one process"
+
+
+def loss_line(s: Seen) -> str:
+    first, losses, ref = s.facts.log.first_loss_diff, s.run.losses(), s.ref.losses()
+    if first in losses and first in ref:
+        a, b = losses[first], ref[first]
+        return (
+            f"the loss differs from step {first}: {a:.6f} here, {b:.6f} in chapter 01 "
+            f"(ratio {a / b:.6g})"
+        )
+    return f"steps 1-{first - 1} are chapter 01's, then the script logged no more"
+
+
+def column_line(s: Seen, name: str, step: int, what: str, digits: str) -> str:
+    mine, theirs = s.run.column(name).get(step, math.nan), s.ref.column(name).get(step, math.nan)
+    return f"{what} {step}: {mine:{digits}} here, {theirs:{digits}} in chapter 01"
+
+
+def ranks_line(s: Seen) -> str:
+    r = s.facts.ranks
+    if r.sharded:
+        return (
+            f"the ranks' parameters: sharded (each rank holds 1/{r.world_size}), compared whole "
+            "at every step"
+        )
+    if r.ranks_drift_from is not None:
+        others = ", ".join(map(str, r.drifting))
+        since = r.ranks_drift_from
+        return f"the ranks' copies: rank(s) {others} differ from rank 0's from step {since}"
+    return f"the ranks' copies: equal on all {r.world_size} ranks at every step"
+
+
+def data_line(s: Seen) -> str:
+    who = ""
+    if s.facts.ranks.world_size > 1 and s.facts.ranks.data_ranks:
+        off = ", ".join(map(str, s.facts.ranks.data_ranks))
+        who = f" (rank(s) {off} read windows outside that step's batch)"
+    return (
+        f"the windows read: other than chapter 01's from step {s.facts.data.first_data_diff}{who}"
+    )
+
+
+def devices_line(s: Seen) -> str:
+    asked = ", ".join(
+        f"rank {r} (LOCAL_RANK {lr}) asked for GPU {i}" for r, lr, i in s.facts.ranks.devices
+    )
+    return f"the GPUs: {asked}"
+
+
+def fsdp_line(s: Seen) -> str:
+    if s.facts.ranks.fsdp_forwards:
+        return (
+            "FSDP: the model was sharded, but the optimizer's parameters are not shards: it "
+            "holds the tensors from before fully_shard"
+        )
+    return "FSDP: no rank's parameters are shards (DTensors): the model was not sharded"
+
+
+Rule = tuple[Callable[[Seen], bool], Callable[[Seen], str]]
+
+# what a run that is not chapter 01's shows, in this order
+DIFFERENCES: list[Rule] = [
+    (lambda s: s.facts.log.first_loss_diff is not None, loss_line),
+    (
+        lambda s: s.facts.log.first_loss_diff is None and not s.facts.grads.params_equal,
+        lambda s: (
+            "every loss equals chapter 01's, but the final parameters differ "
+            f"(relative {s.facts.grads.distance:.1e})"
+        ),
+    ),
+    (
+        lambda s: s.facts.log.first_lr_diff is not None,
+        lambda s: column_line(
+            s, "lr", s.facts.log.first_lr_diff, "the learning rate differs from step", ".6g"
+        ),
+    ),
+    (
+        lambda s: s.facts.log.first_val_diff is not None,
+        lambda s: column_line(
+            s, "val_loss", s.facts.log.first_val_diff, "the validation loss differs at step", ".6f"
+        ),
+    ),
+    (
+        lambda s: s.facts.grads.optimizer_steps != s.facts.log.logged_steps,
+        lambda s: (
+            f"{s.facts.grads.optimizer_steps} optimizer steps for "
+            f"{s.facts.log.logged_steps} logged steps"
+        ),
+    ),
+    (
+        lambda s: s.facts.log.stopped_after is not None,
+        lambda s: f"the script stopped after step {s.facts.log.stopped_after}: {s.failure}",
+    ),
+    (lambda s: s.facts.ranks.world_size > 1, ranks_line),
+    (lambda s: s.facts.data.first_data_diff is not None, data_line),
+    (
+        lambda s: s.facts.resume.resume_diff is not None,
+        lambda s: (
+            f"uninterrupted it is chapter 01's run; stopped at step {RESUME_AT} and "
+            f"resumed, it differs from step {s.facts.resume.resume_diff}"
+        ),
+    ),
+    (
+        lambda s: s.facts.resume.restart is not None,
+        lambda s: (
+            "uninterrupted it is chapter 01's run; as 2 nodes with rank 1 killed after "
+            f"step {RESTART_KILL} and torchrun --max-restarts=1: {s.facts.resume.restart}"
+        ),
+    ),
+    (
+        lambda s: s.facts.ranks.replicas == 0,
+        lambda s: (
+            "DataParallel: never called (the check splits its batches over stand-in replicas)"
+        ),
+    ),
+    (lambda s: s.facts.plan.shards and not s.facts.ranks.sharded, fsdp_line),
+    (lambda s: s.facts.ranks.gpu_by_global_rank, devices_line),
+]
+
+
+def same_lines(s: Seen) -> list[str]:
+    """A "same run" verdict: what was compared, and what the check could not observe."""
+    plan = s.facts.plan
+    lines = [
+        f"same run: all {STEPS} losses, learning rates, the validation loss and the parameters "
+        f"after every step equal chapter 01's, {ranks_compared(s)}"
+    ]
+    if s.resumed is not None:
+        lines.append(f"  stopped at step {RESUME_AT} and resumed: the same end")
+    lines += [f"  {line}" for line in plan.checked_more(s.restarted)]
+    lines.append(f"  unchecked: {'; '.join(plan.unchecked(s.facts.ranks.gpu_seen))}")
+    return lines
+
+
+def different_lines(s: Seen, source: str, script: str, theirs: str, facts_file: str) -> list[str]:
+    lines = ["not the same run:"]
+    lines += [f"  {say(s)}" for when, say in DIFFERENCES if when(s)]
+    mistake, notes, look = diagnose(s.facts, source, script, theirs)
+    lines += [f"  {note}" for note in notes]
+    if mistake is None:
+        lines.append("diagnosis: no known mistake fits; what the facts show:")
+        lines += [f"  {line}" for line in describe(s.facts)]
+        lines.append(f"  (all the facts: {facts_file})")
+    else:
+        lines += [f"diagnosis: {mistake.name}: {mistake.did}", f"  {look}"]
+    return lines
+
+
+def plotted_run(s: Seen) -> tuple[Run, str, int | None]:
+    """The run the plot shows against chapter 01's: the resumed one where only it differs."""
+    f = s.facts
+    if s.resumed is not None and training_right(f) and logging_right(f) and not resume_right(f):
+        return (
+            s.resumed,
+            f"your script, stopped at step {RESUME_AT} and resumed",
+            f.resume.resume_diff,
+        )
+    return s.run, "your script", f.log.first_loss_diff
+
+
+def plot(path: Path, s: Seen, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    run, label, first = plotted_run(s)
+    losses, ref = run.losses(), s.ref.losses()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(sorted(ref), [ref[i] for i in sorted(ref)], "o-", label="chapter 01", color="tab:blue")
+    ax.plot(
+        sorted(losses), [losses[i] for i in sorted(losses)], "x--", label=label, color="tab:red"
+    )
+    epoch = s.facts.data.steps_per_epoch
+    for boundary in range(epoch, STEPS, epoch):
+        name = "a new epoch" if boundary == epoch else None  # starts after this step
+        ax.axvspan(boundary + 0.45, boundary + 0.55, color="0.9", label=name)
+    if first is not None:
+        ax.axvline(first, color="gray", linestyle=":")
+        ax.annotate(
+            f"first difference: step {first}",
+            (first, 0.03),  # at the bottom of the plot, beside the line
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 0),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
