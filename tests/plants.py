@@ -131,7 +131,8 @@ PLANTS = {
         (
             (
                 replace,
-                P(assigns="model_state", call="get_model_state_dict"),
+                P(assigns="model_state", call="gather_full_state"),
+                "model_state, optimizer_state = gather_full_state(model, optimizer)\n"
                 "model_state = model.state_dict()",
             ),
         ),

@@ -405,12 +405,13 @@ MISTAKES = [
         did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
         "rank 0's shards, not the model. Saved as ckpt.pt, the resumed run starts from other "
         "parameters than the stopped run ended with; the whole tensors must be gathered from "
-        "every rank first (get_model_state_dict with full_state_dict=True, on every rank)",
+        "every rank first (gather_full_state: get_model_state_dict with full_state_dict=True, on "
+        "every rank)",
         signature=lambda f: f.plan.shards and f.resume.resume_start_differs,
         chapter=6,
-        right=(P(assigns="model_state", call="get_model_state_dict"),),
+        right=(P(assigns="model_state", call="gather_full_state"),),
         look_for=(P(assigns="model_state"), P(call="state_dict")),
-        near=P(call="StateDictOptions"),
+        near=P(call="gather_full_state"),
         kind="resume",
     ),
     Mistake(
