@@ -134,7 +134,7 @@ print(
 # ## Inside one step
 #
 # One optimizer step of 2 micro-steps on 2 ranks, traced by `torch.profiler`
-# (`python maintainer/step_pictures.py`, caption in `docs/figures/CAPTIONS.md`). The first
+# (`python -m maintainer.step_pictures`, caption in `docs/figures/CAPTIONS.md`). The first
 # backward, under `no_sync()`, sends nothing; in the last one each bucket's all-reduce starts while
 # backward is still computing the earlier layers. A busy CPU's durations; what a GPU shares is the
 # order and the overlap.

@@ -1,7 +1,7 @@
 """Pictures of what happens inside one training step, from real runs traced by torch.profiler.
 
-    python maintainer/step_pictures.py                    # trace, measure, draw, record (minutes)
-    python maintainer/step_pictures.py --from-runs out/step_pictures   # draw runs already made
+    python -m maintainer.step_pictures                    # trace, measure, draw, record (minutes)
+    python -m maintainer.step_pictures --from-runs out/step_pictures   # draw runs already made
 
 It runs workers/step_trace.py under torchrun, 2 ranks on 127.0.0.1 (a free port), on the CPU with
 gloo, and draws into docs/figures/ (or --figures):
@@ -732,7 +732,7 @@ def entry(
         "what": what,
         "machine": words,
         "torch": run["torch"],
-        "command": "python maintainer/step_pictures.py",
+        "command": "python -m maintainer.step_pictures",
         "date": run["date"],
         "table": table,
         "source": source,
@@ -799,7 +799,7 @@ def write_captions(figures: Path, subtitles: dict[str, str], commands: dict) -> 
         "",
         "## Inside one step",
         "",
-        "Drawn by `python maintainer/step_pictures.py` from runs it made:",
+        "Drawn by `python -m maintainer.step_pictures` from runs it made:",
         "",
     ]
     lines += [f"- {what}: `{command}`" for what, command in commands.items()]

@@ -22,7 +22,7 @@ def entry(key: str) -> dict:
     name = pictures.ENTRY_NAMES[key]
     found = [e for e in registry.load()["entries"] if e["name"] == name]
     assert found, (
-        f"bench/results/results.json has no entry {name!r}: run python maintainer/step_pictures.py"
+        f"bench/results/results.json has no entry {name!r}: run python -m maintainer.step_pictures"
     )
     return found[0]
 
