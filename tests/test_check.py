@@ -191,15 +191,12 @@ PLANT_FACTS = {
     ),
     "ranks' logged loss not averaged": dict(first_loss_diff=1, loss_ratio_at_1=2.0),
     "your evaluation differs; training is the same": dict(first_val_diff=8, val_ratio=0.998),
+    # the resumed run fails: rank 0's shards do not load into the whole model
     "a checkpoint of rank 0's shards only": dict(
         chapter=6,
         sharded=True,
-        resume_at=5,
-        resume_diff=6,
-        resume_reads_steps=[6],
-        resume_first_grad_diff=6,
-        resume_first_param_diff=6,
-        resume_start_differs=True,
+        params_equal=False,
+        failure="RuntimeError: Error(s) in loading state_dict for GPT: (line 226 of copy/train.py)",
     ),
     "resume skipping steps instead of micro-batches": dict(
         chapter=2,
@@ -225,14 +222,13 @@ PLANT_FACTS = {
     "a restart that does not continue the run": dict(
         chapter=5, restart="after the restart: error: out/run holds another run"
     ),
-    # the sharded model's gradient is clipped, so its norm is chapter 01's; saving fails at the end
-    "the optimizer built before fully_shard": trained(
+    # the optimizer holds the meta-device tensors the model was built with: its first step fails
+    "the optimizer built before fully_shard": dict(
         chapter=6,
         fsdp_forwards=True,
-        sharded=False,
-        first_val_diff=8,
-        stopped_after=8,
-        failure="KeyError: 0 (line 320 of copy/train.py)",
+        params_equal=False,
+        failure="RuntimeError: Tensor.item() cannot be called on meta tensors (line 349 of "
+        "copy/train.py)",
     ),
     "the GPU chosen by RANK, not LOCAL_RANK": dict(chapter=5, devices=((0, 0, 0), (1, 0, 1))),
 }
@@ -394,8 +390,8 @@ RUN = [
     "optimizer.step() inside the micro-loop",  # optimizer steps per logged step
     "the replicas' losses summed, not averaged",  # chapter 03's stand-in replicas
     "a resume that does not restore the optimizer state",  # the resumed run's steps
-    "a checkpoint of rank 0's shards only",  # FSDP: the resumed run's start, gathered whole
-    "the optimizer built before fully_shard",  # FSDP: a sharded forward, an unsharded optimizer
+    "a checkpoint of rank 0's shards only",  # FSDP: the resumed run fails to load it
+    "the optimizer built before fully_shard",  # FSDP: an optimizer of meta-device tensors
     "the GPU chosen by RANK, not LOCAL_RANK",  # two nodes: the GPU index each rank asked for
 ]
 
@@ -495,19 +491,22 @@ def test_a_torch_without_the_probes_private_hook_gives_no_verdict(tmp_path, hook
 
 
 def test_a_quote_that_differs_by_a_local_name_says_what_each_name_holds():
-    """`options=whole` against `options=full`: the learner's `whole` and the chapter's `full`."""
-    source = chapter_script(6)
-    saving = find(source, Pattern(assigns="model_state", call="get_model_state_dict"))[0]
-    options = [n for n in find(source, Pattern(assigns="full")) if n.lineno < saving.lineno][-1]
+    """`rank=me` against `rank=rank`: the learner's `me` and the chapter's `rank`."""
+    source = chapter_script(4)
+    sampler = find(source, Pattern(assigns="sampler", call="DistributedSampler"))[0]
     lines = source.splitlines(keepends=True)
-    lines[options.lineno - 1] = lines[options.lineno - 1].replace("full =", "whole =")
-    lines[options.lineno - 1] = lines[options.lineno - 1].replace("=True,", "=False,", 1)
-    lines[saving.lineno - 1] = lines[saving.lineno - 1].replace("options=full", "options=whole")
+    wrong = next(
+        n for n in range(sampler.lineno, sampler.end_lineno + 1) if "rank=rank" in lines[n - 1]
+    )
+    lines[wrong - 1] = lines[wrong - 1].replace("rank=rank", "rank=me")
+    first = lines[sampler.lineno - 1]
+    indent = first[: len(first) - len(first.lstrip())]
+    lines.insert(sampler.lineno - 1, f"{indent}me = 0\n")
     copy = "".join(lines)
-    look = where_to_look(BY_NAME["a checkpoint of rank 0's shards only"], copy, "copy.py", source)
-    assert f"look at line {saving.lineno} of copy.py" in look.text, look.text
-    assert "your `whole = StateDictOptions(full_state_dict=False" in look.text, look.text
-    assert "chapter 06's `full = StateDictOptions(full_state_dict=True" in look.text, look.text
+    look = where_to_look(BY_NAME["all ranks reading the same windows"], copy, "copy.py", source)
+    assert f"look at line {wrong + 1} of copy.py" in look.text, look.text
+    assert "your `me = 0`" in look.text, look.text
+    assert "chapter 04's `rank = int(os.environ" in look.text, look.text
 
 
 def test_look_at_line_names_the_wrong_line_of_a_long_statement():

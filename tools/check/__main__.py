@@ -173,12 +173,15 @@ def planned(args) -> tuple[Plan, int, str]:
 
 
 def resumed_run(c: Check) -> Run:
-    """Stopped at step 5, then resumed to the end: the resumed run."""
+    """Stopped at step 5, then resumed to the end: the resumed run, or the failed one where the
+    catalogue names its failure."""
     first = c.run("resumed", iters=RESUME_AT)
     if first.status == 0:
         resumed = c.run("resumed", resume=True)
     failed = first if first.status != 0 else resumed
     if failed.status != 0:
+        if known_failure(failure_line(failed, c.script)) is not None:
+            return failed
         raise CannotRun(
             f"the resume check failed: {failure_line(failed, c.script)} (see {shown(failed.log)})"
         )
@@ -222,13 +225,13 @@ def hung(c: Check, run: Run) -> int:
     return 1
 
 
-def failed_early(c: Check, run: Run) -> int:
+def failed_early(c: Check, run: Run, when: str = "it stopped before step 1") -> int:
     """The run logged no step: a known failure is a diagnosis, any other cannot be compared."""
     failure = failure_line(run, c.script)
     known = known_failure(failure)
     if known is None:
         raise CannotRun(f"{failure} (the whole output: {shown(run.log)})")
-    print(f"not the same run: it stopped before step 1: {failure}")
+    print(f"not the same run: {when}: {failure}")
     print(f"diagnosis: {known.name}: {known.did}")
     print(f"  {where_to_look(known, c.source, shown(c.script), c.theirs).text}")
     return 1
@@ -252,6 +255,8 @@ def verdict(c: Check, run: Run, ref: Run, args) -> int:
         restarted = True
     elif plain and c.resume:
         resumed = resumed_run(c)
+        if resumed.status != 0:
+            return failed_early(c, resumed, when="the resumed run failed")
         facts = gather.with_resume(facts, run, resumed, ref)
     (c.folder / "facts.json").write_text(json.dumps(facts.as_dict(), indent=1))
     if args.facts:

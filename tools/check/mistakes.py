@@ -178,10 +178,10 @@ MISTAKES = [
     Mistake(
         name="the optimizer built before fully_shard",
         did="the optimizer was built on the model's parameters before fully_shard replaced them "
-        "with shards (DTensors): the model was sharded, and its forward and backward ran on the "
-        "shards, but the optimizer holds the old whole tensors, which get no gradient, so it never "
-        "moves the parameters the model uses",
-        signature=lambda f: f.plan.shards and f.ranks.fsdp_forwards and not f.ranks.sharded,
+        "with shards (DTensors): the optimizer holds the tensors the model was built with on the "
+        "meta device, which have no storage and get no gradient, not the shards the model trains, "
+        "so its first step fails",
+        signature=FailsWith(r"on meta tensors"),
         chapter=6,
         right=(P(assigns="optimizer"),),
         look_for=(P(assigns="optimizer"),),
@@ -403,11 +403,11 @@ MISTAKES = [
     Mistake(
         name="a checkpoint of rank 0's shards only",
         did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
-        "rank 0's shards, not the model. Saved as ckpt.pt, the resumed run starts from other "
-        "parameters than the stopped run ended with; the whole tensors must be gathered from "
+        "rank 0's shards, not the model. Saved as ckpt.pt, it does not load into the whole "
+        "model, so the resume fails; the whole tensors must be gathered from "
         "every rank first (gather_full_state: get_model_state_dict with full_state_dict=True, on "
         "every rank)",
-        signature=lambda f: f.plan.shards and f.resume.resume_start_differs,
+        signature=FailsWith(r"Error\(s\) in loading state_dict"),
         chapter=6,
         right=(P(assigns="model_state", call="gather_full_state"),),
         look_for=(P(assigns="model_state"), P(call="state_dict")),
