@@ -31,7 +31,9 @@ from layout import REPO as ROOT
 
 # how each kind of linked file becomes part of the site
 MARKDOWN = {".md"}
-AS_IS = {".png", ".jpg", ".jpeg", ".svg", ".gif", ".ipynb"}  # figures; notebooks (mkdocs-jupyter)
+# copied as they are: figures, notebooks (mkdocs-jupyter renders them), raw profiler traces (a
+# reader downloads them and opens them in Perfetto)
+AS_IS = {".png", ".jpg", ".jpeg", ".svg", ".gif", ".ipynb", ".gz"}
 LANGUAGES = {
     ".py": "python",
     ".sh": "bash",
