@@ -238,6 +238,17 @@ def nested(tokens: list[dict]) -> list[dict]:
     return roots
 
 
+def on_page_markdown(markdown: str, page, config: MkDocsConfig, files: Files) -> str:
+    """A chapter's page ranks above its scripts and diffs in the search.
+
+    A script says `LOCAL_RANK` more often than the page that explains it; a reader who searches
+    for it wants the explanation first.
+    """
+    if re.fullmatch(r"\d\d_[^/]+/README\.md", page.file.src_uri):
+        page.meta["search"] = {"boost": 10}
+    return markdown
+
+
 def on_page_content(html: str, page, config: MkDocsConfig, files: Files) -> str:
     """A notebook's table of contents, from the headings of its page as rendered.
 
