@@ -21,9 +21,9 @@ from .support.preempt import stop_signal
 CHAPTER_FLAGS = {
     "--grad-accum": (2, 6),
     "--gpus": (3, 3),
-    "--backend": (4, 6),
     "--dist-timeout": (4, 6),
     "--shared-fs": (5, 6),
+    "--stop-signal": (5, 6),
 }
 
 
@@ -109,12 +109,6 @@ def build_parser(chapter: int, description: str) -> argparse.ArgumentParser:
     )
     flag("--compile", action="store_true", help="torch.compile the model")
     flag("--gpus", type=positive_int, help="GPUs DataParallel spreads over (default: all visible)")
-    flag(
-        "--backend",
-        choices=["auto", "nccl", "gloo"],
-        default="auto",
-        help="NCCL with CUDA, gloo without",
-    )
     flag(
         "--dist-timeout",
         type=positive_int,

@@ -140,6 +140,18 @@ def validation_windows(dataset: TokenWindows, batches: int, batch_size: int) -> 
     return np.linspace(0, len(dataset) - 1, count).round().astype(int).tolist()
 
 
+def count_steps_per_epoch(train_set: TokenWindows, global_batch: int) -> int:
+    """Optimizer steps in one pass over the training windows: the incomplete last batch of an epoch
+    is dropped. A corpus too small for one batch is refused."""
+    steps = len(train_set) // global_batch
+    if steps == 0:
+        raise CourseError(
+            f"the training split has {len(train_set)} windows, fewer than one batch of "
+            f"{global_batch}; lower --batch-size or use a larger corpus"
+        )
+    return steps
+
+
 def describe_global_batch(global_batch: int, block_size: int, steps_per_epoch: int) -> str:
     """What one optimizer step reads, for the line every chapter prints before training."""
     tokens = global_batch * block_size

@@ -1,7 +1,7 @@
-"""What the DDP chapters need but do not teach: each rank's device and CPU threads, the start of the
-process group (with the check that no two ranks share a GPU), one rank first, the copies check, and
-what chapter 05 adds for torchrun's restarts: a meeting point that survives them and the ranks'
-agreement on where to continue.
+"""What the DDP chapters need but do not teach: the refusal of a start without torchrun, lines that
+say which rank wrote them, each rank's device and CPU threads, the check that no two ranks share a
+GPU, one rank first, the copies check, and what chapter 05 adds for torchrun's restarts: a meeting
+point that survives them and the ranks' agreement on where to continue.
 
 Every function here that takes no device facts is a collective or joins one: every rank of the
 group must call it, in the same order, or the ranks that did wait for the others until the timeout.
@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -25,47 +26,34 @@ from .support.errors import CourseError
 PREPARATION_TIMEOUT = datetime.timedelta(hours=6)
 
 
-def start_process_group(
-    requested_backend: str,
-    device: torch.device,
-    launched: bool,
-    rank: int,
-    world_size: int,
-    timeout: datetime.timedelta,
-    store: dist.Store | None = None,
-) -> str:
-    """Join this rank to the process group (dist.init_process_group); returns its backend.
+def require_torchrun() -> None:
+    """Refuse, with one line, a DDP chapter started without torchrun, which tells each process its
+    place (RANK, WORLD_SIZE, LOCAL_RANK, ...). A world of one is torchrun --nproc_per_node=1."""
+    if "RANK" in os.environ:
+        return
+    script = sys.argv[0]
+    raise CourseError(
+        f"{script} runs under torchrun, which starts one process per device: "
+        f"torchrun --standalone --nproc_per_node=N {script} (N=1 for a single process)"
+    )
 
-    --backend auto is NCCL for CUDA GPUs and gloo for the CPU; NCCL is refused on the CPU. Under
-    torchrun (launched) the ranks meet at MASTER_ADDR:MASTER_PORT, or at `store` when one is given
-    (chapter 05's restart_store). Started with plain `python`, the script is a world of one,
-    which needs no meeting point: an in-memory store will do.
 
-    On GPUs the ranks then check that each drives a GPU of its own (refuse_shared_gpus). That is
-    why NCCL is not bound to the GPU here (init_process_group's device_id): bound, it would connect
-    at once and meet two ranks on one GPU with a traceback ("Duplicate GPU detected") before the
-    check could say which ranks, in one line. It connects at its first collective instead, on the
-    GPU torch.cuda.set_device chose.
-    """
-    backend = requested_backend
-    if backend == "auto":
-        backend = "gloo"
-        if device.type == "cuda":
-            backend = "nccl"
-    if backend == "nccl" and device.type != "cuda":
-        raise CourseError(
-            "--backend nccl connects CUDA GPUs, and this run is on the CPU; "
-            "use --backend gloo (or auto)"
-        )
-    if not launched:
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-        return backend
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    if device.type == "cuda":
-        refuse_shared_gpus(device, timeout)
-    return backend
+class RankLog:
+    """Lines that say which rank wrote them: `log(text)` from rank 0 only (it speaks for every
+    rank), `log.every_rank(text)` from each. Each line is one write, so the lines of ranks that
+    share a terminal or a log file never run into each other."""
+
+    def __init__(self, prefix: str, speaks: bool):
+        self.prefix = prefix
+        self.speaks = speaks
+
+    def __call__(self, message: str) -> None:
+        if self.speaks:
+            self.every_rank(message)
+
+    def every_rank(self, message: str) -> None:
+        sys.stdout.write(f"{self.prefix} {message}\n")
+        sys.stdout.flush()
 
 
 def gpu_identity(device: torch.device) -> str:
@@ -95,14 +83,17 @@ def ranks_sharing_a_gpu(gpus: list[tuple[str, str | None]]) -> list[list[int]]:
 
 def refuse_shared_gpus(device: torch.device, timeout: datetime.timedelta) -> None:
     """Refuse, with one line, a job in which two ranks drive the same GPU (a collective: every rank
-    calls it). Every rank's host and GPU are gathered to every rank, over a gloo group of their
-    own, destroyed when done, so that no NCCL connection is made before the check.
+    calls it; on the CPU it does nothing). Every rank's host and GPU are gathered to every rank,
+    over a gloo group of their own, destroyed when done, so that no NCCL connection is made before
+    the check.
 
     Two processes on one GPU would share its memory and take turns on it, and NCCL refuses them
     with a traceback. This happens when the GPUs a process sees are chosen per process
     (CUDA_VISIBLE_DEVICES) and two choices overlap, or when two torchruns on one machine (two
     simulated nodes) both count their GPUs from cuda:0.
     """
+    if device.type != "cuda":
+        return
     group = dist.new_group(backend="gloo", timeout=timeout)
     try:
         gpus: list[tuple[str, str] | None] = [None] * dist.get_world_size()
@@ -240,10 +231,11 @@ def cpu_threads_per_rank(
     So then each rank gets an equal share; any other OMP_NUM_THREADS is the reader's choice.
     """
     if local_world_size > 1 and omp_num_threads in (None, "1"):
-        return max(
-            1, cpu_count // local_world_size
-        ), f"{cpu_count} cores / {local_world_size} rank(s)"
-    return None, "OMP_NUM_THREADS" if omp_num_threads is not None else "torch's default"
+        threads = max(1, cpu_count // local_world_size)
+        return threads, f"{cpu_count} cores / {local_world_size} rank(s)"
+    if omp_num_threads is not None:
+        return None, "OMP_NUM_THREADS"
+    return None, "torch's default"
 
 
 def share_cpu_cores(local_world_size: int) -> str:

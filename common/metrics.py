@@ -7,6 +7,9 @@ from pathlib import Path
 
 import torch
 
+from .support.gpus import peak_flops
+from .support.progress import Progress
+
 
 def model_flops_utilization(
     flops_per_token: float, tokens_per_sec: float, peak: float | None, devices: int = 1
@@ -18,22 +21,23 @@ def model_flops_utilization(
 
 
 class Throughput:
-    """Milliseconds per step, tokens/s and MFU between log lines; the tokens of all `devices`."""
+    """Milliseconds per step, tokens/s and MFU between log lines; MFU against the peak of all
+    `devices` (their tokens are in tokens_per_step; no MFU on a device the course does not know)."""
 
     def __init__(
         self,
         tokens_per_step: int,
         flops_per_token: float,
-        peak: float | None,
+        device: torch.device,
+        dtype: torch.dtype,
         devices: int = 1,
-        start: int = 0,
     ):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
-        self.peak = peak
+        self.device = device
+        self.peak = peak_flops(device, dtype)
         self.devices = devices
-        self.since_iter = start  # the interval's first step
-        self.since = time.perf_counter()  # and when it began
+        self.restart_clock(0)
 
     def measure(self, iter_num: int) -> dict:
         """The figures since the last measure (or the start), for a metrics line; starts a new
@@ -51,8 +55,11 @@ class Throughput:
             "mfu": mfu,
         }
 
-    def restart_clock(self) -> None:
-        """Time spent from here back to the last measure is not training time (an evaluation)."""
+    def restart_clock(self, iter_num: int | None = None) -> None:
+        """A new interval from now (from step `iter_num`, when given): the time since the last
+        measure was not training time (an evaluation)."""
+        if iter_num is not None:
+            self.since_iter = iter_num
         self.since = time.perf_counter()
 
 
@@ -95,3 +102,39 @@ def read_metrics(path: str | Path) -> list[dict]:
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
     return records
+
+
+class RunLog:
+    """What a run reports, one call per log step and one per evaluation: a line of metrics.jsonl,
+    the progress bar (or a plain line in a file) and the speed and MFU since the last log step.
+    Under torchrun `log` (common/distributed.RankLog) says who speaks: only rank 0 writes, and its
+    lines carry its prefix; the other ranks keep time and say nothing."""
+
+    def __init__(self, out_dir: Path, max_iters: int, start: int, speed: Throughput, log=None):
+        enabled = log is None or log.speaks
+        prefix = ""
+        if log is not None:
+            prefix = f"{log.prefix} "
+        self.metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=start, enabled=enabled)
+        self.progress = Progress(max_iters, start, enabled=enabled, prefix=prefix)
+        self.speed = speed
+        self.speed.restart_clock(start)
+
+    def step(self, iter_num: int, loss: float, lr: float) -> None:
+        """A log step: its loss and learning rate, and the speed since the last one."""
+        figures = self.speed.measure(iter_num)
+        memory = max_memory_mb(self.speed.device)
+        self.metrics.write(iter=iter_num, loss=loss, lr=lr, **figures, max_mem_mb=memory)
+        self.progress.step(iter_num, loss, figures, lr)
+
+    def evaluation(self, iter_num: int, val_loss: float, checkpoint: Path) -> None:
+        """An evaluation's loss and the checkpoint saved after it, in a line; the time they took is
+        not training time."""
+        self.metrics.write(iter=iter_num, val_loss=val_loss)
+        self.progress.print(
+            f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {checkpoint}"
+        )
+        self.speed.restart_clock()
+
+    def close(self) -> None:
+        self.progress.close()

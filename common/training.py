@@ -58,47 +58,14 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def is_divergence(loss: float, grad_norm: float | None, skips_inf_steps: bool) -> bool:
-    """A non-finite loss, or gradient norm (unless float16's GradScaler skips such a step on
-    purpose)."""
-    if not math.isfinite(loss):
-        return True
-    if grad_norm is None or skips_inf_steps:
-        return False
-    return not math.isfinite(grad_norm)
-
-
-def stop_if_diverged(
-    step: int,
-    loss: float,
-    grad_norm: torch.Tensor | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    grad_clip: float | None = None,
-    dtype: torch.dtype | None = None,
-    what: str = "training loss",
-) -> None:
-    """Stop with one line when `loss` or `grad_norm` is not finite, advising what would change.
-    Called where the device is idle anyway, so reading the norm costs no wait."""
-    norm = None
-    if grad_norm is not None:
-        norm = float(grad_norm)
-    skips_inf_steps = scaler is not None and scaler.is_enabled()
-    if not is_divergence(loss, norm, skips_inf_steps):
+def stop_if_diverged(step: int, loss: float, what: str = "training loss") -> None:
+    """Stop with one line when `loss` is NaN or infinite: the run has diverged. Checked before any
+    checkpoint is written, so a diverged model never replaces the last good checkpoint."""
+    if math.isfinite(loss):
         return
-    norm_text = ""
-    if norm is not None:
-        norm_text = f", gradient norm {norm:.4g}"
-    tries = ["a lower --lr"]
-    if grad_clip is None or not 0 < grad_clip <= 1.0:
-        tries.append("--grad-clip 1.0")
-    if dtype not in (torch.float32, torch.float64):
-        tries.append("--dtype float32")
-    advice = tries[0]
-    if len(tries) > 1:
-        advice = ", ".join(tries[:-1]) + " or " + tries[-1]
     raise CourseError(
-        f"the run diverged at step {step}: {what} {loss:.4g}{norm_text}; no checkpoint was "
-        f"written from it (the last one, if any, is intact); try {advice}, "
+        f"the run diverged at step {step}: {what} {loss}; no checkpoint was written from it "
+        "(the last one, if any, is intact); try a lower --lr or --dtype float32, "
         "with --resume to continue from the checkpoint"
     )
 

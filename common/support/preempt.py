@@ -2,13 +2,14 @@
 stops (one line, status 75). Further copies of the signal are the same stop and change nothing
 (SIGKILL stays the force); Ctrl-C stops at once (status 130).
 
-This is the stop of one process (chapters 01-03). Several ranks must also agree on the step to stop
-at, and a stop must stay final when torchrun restarts a worker: support/preempt_ranks.py."""
+Chapter 05 listens with Preemption; its ranks also agree on the step to stop at, and a stop must
+stay final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-04 a signal
+ends the run at once (run_main), and the last checkpoint stays intact."""
 
 import argparse
 import signal
 
-from .errors import StopNow, Stopped
+from .errors import StopNow
 
 
 def stop_signal(name: str) -> str:
@@ -44,6 +45,9 @@ class Preemption:
         """Whether the run should save this step and stop."""
         return self.received is not None
 
-    def stop(self, step: int) -> None:
-        """End the run after the checkpoint of `step` is written: raises Stopped for run_main."""
-        raise Stopped(self.received, step, speaks=True)
+    def signal_number(self) -> int:
+        """The stop signal's number, or 0 when none came: the ranks all-reduce it (MAX), so one
+        rank's signal stops every rank, and every rank knows which signal it was."""
+        if self.received is None:
+            return 0
+        return signal.Signals[self.received].value

@@ -28,8 +28,8 @@ class Progress:
     def step(
         self, iter_num: int, loss: float | None = None, figures: dict | None = None, lr: float = 0.0
     ) -> None:
-        """One step done; at log steps, with its loss and Throughput's figures, shown too."""
-        self.bar.update(1)  # nothing where the bar is off
+        """The run has reached `iter_num`; with its loss and Throughput's figures, shown too."""
+        self.bar.update(iter_num - self.bar.n)  # nothing where the bar is off
         if loss is None or not self.enabled:
             return
         tokens_per_sec = figures["tokens_per_sec"]
