@@ -1,15 +1,20 @@
-"""A scheduler's stop signal: the run saves the step it is in, stops with one line, and resumes
-exactly.
+"""A scheduler's stop signal. Chapters 01-04: it ends the run at once, and the last checkpoint
+stays intact for --resume. Chapter 05 (and 06): the run saves the step every rank has reached,
+stops with one line and status 75, and resumes exactly.
 
-- Under torchrun (2 ranks, chapter 04), SIGTERM to the whole process group mid-run: one line from
-  rank 0, a checkpoint of the last step finished, and `--resume` ends with the parameters of
-  chapter 01's run that was never stopped (float64: equal up to rounding).
-- Chapter 01 alone: the same line, and exit status 75.
+- Chapter 01, SIGTERM mid-run: one line, status 130, the checkpoint of the last evaluation intact,
+  and `--resume` ends with the parameters of the run that was never stopped.
+- Chapter 05 under torchrun (2 ranks), SIGTERM to the whole process group (as a scheduler signals
+  every process of a job): one line from rank 0, a checkpoint of the step the ranks stopped after,
+  and `--resume` ends with the parameters of chapter 01's run that was never stopped (float64:
+  equal up to rounding).
+- Chapter 05, the signal to one rank only: every rank stops after the same step (the all-reduced
+  flag), status 75 on both, that step saved, and rank 0 names the signal the other rank received.
 - In-process: the signal handling itself (every copy after the first is the same stop, however
   late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
-  it; an error while stopping is an error, with its own status), --stop-signal's names, the
-  agreement's schedule, and a stop's finality (a restarted worker finds the stop's marker and
-  stops), the ranks' part in a real gloo world of one process.
+  it; an error while stopping is an error, with its own status), --stop-signal's names, and a
+  stop's finality (a restarted worker finds the stop's marker and stops), the ranks' part in a real
+  gloo world of one process.
 - Chapter 05 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
   and they stop at once, without a step more (the stop's marker).
 - 05_multinode/slurm.sbatch on a real Slurm: tests/test_slurm.py.
@@ -21,12 +26,10 @@ import contextlib
 import datetime
 import errno
 import io
-import math
 import os
 import re
 import signal
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,25 +41,22 @@ from helpers import read_until, start, tiny_run_args
 from common.metrics import read_metrics
 from common.support.errors import EXIT_STOPPED, Stopped, run_main
 from common.support.preempt import Preemption, stop_signal
-from common.support.preempt_ranks import (
-    CHECK_SHARE,
-    LONGEST_WAIT_S,
-    STOP_MARKER,
-    AgreedPreemption,
-    steps_between_checks,
-)
+from common.support.preempt_ranks import STOP_MARKER, stop_after_saving, stop_if_stopped_before
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
-ITERS = 8
+# chapter 05's ranks check for a stop every 10 steps: a stop asked for after step 2 is taken after
+# step 10 (or 20, on a slow machine), before the end
+ITERS = 24
 # float64: a resumed run repeats the uninterrupted one's numbers (exactly in the same world of
 # processes, up to rounding between one process of 8 sequences and two of 4); a fixed schedule
 FLAGS = {"dtype": "float64", "warmup_iters": 2, "lr_decay_iters": ITERS}
 STOP_LINE = "stopped by SIGTERM at step {step}: checkpoint saved; continue with --resume"
+ENDED_LINE = "stopped by SIGTERM: the last checkpoint written is intact; continue with --resume"
 
 
-def run_args(data_dir: Path, out_dir: Path, chapter: int) -> list:
+def run_args(data_dir: Path, out_dir: Path, chapter: int, **more) -> list:
     batch_size = 8 if chapter == 1 else 4  # two ranks of 4: chapter 01's global batch of 8
-    return tiny_run_args(data_dir, out_dir, max_iters=ITERS, batch_size=batch_size, **FLAGS)
+    return tiny_run_args(data_dir, out_dir, ITERS, batch_size=batch_size, **FLAGS, **more)
 
 
 def checkpoint(out_dir: Path) -> dict:
@@ -67,15 +67,22 @@ def logged_losses(out_dir: Path) -> dict[int, float]:
     return {r["iter"]: r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r}
 
 
-def stopped_after_step_two(cmd: list) -> tuple[int | None, str]:
-    """Start `cmd` in a session of its own; once step 2 is logged, SIGTERM its whole process group
-    (as a scheduler signals every process of a job). Returns its exit status and output."""
+def stopped_after_step(cmd: list, step: int, ranks: str = "all") -> tuple[int | None, str]:
+    """Start `cmd` in a session of its own; once `step` is logged, send SIGTERM to its whole
+    process group (as a scheduler signals every process of a job), or with ranks="rank 1" to that
+    worker alone. Returns its exit status and output."""
     proc = start(cmd)
     try:
-        seen = read_until(proc, "iter      2 |")
-        assert "iter      2 |" in seen, seen
-        os.killpg(proc.pid, signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
+        logged = f"iter {step:>6} |"
+        seen = read_until(proc, logged)
+        assert logged in seen, seen
+        if ranks == "all":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            worker = re.search(r"rank 1 local 1\] process (\d+) on ", seen)
+            assert worker, seen
+            os.kill(int(worker.group(1)), signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=180)
     finally:
         stop_launchers([proc])
     return proc.returncode, seen + rest
@@ -83,31 +90,65 @@ def stopped_after_step_two(cmd: list) -> tuple[int | None, str]:
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):
-    """Chapter 01 never stopped (the reference), and chapters 04 (two ranks) and 01 stopped after
-    step 2, side by side: what each stop left, and its exit status and output."""
+    """Chapter 01 never stopped (the reference); chapter 01 stopped after step 5 (an evaluation
+    every 2 steps); chapter 05 (two ranks) stopped after step 2, its whole group and one rank
+    alone: what each stop left, and its exit status and output."""
     root = tmp_path_factory.mktemp("preempt")
-    out = {name: root / name for name in ("reference", "ddp", "single")}
-    ddp_cmd = torchrun_command("04_ddp/train.py", 2, run_args(data_dir, out["ddp"], 4))
-    single_cmd = [sys.executable, "01_single_gpu/train.py", *run_args(data_dir, out["single"], 1)]
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    names = ("reference", "single", "ranks", "one_rank")
+    out = {name: root / name for name in names}
+    single_cmd = [
+        sys.executable,
+        "01_single_gpu/train.py",
+        *run_args(data_dir, out["single"], 1, eval_interval=2),
+    ]
+    ranks_cmd = torchrun_command("05_multinode/train.py", 2, run_args(data_dir, out["ranks"], 5))
+    one_cmd = torchrun_command("05_multinode/train.py", 2, run_args(data_dir, out["one_rank"], 5))
+    with ThreadPoolExecutor(max_workers=2) as pool:
         reference = pool.submit(
             run_python, ["01_single_gpu/train.py", *run_args(data_dir, out["reference"], 1)]
         )
-        ddp, single = (
-            pool.submit(stopped_after_step_two, ddp_cmd),
-            pool.submit(stopped_after_step_two, single_cmd),
-        )
+        single = pool.submit(stopped_after_step, single_cmd, 5)
         reference.result()
-        return out, {"ddp": ddp.result(), "single": single.result()}
+        ranks = pool.submit(stopped_after_step, ranks_cmd, 2)
+        one_rank = pool.submit(stopped_after_step, one_cmd, 2, "rank 1")
+        stops = {"single": single.result(), "ranks": ranks.result(), "one_rank": one_rank.result()}
+    return out, stops
+
+
+def assert_resumes_to_the_reference(out: Path, reference: Path) -> None:
+    """The resumed run's parameters and logged losses are the uninterrupted run's."""
+    resumed, uninterrupted = checkpoint(out), checkpoint(reference)
+    assert resumed["iter_num"] == uninterrupted["iter_num"] == ITERS
+    # two processes of 4 against one of 8: rounding
+    for name, tensor in uninterrupted["model"].items():
+        torch.testing.assert_close(resumed["model"][name], tensor, rtol=1e-9, atol=1e-12)
+    losses, reference_losses = logged_losses(out), logged_losses(reference)
+    assert losses.keys() == reference_losses.keys()
+    for i, loss in reference_losses.items():
+        assert losses[i] == pytest.approx(loss, rel=1e-9)
+
+
+def test_sigterm_ends_chapter_01_at_once_and_the_last_checkpoint_resumes(data_dir, runs):
+    out, stops = runs
+    status, output = stops["single"]
+    assert status == 130, output
+    assert output.strip().splitlines()[-1] == ENDED_LINE, output
+    assert "Traceback" not in output
+    # the last evaluation's checkpoint, intact; the steps after it are trained again
+    step = checkpoint(out["single"])["iter_num"]
+    assert step % 2 == 0 and 4 <= step < ITERS, output
+    run_python(["01_single_gpu/train.py", *run_args(data_dir, out["single"], 1), "--resume"])
+    assert_resumes_to_the_reference(out["single"], out["reference"])
 
 
 def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, runs):
     out, stops = runs
-    _, output = stops["ddp"]
-    step = checkpoint(out["ddp"])["iter_num"]
-    assert 2 <= step < ITERS, output
+    _, output = stops["ranks"]
+    step = checkpoint(out["ranks"])["iter_num"]
+    # the ranks check every 10 steps
+    assert step in (10, 20), output
     # the checkpoint holds the last step finished
-    assert step == max(logged_losses(out["ddp"])), output
+    assert step == max(logged_losses(out["ranks"])), output
     lines = output.splitlines()
     assert [line for line in lines if "stopped by" in line] == [
         "[rank 0] " + STOP_LINE.format(step=step)
@@ -115,25 +156,24 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     assert "[rank 0] Traceback" not in output
     assert "[rank 1] Traceback" not in output
 
-    run_torchrun("04_ddp/train.py", 2, [*run_args(data_dir, out["ddp"], 4), "--resume"])
-    resumed, uninterrupted = checkpoint(out["ddp"]), checkpoint(out["reference"])
-    assert resumed["iter_num"] == uninterrupted["iter_num"] == ITERS
-    # two processes of 4 against one of 8: rounding
-    for name, tensor in uninterrupted["model"].items():
-        torch.testing.assert_close(resumed["model"][name], tensor, rtol=1e-9, atol=1e-12)
-    ddp_losses, reference_losses = logged_losses(out["ddp"]), logged_losses(out["reference"])
-    assert ddp_losses.keys() == reference_losses.keys()
-    for i, loss in reference_losses.items():
-        assert ddp_losses[i] == pytest.approx(loss, rel=1e-9)
+    run_torchrun("05_multinode/train.py", 2, [*run_args(data_dir, out["ranks"], 5), "--resume"])
+    assert_resumes_to_the_reference(out["ranks"], out["reference"])
 
 
-def test_sigterm_stops_chapter_01_with_one_line_and_status_75(runs):
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
     out, stops = runs
-    status, output = stops["single"]
-    step = checkpoint(out["single"])["iter_num"]
-    assert status == EXIT_STOPPED, output
-    assert output.strip().splitlines()[-1] == STOP_LINE.format(step=step), output
-    assert step == max(logged_losses(out["single"]))
+    _, output = stops["one_rank"]
+    step = checkpoint(out["one_rank"])["iter_num"]
+    assert step in (10, 20), output
+    assert step == max(logged_losses(out["one_rank"])), output
+    # rank 0 was not signalled: it names the signal rank 1 received, as the ranks agreed on it
+    assert "[rank 0] " + STOP_LINE.format(step=step) in output, output
+    assert (out["one_rank"] / STOP_MARKER).read_text() == f"{step} SIGTERM\n"
+    # rank 0 spoke after the stop's barrier, so both had saved and stopped after that step; rank 1
+    # ended with the stop's status (torchrun's summary; it then ends rank 0 itself, which may be
+    # exiting still, so rank 0's status there is 75 or its SIGTERM)
+    ended = rf"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: {EXIT_STOPPED} "
+    assert re.search(ended, output), output
 
 
 # ---- in-process: the signal handling -------------------------------------------------------------
@@ -167,58 +207,34 @@ def test_stop_signal_names():
 def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers):
     preemption = Preemption("USR1")
     assert not preemption.requested()
+    assert preemption.signal_number() == 0
     os.kill(os.getpid(), signal.SIGUSR1)
     assert preemption.requested()
     assert preemption.received == "SIGUSR1"
     os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
-    time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGUSR1)  # later, while saving (Slurm's own TERM): nothing changes
-    assert preemption.requested()
     assert preemption.received == "SIGUSR1"
-    with pytest.raises(
-        Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved; continue with --resume"
-    ):
-        preemption.stop(7)
+    assert preemption.signal_number() == signal.SIGUSR1.value
 
 
-def test_the_ranks_stop_marks_the_run_as_stopped(restore_signal_handlers, world_of_one, tmp_path):
-    preemption = AgreedPreemption("USR1", tmp_path, ranks_agree_within=world_of_one)
-    assert not preemption.requested()
-    os.kill(os.getpid(), signal.SIGUSR1)
-    os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
-    assert preemption.requested()
-    assert preemption.received == "SIGUSR1"
+def test_the_ranks_stop_marks_the_run_as_stopped(world_of_one, tmp_path):
+    group = dist.new_group(backend="gloo", timeout=world_of_one)
     with pytest.raises(Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved"):
-        preemption.stop(7)
+        stop_after_saving(7, signal.SIGUSR1.value, tmp_path, group)
     assert (tmp_path / STOP_MARKER).read_text() == "7 SIGUSR1\n"
 
 
-def test_a_worker_restarted_after_a_stop_stops_at_once(
-    restore_signal_handlers, world_of_one, tmp_path, monkeypatch
-):
+def test_a_worker_restarted_after_a_stop_stops_at_once(world_of_one, tmp_path):
+    group = dist.new_group(backend="gloo", timeout=world_of_one)
     (tmp_path / STOP_MARKER).write_text("7 SIGTERM\n")  # what the stop left
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the worker
+    # torchrun restarted the worker
     with pytest.raises(Stopped, match="stopped by SIGTERM before torchrun restarted this worker"):
-        AgreedPreemption("TERM", tmp_path, ranks_agree_within=world_of_one)
+        stop_if_stopped_before(tmp_path, 1, group)
     # a new launch (with --resume) is not a restart: the old stop is over, and its marker goes
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    AgreedPreemption("TERM", tmp_path, ranks_agree_within=world_of_one)
+    stop_if_stopped_before(tmp_path, 0, group)
     assert not (tmp_path / STOP_MARKER).exists()
     # a restart after a failure, with no stop asked for, trains on
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert not AgreedPreemption("TERM", tmp_path, ranks_agree_within=world_of_one).requested()
-
-
-def test_the_agreement_comes_every_k_steps():
-    # a check of 1 ms and steps of 1 s: every step costs 0.1 %, so every step
-    assert steps_between_checks(0.001, 1.0) == 1
-    # a check of 50 ms (a thousand ranks) and steps of 0.5 s: 10 steps keep it at 1 %
-    assert steps_between_checks(0.05, 0.5) == math.ceil(0.05 / (CHECK_SHARE * 0.5)) == 10
-    # steps of 10 ms: 1 % would mean a check every 500 steps (5 s), under LONGEST_WAIT_S
-    assert steps_between_checks(0.05, 0.01) == 500
-    # a slower check: a stop still waits at most LONGEST_WAIT_S for it
-    assert steps_between_checks(1.0, 0.01) == int(LONGEST_WAIT_S / 0.01)
-    assert steps_between_checks(0.05, 60.0) == 1
+    stop_if_stopped_before(tmp_path, 2, group)
 
 
 def ends(main, resumable=False) -> tuple[int, str]:
