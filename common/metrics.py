@@ -36,8 +36,8 @@ class Throughput:
         self.since = time.perf_counter()  # and when it began
 
     def measure(self, iter_num: int) -> dict:
-        """The figures since the last measure (or the start), for a metrics line; starts a new
-        interval."""
+        """The figures since the last measure (or the start), for a metrics line; starts a
+        new interval."""
         elapsed = time.perf_counter() - self.since
         steps = iter_num - self.since_iter
         tokens_per_sec = steps * self.tokens_per_step / elapsed
