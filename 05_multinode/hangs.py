@@ -114,8 +114,8 @@ def case_eval_on_rank0(args, model, rank, world, step):
 
 
 def case_order(args, model, rank, world, step, loss):
-    """Two collectives: the mean loss for the log, and rank 0's decision to stop (a time
-    limit, say)."""
+    """Two collectives: the mean loss for the log, and rank 0's decision to stop
+    (a time limit, say)."""
     stop = torch.tensor([0])
 
     def mean_loss():
