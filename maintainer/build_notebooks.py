@@ -1,5 +1,5 @@
-"""Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent format),
-with outputs.
+"""Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent
+format), with outputs.
 
     python -m maintainer.build_notebooks           # run each notebook.py, write notebook.ipynb
     python -m maintainer.build_notebooks 04_ddp 05_multinode   # only these chapters
