@@ -110,7 +110,7 @@ def test_json_has_a_complete_row_per_setup(bench_run):
             assert row["comm"]["backend"] == "gloo"
             assert row["comm"]["threads"] == row["threads_per_rank"]
     if rows["04x2"]["status"] == "ok":
-        # like with like
+        # the same threads per rank on one rank and on two: like with like
         assert rows["04x1"]["threads_per_rank"] == rows["04x2"]["threads_per_rank"]
         assert isinstance(report["scaling"]["04x2"]["efficiency"], float)
     assert "| 01 one device |" in proc.stdout  # the table is printed too

@@ -1,5 +1,5 @@
-"""A scheduler's stop signal: the run saves the step it is in, stops with one line, and resumes
-exactly.
+"""A scheduler's stop signal: the run saves the step it is in, stops with one line, and
+resumes exactly.
 
 - Under torchrun (2 ranks, chapter 04), SIGTERM to the whole process group mid-run: one line from
   rank 0, a checkpoint of the last step finished, and `--resume` ends with the parameters of
