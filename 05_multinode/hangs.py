@@ -108,8 +108,8 @@ def case_eval_on_rank0(args, model, rank, world, step):
         val = evaluate(model, rank, world)
         if rank == 0:
             print(f"[rank {rank}] step {step}: val loss {val:.4f}", flush=True)
-    # the mistake: rank 0 alone enters evaluate(), and its all-reduce waits for rank 1
     elif rank == 0:
+        # the mistake: rank 0 alone enters evaluate(), and its all-reduce waits for rank 1
         print(f"[rank {rank}] step {step}: val loss {evaluate(model, rank, world):.4f}", flush=True)
 
 

@@ -99,13 +99,13 @@ def test_json_has_a_complete_row_per_setup(bench_run):
         assert isinstance(row["threads_per_rank"], int)
         assert row["threads_per_rank"] >= 1
         assert row["devices"] == row["processes"] == setup.ranks
-        assert (
-            row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
-        )  # the same global batch everywhere
+        # the same global batch everywhere
+        assert row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
         if setup.ranks == 1:
             assert row["comm_share"] is None
-        # measured by workers/ddp_worker.py; noise can make it slightly negative, so no sign check
         else:
+            # measured by workers/ddp_worker.py; noise can make it slightly negative,
+            # so no sign check
             assert isinstance(row["comm_share"], float)
             assert row["comm"]["backend"] == "gloo"
             assert row["comm"]["threads"] == row["threads_per_rank"]

@@ -100,8 +100,8 @@ def simulate(
             env=child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="2", **env),
             stdout=sink,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # a group of its own
+            start_new_session=True,  # a group of its own
+        )
     killed_at = None
     try:
         if kill_rank is not None:
