@@ -96,12 +96,8 @@ def runs(data_dir, tmp_path_factory) -> dict:
     def run(name):
         script, flags = plan[name]
         out = root / name
-        return name, (
-            out,
-            run_python(
-                [script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY
-            ),
-        )
+        args = tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)
+        return name, (out, run_python([script, *args], **CPU_ONLY))
 
     return dict(in_parallel(*[lambda n=n: run(n) for n in plan]))
 
