@@ -20,8 +20,8 @@ def pick_device(requested: str) -> torch.device:
         return torch.device("cpu")
     device = parse_device(requested, torch.cuda.device_count())  # 0 without CUDA
     if device.type == "cuda" and device.index is not None:
-        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be
-        # someone else's
+        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may
+        # be someone else's
         torch.cuda.set_device(device)
     return device
 

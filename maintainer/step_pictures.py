@@ -858,8 +858,8 @@ def draw_all(out: Path, figures: Path, record: bool) -> None:
         entry(
             ENTRY_NAMES["ddp"],
             f"{ddp['buckets']} buckets, {ddp['started_before_last_gradient']} of "
-            f"{ddp['buckets']} all-reduces started before backward's last gradient; none in the "
-            "no_sync micro-step",
+            f"{ddp['buckets']} all-reduces started before backward's last gradient; "
+            "none in the no_sync micro-step",
             "one optimizer step of chapter 04's DDP (2 micro-steps, the first under no_sync(), "
             "bucket_cap_mb=1), `small`, 2 ranks, gloo on the CPU, traced by torch.profiler; the "
             "facts of docs/figures/ddp_step.png, read from its trace.",
