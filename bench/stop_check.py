@@ -39,7 +39,7 @@ def mean_check_us(steps: int, step_s: float, out_dir: str) -> tuple[float, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--step-ms", type=float, default=20.0)
     args = p.parse_args()
