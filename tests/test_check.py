@@ -227,8 +227,8 @@ PLANT_FACTS = {
         chapter=6,
         fsdp_forwards=True,
         params_equal=False,
-        failure="RuntimeError: Tensor.item() cannot be called on meta tensors (line 349 of "
-        "copy/train.py)",
+        failure="RuntimeError: Tensor.item() cannot be called on meta tensors "
+        "(line 349 of copy/train.py)",
     ),
     "the GPU chosen by RANK, not LOCAL_RANK": dict(chapter=5, devices=((0, 0, 0), (1, 0, 1))),
 }
