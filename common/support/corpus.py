@@ -58,8 +58,7 @@ def read_corpus(kind: str, name: str, text_column: str) -> list[str]:
             raise CourseError(f"{name} is empty: give a file with some text in it")
         source = FILE_TYPES[path.suffix.lower()]
         options = {"data_files": str(path)}
-        # text and JSON alike: a file that is not UTF-8 is said here in one line, where datasets
-        # says "An error occurred"
+        # text and JSON: not UTF-8 is said here in one line, where datasets says "An error occurred"
         if source != "parquet":
             text = utf8_text(data, name)
         if source == "text":  # one document, newlines as text mode reads them
