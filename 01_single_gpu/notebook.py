@@ -21,8 +21,8 @@
 # tokens of context).
 
 # %%
-# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
-# folder above Jupyter's that holds common/
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder,
+# the first folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
 
@@ -140,9 +140,9 @@ print(
 # %% [markdown]
 # ## The checkpoint
 #
-# Every evaluation writes `ckpt.pt`: the model's weights (plain names, no wrapper prefix), the
-# optimizer state, the step and the settings. Every chapter can load every other chapter's
-# checkpoint.
+# Every evaluation writes `ckpt.pt`: the model's weights (plain names, no wrapper prefix),
+# the optimizer state, the step and the settings. Every chapter can load every other
+# chapter's checkpoint.
 
 # %%
 ckpt = torch.load(RUNS / "ch01" / "ckpt.pt", weights_only=True)
@@ -152,12 +152,11 @@ print("step:", ckpt["iter_num"], "| first weights:", list(ckpt["model"])[:3])
 # %% [markdown]
 # ## Questions
 #
-# * Why is the first loss close to ln(50304) ≈ 10.83, and what would a much larger first loss tell
-# you?
+# * Why is the first loss close to ln(50304) ≈ 10.83, and what would a much larger first loss
+#   tell you?
 # * The loop calls `loss.item()` only at log intervals. Why does that matter on a GPU?
 # * The global batch here is 8 sequences of 32 tokens. What limits how large it can be on one
-# device?
-#   (Chapter 02's answer: it does not have to fit at once.)
+#   device? (Chapter 02's answer: it does not have to fit at once.)
 
 # %%
 # Clean up: the runs above (checkpoints included) were only for this notebook

@@ -18,8 +18,8 @@
 # script with 4 micro-batches of 2 against chapter 01 with one batch of 8.
 
 # %%
-# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
-# folder above Jupyter's that holds common/
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder,
+# the first folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
 

@@ -23,8 +23,8 @@
 # 2. the chapter's script runs as 2 ranks of 4 sequences and matches chapter 01 with 8.
 
 # %%
-# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
-# folder above Jupyter's that holds common/
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder,
+# the first folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
 
@@ -110,8 +110,8 @@ output = torchrun(
     "04_ddp/train.py", 2, *TINY, "--batch-size", "4", "--out-dir", RUNS / "ch04", show=3
 )
 print("\neach rank's own line:")
-# the ranks share one output pipe, so a line can start right after another rank's text: cut there
-# too
+# the ranks share one output pipe, so a line can start right after another rank's text:
+# cut there too
 for line in output.replace("[rank ", "\n[rank ").splitlines():
     if line.startswith("[rank ") and " process " in line:
         print(" ", line)

@@ -108,14 +108,14 @@ def case_eval_on_rank0(args, model, rank, world, step):
         val = evaluate(model, rank, world)
         if rank == 0:
             print(f"[rank {rank}] step {step}: val loss {val:.4f}", flush=True)
-    # the mistake: rank 0 alone enters evaluate(), and its all-reduce waits for rank 1
     elif rank == 0:
+        # the mistake: rank 0 alone enters evaluate(), and its all-reduce waits for rank 1
         print(f"[rank {rank}] step {step}: val loss {evaluate(model, rank, world):.4f}", flush=True)
 
 
 def case_order(args, model, rank, world, step, loss):
-    """Two collectives: the mean loss for the log, and rank 0's decision to stop (a time
-    limit, say)."""
+    """Two collectives: the mean loss for the log, and rank 0's decision to stop
+    (a time limit, say)."""
     stop = torch.tensor([0])
 
     def mean_loss():

@@ -22,8 +22,8 @@
 # that meet at a free port on 127.0.0.1, exactly as two machines meet at node 0's address.
 
 # %%
-# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
-# folder above Jupyter's that holds common/
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder,
+# the first folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
 

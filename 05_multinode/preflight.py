@@ -11,10 +11,10 @@ place of train.py. In a minute it tells you what a failed hour-long job would ha
    integer, and a float tensor) and checks the sum against the formula (W(W+1)/2). A gloo group
    must work too, within --gloo-timeout (the training's stop agreement uses one). All ranks must
    also run the same torch and NCCL versions.
-3. The all-reduce bandwidth for a few message sizes, as nccl-tests define it: algbw = bytes /
-   time, and busbw = algbw * 2(W-1)/W, the traffic every link carries in a ring all-reduce,
-   comparable across world sizes with the link speed of the slowest hop (NVLink, InfiniBand,
-   Ethernet).
+3. The all-reduce bandwidth for a few message sizes, as nccl-tests define it:
+   algbw = bytes / time, and busbw = algbw * 2(W-1)/W, the traffic every link carries in a ring
+   all-reduce, comparable across world sizes with the link speed of the slowest hop (NVLink,
+   InfiniBand, Ethernet).
 
 It exits with status 1 when a check fails, so a job script can refuse to start training.
 
@@ -235,8 +235,8 @@ def main():
             failures.append(gloo_failure)
         print(f"{prefix} gloo group check: {gloo_failure or 'OK'}", flush=True)
 
-        # every rank must run the same software: a torch or NCCL mismatch breaks collectives
-        # or hangs them
+        # every rank must run the same software: a torch or NCCL mismatch breaks
+        # collectives or hangs them
         everyone = [None] * world_size
         dist.all_gather_object(everyone, versions(device))
         if len(set(everyone)) > 1:

@@ -19,8 +19,8 @@
 # against chapter 01.
 
 # %%
-# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder, the first
-# folder above Jupyter's that holds common/
+# Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder,
+# the first folder above Jupyter's that holds common/
 import sys
 from pathlib import Path
 
@@ -130,12 +130,12 @@ display(Image(filename="../docs/figures/memory_per_rank.png"))
 # %% [markdown]
 # ## Questions
 #
-# * With 3 ranks, which rank holds the fewest bytes, and why by so little? (The last: each tensor's
-#   rows are cut in pieces of ceil(rows / 3), so only the last piece is shorter, by less than 3
-#   rows.)
-# * `sum(p.numel() for p in model.parameters())` on a sharded model: the whole model's count, or a
-#   rank's? (The whole: a DTensor reports its whole shape. `p.to_local().numel()` counts the rank's
-#   piece.)
+# * With 3 ranks, which rank holds the fewest bytes, and why by so little? (The last: each
+#   tensor's rows are cut in pieces of ceil(rows / 3), so only the last piece is shorter, by
+#   less than 3 rows.)
+# * `sum(p.numel() for p in model.parameters())` on a sharded model: the whole model's count,
+#   or a rank's? (The whole: a DTensor reports its whole shape. `p.to_local().numel()` counts
+#   the rank's piece.)
 # * Rank 0 alone runs a forward to print a sample. What happens? (On the CPU, with gloo, its first
 #   all-gather waits for the other ranks, which never come: a hang until the timeout. With NCCL
 #   the all-gathers may pair with the others' next collectives, and the hang shows later. Every

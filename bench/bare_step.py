@@ -1,5 +1,5 @@
-"""The bare training step: forward + backward + clip + optimizer step of the course model, nothing
-else.
+"""The bare training step: forward + backward + clip + optimizer step of the course model,
+nothing else.
 
     python -m bench.bare_step --preset small --batch-size 8 --iters 30 --warmup 5 --out bare.json
 

@@ -1,5 +1,5 @@
-"""What the measuring scripts of bench/ share: their parser, chapter 01's optimizer and update, a
-result file.
+"""What the measuring scripts of bench/ share: their parser, chapter 01's optimizer and update,
+a result file.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from tools.launch import (
 )
 
 BENCH = REPO / "bench"
-# as --setups names them, in the table's order
+# the setups, as --setups names them, in the table's order
 SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "06x1")
 
 
@@ -98,8 +98,8 @@ def setups(args) -> list[Setup]:
             ranks=2,
             flags=["--batch-size", g // 2],
         ),
-        # both simulated nodes see the one --data-dir, as on a shared file system: rank 0 alone
-        # prepares the data
+        # both simulated nodes see the one --data-dir, as on a shared file system: rank 0
+        # alone prepares the data
         Setup(
             "05",
             "05 2 nodes x 1 rank",
@@ -264,8 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
         p.error(
-            "--iters must be at least twice --log-interval: the first interval is dropped as "
-            "warm-up"
+            "--iters must be at least twice --log-interval: "
+            "the first interval is dropped as warm-up"
         )
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
         batch = f"--batch-size {args.batch_size}"
@@ -308,8 +308,8 @@ def setup_args(args, setup: Setup, out_dir: Path) -> list[str]:
 def run_setup(args, setup: Setup, repeat: int) -> dict:
     run_dir = Path(args.work_dir) / f"setup_{setup.key}" / f"repeat{repeat}"
     out_dir = run_dir / "out"
-    # this run folder is the benchmark's own, from an earlier benchmark: start it afresh (a chapter
-    # refuses a folder that holds a run)
+    # this run folder is the benchmark's own, from an earlier benchmark: start it afresh
+    # (a chapter refuses a folder that holds a run)
     shutil.rmtree(out_dir, ignore_errors=True)
     commands = launch_commands(
         setup.launch, REPO / setup.script, setup.ranks, setup_args(args, setup, out_dir)
@@ -367,7 +367,7 @@ def run_comm(args, setup: Setup, repeat: int) -> dict | None:
     out = Path(args.work_dir) / f"comm_{setup.key}" / f"repeat{repeat}.json"
     # short groups of 2 steps, alternating sync / no_sync: many pairs, each pair under the same load
     group = min(2, args.log_interval)
-    # warm-up, then at least 2 groups of each kind
+    # steps for the warm-up, then at least 2 groups of each kind
     iters = max(args.iters, args.log_interval + 4 * group)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     worker = worker_flags(args, args.batch_size // setup.ranks, iters, group, device, out)
@@ -539,7 +539,7 @@ def main(argv=None) -> int:
     )
 
     runs: dict[str, list[dict]] = {s.key: [] for s in chosen}
-    # one rank has no one to talk to
+    # the setups of several ranks only: one rank has no one to talk to
     comm: dict[str, list] = {s.key: [] for s in chosen if s.ranks > 1}
     bare: dict[tuple, list] = {}
     skipped: dict[str, str] = {}

@@ -88,8 +88,8 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
         )
     else:
         text.append(
-            f"- compile probe: FAILED on {probe['device']}: {probe['error']}; the compile steps "
-            "were skipped"
+            f"- compile probe: FAILED on {probe['device']}: {probe['error']}; "
+            "the compile steps were skipped"
         )
     check = _load(detail / "gpu_vs_cpu.json")
     if check is None:
@@ -106,9 +106,9 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
         text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
     else:
         text.append(
-            f"- DataParallel replica dtype, {replica['chosen']} chosen: torch's replica threads "
-            "compute in "
-            f"{', '.join(replica['plain'])}; chapter 03's in {', '.join(replica['chapter03'])}: "
+            f"- DataParallel replica dtype, {replica['chosen']} chosen: "
+            f"torch's replica threads compute in {', '.join(replica['plain'])}; "
+            f"chapter 03's in {', '.join(replica['chapter03'])}: "
             f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
         )
     for name in ("preflight", "by_hand"):

@@ -3,8 +3,8 @@
     python -m bench.loss_bench steps  # bare step and chapter 01, plain vs chunked: time, peak RSS
     python -m bench.loss_bench loss   # the loss alone at GPT-2's width: time, peak memory by chunk
 
-`steps` runs, for each configuration (--configs: tiny, small, 4x128 = tiny with 4 layers of width
-128) and each repeat, four processes in turn: bench/bare_step.py and chapter 01 (as
+`steps` runs, for each configuration (--configs: tiny, small, 4x128 = tiny with 4 layers of
+width 128) and each repeat, four processes in turn: bench/bare_step.py and chapter 01 (as
 bench/benchmark.py runs it), each with `--no-chunked-loss` and with the default chunked loss. The
 order alternates from one repeat to the next, so that load from elsewhere on the machine falls on
 both paths alike. Reported per program: the median over the repeats of the step time (wall; CPU
@@ -18,8 +18,8 @@ size, alternating; and measures its peak memory above the inputs: on the CPU wit
 record of the allocator (as 02_grad_accumulation/measure_memory.py does), on CUDA with
 max_memory_allocated. The plain path keeps its logits alive through the backward pass, as the
 model's caller does. Memory is linear in the positions beyond one chunk, so the two --positions
-sizes give bytes per position, and --extrapolate-to computes the peak for a larger batch (32 x
-1,024 for a GPT-2 micro-batch on a GPU).
+sizes give bytes per position, and --extrapolate-to computes the peak for a larger batch
+(32 x 1,024 for a GPT-2 micro-batch on a GPU).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parents=[s],
         add_help=False,
         conflict_handler="resolve",
-        help="for bench/gpu_check.sh: `steps` of bare steps, then `loss` at the model's width and "
-        "batch",
+        help="for bench/gpu_check.sh: `steps` of bare steps, "
+        "then `loss` at the model's width and batch",
     )
     c.add_argument(
         "--chunks",

@@ -1,5 +1,5 @@
-"""A plain model of one data-parallel training step on W devices, predicted and compared with
-measurements.
+"""A plain model of one data-parallel training step on W devices, predicted and compared
+with measurements.
 
     python -m bench.scaling_model                      # the on-paper tables for GPT-2 124M on H100s
     python -m bench.scaling_model --plot docs/figures/scaling_efficiency.png
@@ -47,7 +47,7 @@ from pathlib import Path
 
 # DistributedDataParallel(bucket_cap_mb=25), its default (its first bucket, 1 MiB, is ignored)
 BUCKET_CAP_BYTES = 25 * 2**20
-# of a step's compute: backward does twice the matrix multiplications of forward
+# backward's share of a step's compute: it does twice the matrix multiplications of forward
 BACKWARD_SHARE = 2 / 3
 # float32 gradients: autocast computes in bf16 but keeps weights and grads in fp32
 GRAD_BYTES_PER_PARAM = 4

@@ -1,5 +1,5 @@
-"""The one way the course's measuring scripts time training steps: wall and CPU time per step, in
-groups.
+"""The one way the course's measuring scripts time training steps: wall and CPU time per step,
+in groups.
 
     timer = StepTimer(device)
     for steps, keep in schedule(iters=30, warmup=5, group=5):   # (5, False), (5, True), ...

@@ -1,5 +1,5 @@
-"""What the ranks' agreement on a stop costs per step (common/support/preempt_ranks.py), under
-torchrun.
+"""What the ranks' agreement on a stop costs per step (common/support/preempt_ranks.py),
+under torchrun.
 
 Every rank runs `--steps` stand-in steps of `--step-ms` milliseconds (a sleep: the host is free, as
 it is while a GPU computes) and asks `AgreedPreemption.requested()` after each, as the chapters do.
@@ -39,7 +39,7 @@ def mean_check_us(steps: int, step_s: float, out_dir: str) -> tuple[float, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--step-ms", type=float, default=20.0)
     args = p.parse_args()
@@ -55,8 +55,8 @@ def main() -> None:
         world = dist.get_world_size()
         print(
             f"{world} ranks, steps of {args.step_ms:g} ms: the agreement costs "
-            f"{every_step:.0f} µs per step on every step, {every_k:.1f} µs per step every K "
-            f"steps (K = {interval})",
+            f"{every_step:.0f} µs per step on every step, "
+            f"{every_k:.1f} µs per step every K steps (K = {interval})",
             flush=True,
         )
     dist.destroy_process_group()

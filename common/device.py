@@ -1,5 +1,5 @@
-"""Which device and number format a run uses; GPU decisions take plain facts, so that a CPU can
-test them."""
+"""Which device and number format a run uses; GPU decisions take plain facts, so that a CPU
+can test them."""
 
 import contextlib
 
@@ -20,8 +20,8 @@ def pick_device(requested: str) -> torch.device:
         return torch.device("cpu")
     device = parse_device(requested, torch.cuda.device_count())  # 0 without CUDA
     if device.type == "cuda" and device.index is not None:
-        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may be
-        # someone else's
+        # now, or pinned memory and tensors made on plain "cuda" land on GPU 0, which may
+        # be someone else's
         torch.cuda.set_device(device)
     return device
 
@@ -48,8 +48,8 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
 
 
 def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones emulate it,
-    slowly."""
+    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones
+    emulate it, slowly."""
     if device_type != "cuda" or capability is None:
         return torch.float32
     if capability >= (8, 0):
@@ -81,8 +81,8 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
 
 
 def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
-    """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors 1e-16, not
-    1e-7."""
+    """TF32 matmuls on Ampere on; --dtype float64: every tensor float64, rounding errors
+    1e-16, not 1e-7."""
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
     elif device.type == "cuda":

@@ -40,8 +40,8 @@ class Throughput:
         self.restart_clock(0)
 
     def measure(self, iter_num: int) -> dict:
-        """The figures since the last measure (or the start), for a metrics line; starts a new
-        interval."""
+        """The figures since the last measure (or the start), for a metrics line; starts a
+        new interval."""
         elapsed = time.perf_counter() - self.since
         steps = iter_num - self.since_iter
         tokens_per_sec = steps * self.tokens_per_step / elapsed

@@ -1,5 +1,5 @@
-"""Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent format),
-with outputs.
+"""Make every chapter's notebook.ipynb from its source, notebook.py (jupytext's percent
+format), with outputs.
 
     python -m maintainer.build_notebooks           # run each notebook.py, write notebook.ipynb
     python -m maintainer.build_notebooks 04_ddp 05_multinode   # only these chapters
@@ -106,7 +106,7 @@ def build(folder: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("chapters", nargs="*", help="chapter folders to build (default: all)")
     parser.add_argument(

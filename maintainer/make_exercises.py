@@ -1,5 +1,5 @@
-"""Make the exercises: each is the previous chapter's train.py with the chapter's changes marked
-TODO.
+"""Make the exercises: each is the previous chapter's train.py with the chapter's changes
+marked TODO.
 
     python -m maintainer.make_exercises          # write 0N_<chapter>/exercise.py, chapters 02 to 05
     python -m maintainer.make_exercises --check  # exit 1 if one no longer matches the scripts
@@ -11,11 +11,11 @@ sits inside brackets, and `ruff format` leaves the exercises as they are. Above 
 change touches, a TODO says how many lines to add, change or remove there, with the comments of
 the solution's new lines as the hint: they say why, the learner writes the code. A change without
 a comment (an import, a print) shows its code. Changes only to the docstring or to comments are
-left out. The solution is chapter N's own train.py. The learner solves a copy,
-0N_<chapter>/my_exercise.py (ignored by git), and `python -m tools.check
-0N_<chapter>/my_exercise.py` tells whether it is the same run as chapter 01's. An exercise.py
-that holds someone's work (its code is no longer the previous chapter's, and git does not hold
-it) is kept as my_exercise.py, or the next free my_exercise_N.py, before it is written again.
+left out. The solution is chapter N's own train.py. The learner solves a copy (ignored by git),
+0N_<chapter>/my_exercise.py, and `python -m tools.check 0N_<chapter>/my_exercise.py` tells whether
+it is the same run as chapter 01's. An exercise.py that holds someone's work (its code is no
+longer the previous chapter's, and git does not hold it) is kept as my_exercise.py, or the next
+free my_exercise_N.py, before it is written again.
 """
 
 from __future__ import annotations

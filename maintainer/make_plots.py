@@ -25,9 +25,9 @@ float32 distance is rounding. Then it draws, into docs/figures/ (or --figures):
     memory_per_device.png  peak memory of rank 0's device per chapter, only where a run was on a GPU
     CAPTIONS.md            what each figure shows, the machine and the settings that made it
 
-Throughput is not drawn here: these runs share one machine with whatever else runs on it, and
-their log lines are too short to time. bench/benchmark.py measures it, under the conditions its
-table states.
+Throughput is not drawn here: these runs share one machine with whatever else runs on it,
+and their log lines are too short to time. bench/benchmark.py measures it, under the conditions
+its table states.
 
 Every figure says in its subtitle which machine (CPU model and cores or GPU name, torch version)
 and which settings made it. On a CPU every chapter gets the same number of cores in all (--threads,
@@ -130,8 +130,8 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
     K = largest_divisor(G)
     replicas = max(gpus, 1)
     micro_batches = f"{count(K, 'micro-batch')} of {G // K}"
-    # chapter -> (how it is launched, processes, its own flags, the layout in words,
-    # processes per node)
+    # chapter -> (how it is launched, processes, its own flags, the layout in
+    # words, processes per node)
     layouts = {
         1: ("python", 1, ["--batch-size", G], "1 process", 1),
         2: (
@@ -184,8 +184,8 @@ def run_chapter(
                 [swap.get(prev, c) for prev, c in zip(["", *cmd], cmd)] for cmd in plan["commands"]
             ],
         )
-    # the plots' own run folder, from an earlier drawing: start it afresh (a chapter refuses a
-    # folder that holds a run)
+    # the plots' own run folder, from an earlier drawing: start it afresh (a chapter refuses
+    # a folder that holds a run)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     # the same cores for every chapter: W threads in one process, or one per process
@@ -425,9 +425,8 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items()
     )
     parity_caption = (
-        "Training loss against tokens seen for every chapter (top) and each chapter's "
-        "distance from chapter 01 at every logged step "
-        "(bottom; metrics.jsonl rounds losses to 1e-6, so "
+        "Training loss against tokens seen for every chapter (top) and each chapter's distance "
+        "from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
         "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
         f"{float32_distances or 'no chapter to compare'}. "
         "The chapters add the same numbers in different orders, so their float32 losses differ by "
@@ -466,10 +465,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         captions.append(
             (
                 "memory_per_device.png",
-                "Peak memory allocated by PyTorch on rank 0's device during "
-                "training (max_mem_mb in metrics.jsonl), per chapter. "
-                "Gradient accumulation lowers it by "
-                "holding one micro-batch's activations at a time.",
+                "Peak memory allocated by PyTorch on rank 0's device during training "
+                "(max_mem_mb in metrics.jsonl), per chapter. Gradient accumulation lowers it "
+                "by holding one micro-batch's activations at a time.",
             )
         )
     elif stale.exists():

@@ -3,10 +3,10 @@
     python -m maintainer.publish_diffs          # write docs/diffs/*.diff and the READMEs
     python -m maintainer.publish_diffs --check  # exit 1 if anything published no longer matches
 
-For every chapter N >= 2, this writes `docs/diffs/<chapter>.diff`: a unified
-diff (the format of `diff -u`, three lines of context) from chapter N-1's train.py to chapter N's,
-labelled `a/<previous>/train.py` and `b/<chapter>/train.py` and without timestamps, so that the
-file only changes when the code does. A chapter whose idea replaces the previous chapter's is also
+For every chapter N >= 2, this writes `docs/diffs/<chapter>.diff`: a unified diff (the format
+of `diff -u`, three lines of context) from chapter N-1's train.py to chapter N's, labelled
+`a/<previous>/train.py` and `b/<chapter>/train.py` and without timestamps, so that the file only
+changes when the code does. A chapter whose idea replaces the previous chapter's is also
 published against the chapter before that (SHOWN_AGAINST): 04's DDP replaces 03's DataParallel, so
 `docs/diffs/04_ddp_from_02.diff` shows DDP alone. It also replaces whatever lies between the lines
 

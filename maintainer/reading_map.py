@@ -73,8 +73,8 @@ def totals(repo: Path = REPO) -> str:
     text = (
         f"Chapter 01's script and every repository file it imports come to "
         f"{sum(map(lines, files)):,} lines in {len(files)} files. The map asks you to read "
-        f"{sum(to_read):,} of them: the script's {to_read[0]:,} and {sum(to_read[1:]):,} in "
-        "`common/`."
+        f"{sum(to_read):,} of them: the script's {to_read[0]:,} and {sum(to_read[1:]):,} "
+        "in `common/`."
     )
     return textwrap.fill(text, 100)
 

@@ -1,10 +1,10 @@
-r"""The course's measured figures: one results file, bench/results/results.json, rendered to
-bench/RESULTS.md.
+r"""The course's measured figures: one results file, bench/results/results.json, rendered
+to bench/RESULTS.md.
 
-Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is the `value` of one
-entry here, written exactly as the texts quote it, with the machine, torch version, command and
-date of the run that gave it. tests/test_results.py fails when a text quotes a figure no entry
-holds.
+Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is the `value`
+of one entry here, written exactly as the texts quote it, with the machine, torch version,
+command and date of the run that gave it. tests/test_results.py fails when a text quotes a
+figure no entry holds.
 
     python -m maintainer.results                       # render bench/RESULTS.md from results.json
     python -m maintainer.results --check               # exit 1 if bench/RESULTS.md is out of step

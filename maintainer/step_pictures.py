@@ -23,8 +23,8 @@ gloo, and draws into docs/figures/ (or --figures):
 Their captions go into docs/figures/CAPTIONS.md (a section of its own, which
 maintainer/make_plots.py keeps), and their facts into bench/results/results.json (then
 bench/RESULTS.md is rendered again), with the machine, its load, torch's version and the command.
-A CPU's timeline is not a GPU's: what carries over is the order of the operations and which of
-them overlap.
+A CPU's timeline is not a GPU's: what carries over is the order of the operations and which
+of them overlap.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ ENTRY_NAMES = {
 
 
 def run_worker(mode: str, preset: str, out: Path, data_dir: Path, *more: str) -> str:
-    """workers/step_trace.py under torchrun, 2 ranks on 127.0.0.1; returns its command as a reader
-    types it."""
+    """workers/step_trace.py under torchrun, 2 ranks on 127.0.0.1; returns its command as a
+    reader types it."""
     args = ["--mode", mode, "--preset", preset, "--data-dir", data_dir, "--out", out, *more]
     port = launch.free_port()
     launch.run_torchrun(WORKER, WORLD, args, timeout=900, port=port, extra=["-m"])
@@ -757,9 +757,9 @@ CAPTIONS = {
         "the other's all-reduce bars stretch until it catches up. The chunked loss computes its "
         "gradient during forward, which is why forward is the long part here. A CPU's timeline "
         "is not a GPU's: here compute and communication share two busy cores, and the durations "
-        "mean little. What carries over to "
-        "GPUs with NCCL is the order and the overlap: buckets in the order the gradients become "
-        "ready, communicating during backward, nothing during `no_sync()`."
+        "mean little. What carries over to GPUs with NCCL is the order and the overlap: "
+        "buckets in the order the gradients become ready, communicating during backward, "
+        "nothing during `no_sync()`."
     ),
     "fsdp": (
         "Chapter 06's step, traced the same way (FSDP2's `fully_shard` on every block, then on the "
@@ -769,9 +769,9 @@ CAPTIONS = {
         "the next one early (FSDP's prefetch), and right after its backward its gradient is "
         "reduce-scattered, so that each rank keeps the sum of its own shard. The root unit is "
         "not gathered again for backward: FSDP2 keeps the root's parameters whole from forward to "
-        "backward (torch's FSDPState sets the root's post-forward resharding off), and reduce-"
-        "scatters its gradient last. gloo has no reduce-scatter of its own: it all-reduces the "
-        "whole gradient and each rank keeps its shard (NCCL's reduce-scatter sends half the "
+        "backward (torch's FSDPState sets the root's post-forward resharding off), and "
+        "reduce-scatters its gradient last. gloo has no reduce-scatter of its own: it all-reduces "
+        "the whole gradient and each rank keeps its shard (NCCL's reduce-scatter sends half the "
         "bytes). On the CPU the main thread waits for each collective (grey); on a GPU they run "
         "on their own streams, beside the computation. The durations mean little; the order and "
         "what runs before what are the same on GPUs."
@@ -858,8 +858,8 @@ def draw_all(out: Path, figures: Path, record: bool) -> None:
         entry(
             ENTRY_NAMES["ddp"],
             f"{ddp['buckets']} buckets, {ddp['started_before_last_gradient']} of "
-            f"{ddp['buckets']} all-reduces started before backward's last gradient; none in the "
-            "no_sync micro-step",
+            f"{ddp['buckets']} all-reduces started before backward's last gradient; "
+            "none in the no_sync micro-step",
             "one optimizer step of chapter 04's DDP (2 micro-steps, the first under no_sync(), "
             "bucket_cap_mb=1), `small`, 2 ranks, gloo on the CPU, traced by torch.profiler; the "
             "facts of docs/figures/ddp_step.png, read from its trace.",

@@ -99,18 +99,18 @@ def test_json_has_a_complete_row_per_setup(bench_run):
         assert isinstance(row["threads_per_rank"], int)
         assert row["threads_per_rank"] >= 1
         assert row["devices"] == row["processes"] == setup.ranks
-        assert (
-            row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
-        )  # the same global batch everywhere
+        # the same global batch everywhere
+        assert row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
         if setup.ranks == 1:
             assert row["comm_share"] is None
-        # measured by workers/ddp_worker.py; noise can make it slightly negative, so no sign check
         else:
+            # measured by workers/ddp_worker.py; noise can make it slightly negative,
+            # so no sign check
             assert isinstance(row["comm_share"], float)
             assert row["comm"]["backend"] == "gloo"
             assert row["comm"]["threads"] == row["threads_per_rank"]
     if rows["04x2"]["status"] == "ok":
-        # like with like
+        # the same threads per rank on one rank and on two: like with like
         assert rows["04x1"]["threads_per_rank"] == rows["04x2"]["threads_per_rank"]
         assert isinstance(report["scaling"]["04x2"]["efficiency"], float)
     assert "| 01 one device |" in proc.stdout  # the table is printed too

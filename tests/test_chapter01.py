@@ -98,8 +98,8 @@ def test_final_sample_printed(full_run):
 
 
 def test_sampling_command(full_run):
-    """`python -m common.sample` reads the checkpoint and, with the same settings, writes the
-    same text."""
+    """`python -m common.sample` reads the checkpoint and, with the same settings, writes
+    the same text."""
     out_dir, proc = full_run
     sample = run_python(
         ["-m", "common.sample", "--out-dir", out_dir, "--tokens", 12, "--device", "cpu"]

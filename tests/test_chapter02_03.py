@@ -32,8 +32,8 @@ RESUMED_ITERS = 14
 SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": RESUMED_ITERS}
 LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
-# CPU runs everywhere: on a machine with GPUs, chapter 03 would otherwise (rightly) refuse
-# --device cpu
+# CPU runs everywhere: on a machine with GPUs, chapter 03 would otherwise (rightly)
+# refuse --device cpu
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BROKEN_FLAGS = {"batch_size": 2, "grad_accum": 4}
 
@@ -96,12 +96,8 @@ def runs(data_dir, tmp_path_factory) -> dict:
     def run(name):
         script, flags = plan[name]
         out = root / name
-        return name, (
-            out,
-            run_python(
-                [script, *tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)], **CPU_ONLY
-            ),
-        )
+        args = tiny_run_args(data_dir, out, ITERS, **flags, **SCHEDULE)
+        return name, (out, run_python([script, *args], **CPU_ONLY))
 
     return dict(in_parallel(*[lambda n=n: run(n) for n in plan]))
 
@@ -128,8 +124,8 @@ def test_dataparallel_on_the_cpu_says_it_has_nothing_to_split(runs):
 
 # ---- the comparison can fail: broken copies of chapter 02 ----------------------------------------
 
-# Statements of the micro-step loop and the optimizer step, found as code whatever their layout
-# (tests/helpers.py statement_lines)
+# Statements of the micro-step loop and the optimizer step, found as code whatever their
+# layout (tests/helpers.py statement_lines)
 SCRIPT = "02_grad_accumulation/train.py"
 SCALE = "micro_loss = micro_loss / args.grad_accum"
 BACKWARD = "scaler.scale(micro_loss).backward()"
@@ -321,8 +317,8 @@ def test_measure_memory_prints_a_table(data_dir):
     full, micro = ([cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:])
     assert full[0] == "4 x 1"
     assert micro[0] == "1 x 4"
-    # both rows train on the same 4 sequences, so the loss is the same; one sequence at a time
-    # needs less memory
+    # both rows train on the same 4 sequences, so the loss is the same; one sequence at a
+    # time needs less memory
     assert float(full[2]) == pytest.approx(float(micro[2]), rel=1e-4)
     assert float(full[3].replace(",", "")) > float(micro[3].replace(",", ""))
     # the profiler library's own lines are hidden

@@ -71,8 +71,8 @@ def assert_same_params(out_dir: Path, reference_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pair(data_dir, tmp_path_factory) -> dict[str, Path]:
-    """Chapter 01 and two ranks of chapter 04 with the same global batch: the quick check needs
-    no more."""
+    """Chapter 01 and two ranks of chapter 04 with the same global batch: the quick check
+    needs no more."""
     root = tmp_path_factory.mktemp("chapter04_pair")
     out = {name: root / name for name in ("ch01", "ddp")}
     run_python(
@@ -84,7 +84,7 @@ def pair(data_dir, tmp_path_factory) -> dict[str, Path]:
     ddp = run_torchrun(
         SCRIPT, 2, tiny_run_args(data_dir, out["ddp"], ITERS, batch_size=4, lr_decay_iters=ITERS)
     )
-    # after the run: the folder held only its files
+    # written after the run: until then the folder held only the run's own files
     (out["ddp"] / "stdout.txt").write_text(ddp.stdout)
     return out
 

@@ -86,8 +86,8 @@ def stop(proc: subprocess.Popen, run_dir: Path) -> None:
 def simulate(
     run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout: float = 240, **env: str
 ):
-    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, as the chapter runs it: 2 nodes x 2
-    processes.
+    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, as the chapter runs it:
+    2 nodes x 2 processes.
 
     With kill_rank: once a checkpoint exists and a step after it is done, that global rank's
     process is killed (SIGKILL), mid-run. Returns the script's output, both node logs and the
@@ -100,8 +100,8 @@ def simulate(
             env=child_env(RUN_DIR=str(run_dir), NPROC_PER_NODE="2", **env),
             stdout=sink,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # a group of its own
+            start_new_session=True,  # a group of its own
+        )
     killed_at = None
     try:
         if kill_rank is not None:
@@ -229,11 +229,11 @@ def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_the_uninterrup
     )
     assert len(resumed) == 1, "".join(logs)
     assert int(resumed[0]) in range(EVAL_EVERY, ITERS, EVAL_EVERY), "".join(logs)
-    # every step logged once, with the uninterrupted run's losses, and its final model. Not bit for
-    # bit: the restarted processes' DDP lays out its gradient buckets afresh, which can change the
-    # order in which the all-reduce adds 4 ranks' gradients (float rounding, ~1e-7 here; a step on
-    # wrong data would move the parameters by ~lr = 1e-4). With 2 ranks the sums, and the models,
-    # are identical.
+    # every step logged once, with the uninterrupted run's losses, and its final model. Not bit
+    # for bit: the restarted processes' DDP lays out its gradient buckets afresh, which can change
+    # the order in which the all-reduce adds 4 ranks' gradients (float rounding, ~1e-7 here; a
+    # step on wrong data would move the parameters by ~lr = 1e-4). With 2 ranks the sums, and
+    # the models, are identical.
     reference = static_run[0]
     assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-6)
     final, uninterrupted = (
@@ -262,12 +262,11 @@ def test_launch_scripts_and_slurm_script_parse_and_name_existing_files():
     assert "srun" in slurm
     assert "05_multinode/train.py" in slurm
     assert "05_multinode/preflight.py" in slurm
-    # the c10d recipes give every restarted group a fresh store, which the killed-worker test
-    # relies on
+    # the c10d recipes give every restarted group a fresh store, which the killed-worker
+    # test relies on
     for name in ("slurm.sbatch", "launch_c10d.sh"):
-        assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in (CHAPTER / name).read_text(), (
-            name
-        )
+        text = (CHAPTER / name).read_text()
+        assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in text, name
 
 
 def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, corpus, tmp_path):
@@ -292,5 +291,5 @@ def test_a_checkpoint_that_some_nodes_cannot_see_is_one_clear_error(static_run, 
             "which rank 0 wrote: "
             "put --out-dir on a file system that every node shares\n"
         ) in out, out
-        # the process's own (torchrun adds one of its own)
+        # no traceback of the process's own (torchrun adds one of its own)
         assert f"[rank{rank}]: Traceback" not in out

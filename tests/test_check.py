@@ -227,8 +227,8 @@ PLANT_FACTS = {
         chapter=6,
         fsdp_forwards=True,
         params_equal=False,
-        failure="RuntimeError: Tensor.item() cannot be called on meta tensors (line 349 of "
-        "copy/train.py)",
+        failure="RuntimeError: Tensor.item() cannot be called on meta tensors "
+        "(line 349 of copy/train.py)",
     ),
     "the GPU chosen by RANK, not LOCAL_RANK": dict(chapter=5, devices=((0, 0, 0), (1, 0, 1))),
 }
@@ -338,8 +338,8 @@ def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     assert f"diagnosis: {name}: " in out, out
 
 
-# 05's check (two nodes, a killed rank, the restart) and 06's (a stop and a resume on shards) run in
-# the slow stage
+# 05's check (two nodes, a killed rank, the restart) and 06's (a stop and a resume on shards)
+# run in the slow stage
 @pytest.mark.parametrize(
     "chapter",
     [2, 3, pytest.param(5, marks=pytest.mark.slow), pytest.param(6, marks=pytest.mark.slow)],
@@ -371,9 +371,8 @@ def test_chapter_04_with_two_ranks_is_the_same_run_and_resumes(capsys, out_root)
     assert "on all 2 ranks" in out, out
     assert "stopped at step 5 and resumed: the same end" in out, out
     png = re.search(r"^plot: (.*\.png)$", out, re.M)
-    # a path relative to the course, or absolute
     assert png, out
-    assert (REPO / png.group(1)).is_file(), out
+    assert (REPO / png.group(1)).is_file(), out  # a path relative to the course, or absolute
     # what a learner looks at stays; the checkpoints and parameter files (100 MB) do not
     folder = (REPO / png.group(1)).parent
     assert (folder / "facts.json").is_file()

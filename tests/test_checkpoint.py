@@ -39,8 +39,8 @@ def save_tiny(out_dir: Path, iter_num: int, model: GPT | None = None, **train_co
 
 
 def test_round_trip_with_weights_only(tmp_path):
-    # only plain values of the training configuration are kept, since a Path or an object would
-    # need pickled code
+    # only plain values of the training configuration are kept, since a Path or an object
+    # would need pickled code
     model = save_tiny(tmp_path, 7, data_dir="data", lr=0.5, a_path=tmp_path, an_object=object())
     raw = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert raw["iter_num"] == 7
@@ -94,8 +94,8 @@ def test_shape_check_names_the_difference(tmp_path):
         check_same_shape(ckpt, model_config("tiny", block_size=64))
 
 
-# A process that saves a good checkpoint and then, halfway through writing the next one,
-# SIGKILLs itself.
+# A process that saves a good checkpoint and then, halfway through writing the next
+# one, SIGKILLs itself.
 KILLED_MID_WRITE = r"""
 import os, signal, sys
 import torch
@@ -131,8 +131,7 @@ def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "not reached" not in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
-    # the half-written temporary file
-    assert len(leftovers) == 1
+    assert len(leftovers) == 1  # the half-written temporary file
     assert leftovers[0].stat().st_size > 0
     ckpt = load_checkpoint(tmp_path)
     assert ckpt["iter_num"] == 1  # the previous one, whole

@@ -28,8 +28,8 @@ def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 
 def test_published_diffs_are_current():
-    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the chapters'
-    train.py files."""
+    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the
+    chapters' train.py files."""
     proc = tool("-m", "maintainer.publish_diffs", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -96,8 +96,7 @@ def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp
     hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
     assert hunks
     assert all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
-    # ... only the chosen ones
-    assert all("no_sync" in hunk for hunk in hunks)
+    assert all("no_sync" in hunk for hunk in hunks)  # ... only the chosen ones
     assert len(shown) < len(full)
     # and a link to the whole diff
     assert f"docs/diffs/{FOLDERS[3]}_from_02.diff" in readme.read_text()

@@ -1,5 +1,5 @@
-"""The data pipeline: prepared once and deterministically, windows shifted by one, and a
-fixed order."""
+"""The data pipeline: prepared once and deterministically, windows shifted by one, and
+a fixed order."""
 
 from __future__ import annotations
 

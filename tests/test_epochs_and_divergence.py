@@ -1,5 +1,5 @@
-"""Across epoch boundaries every chapter is still chapter 01's run, and a diverging run loses
-nothing.
+"""Across epoch boundaries every chapter is still chapter 01's run, and a diverging run
+loses nothing.
 
 A corpus of 29 training windows (part of one play) with a global batch of 8: an epoch is 3 steps
 and drops 5 windows, a remainder the global batch does not divide. Every run takes 8 steps, so it
@@ -18,8 +18,8 @@ Each must log chapter 01's loss at every step and end with its parameters. With 
 its loader dry would take a half step there. Then the finished runs of 01 and 04 are resumed with
 --lr 1e6 and diverge: the divergence guard must stop them with one line (on every rank alike) and
 leave the checkpoint and metrics as they were. The runs go two at a time, chapter 01 in this
-process. They are long, so every test that reads them is in the slow stage (python -m pytest -q -m
-slow); the divergence rule's own tests stay in the suite.
+process. They are long, so every test that reads them is in the slow stage
+(python -m pytest -q -m slow); the divergence rule's own tests stay in the suite.
 """
 
 from __future__ import annotations
@@ -235,8 +235,8 @@ def runs(corpus, tmp_path_factory) -> dict:
         ]
         last = pool.submit(resume_then_diverge, first)
         read = chapter01_in_this_process(args("01", batch_size=8))
-        # logs only every 100 steps and evaluates at step 12: its evaluation meets the broken
-        # parameters first
+        # logs only every 100 steps and evaluates at step 12: its evaluation meets the
+        # broken parameters first
         chapter01_diverged = run_python(
             [CH["01"], *diverge("01_diverged", "01", log_interval=100, eval_interval=12)],
             check=False,
@@ -313,12 +313,11 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
+    # --grad-clip 1.0 and float32 are in effect already: only --lr is advised
     assert re.fullmatch(
         r"error: the run diverged at step 12: validation loss (nan|inf); "
-        r"no checkpoint was written from "
-        r"it \(the last one, if any, is intact\); try a lower --lr, with --resume to continue from "
-        # --grad-clip 1.0 and float32 are in effect already: only --lr is advised
-        r"the checkpoint",
+        r"no checkpoint was written from it \(the last one, if any, is intact\); "
+        r"try a lower --lr, with --resume to continue from the checkpoint",
         lines[0],
     ), lines[0]
     assert folder_state(folder) == before, (
@@ -340,8 +339,8 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     assert ITERS < int(stops[0][1]) <= DIVERGED_ITERS
     assert "timed out" not in (proc.stdout + proc.stderr).lower()
     assert (folder / "ckpt.pt").read_bytes() == before["ckpt.pt"]
-    # the good run's lines are kept; after them, only the steps that were still finite
-    # are logged
+    # the good run's lines are kept; after them, only the steps that were still
+    # finite are logged
     kept = before["metrics.jsonl"].decode()
     assert (folder / "metrics.jsonl").read_text().startswith(kept)
     assert_finite_metrics(folder)

@@ -64,8 +64,8 @@ def binary(path: Path) -> Path:
     return path
 
 
-# name -> (the flags, or a function that makes them in the test's tmp_path; the words that the
-# error line must hold)
+# name -> (the flags, or a function that makes them in the test's tmp_path; the words that
+# the error line must hold)
 CASES = {
     "unknown corpus name": (["--dataset", "no_such_corpus!"], "unknown corpus 'no_such_corpus!'"),
     "missing file": (lambda tmp: ["--dataset", tmp / "missing.txt"], "no corpus file at"),
@@ -213,8 +213,8 @@ def test_out_dir_that_is_a_file(data_dir, earlier_copy):
     ],
 )
 def test_optimizer_values_are_checked_before_anything_runs(flag, value, message, capsys):
-    """Every optimizer value that AdamW would refuse with a traceback (or train on as nan), in
-    every chapter."""
+    """Every optimizer value that AdamW would refuse with a traceback (or train on as nan),
+    in every chapter."""
     from common.config import parse_args
 
     for chapter in range(1, 6):

@@ -106,8 +106,8 @@ def gpu_check(
 
 
 def test_the_image_lacks_the_three_packages(image_env):
-    """The blocker works, and in the same way as a missing package, so that the rehearsal
-    means something."""
+    """The blocker works, and in the same way as a missing package, so that the
+    rehearsal means something."""
     probe = (
         "import importlib.util, importlib.metadata, torch\n"
         f"for name in {MISSING!r}:\n"
@@ -228,8 +228,8 @@ def test_no_time_left_skips_every_step_and_says_how_to_rerun(image_env, data_dir
 
 
 def test_a_compile_step_is_not_started_without_a_cold_compile_s_time(image_env, data_dir, tmp_path):
-    """STEPS picks steps; a compile step that would get less than COMPILE seconds is skipped,
-    not cut."""
+    """STEPS picks steps; a compile step that would get less than COMPILE seconds is
+    skipped, not cut."""
     proc = gpu_check(
         image_env, data_dir, tmp_path, timeout=120, STEPS="compile", TOTAL="100", COMPILE="200"
     )

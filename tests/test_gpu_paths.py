@@ -100,8 +100,8 @@ def test_chapter03_dataparallel_hands_its_threads_replicas_in_the_chosen_dtype(m
 
 
 def test_chapter03_gpu_choice_for_machines_this_cpu_is_not():
-    """The GPUs DataParallel spreads over, from the machine's GPU count, and the settings it
-    refuses with one line."""
+    """The GPUs DataParallel spreads over, from the machine's GPU count, and the settings
+    it refuses with one line."""
     cuda = torch.device("cuda")
     assert choose_dataparallel_gpus(cuda, None, False, cuda_gpus=4) == [0, 1, 2, 3]
     assert choose_dataparallel_gpus(cuda, 2, False, cuda_gpus=4) == [0, 1]
@@ -207,8 +207,8 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
     config = model_config("tiny")
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    # A float16 run's scaler (the CPU's GradScaler works the same way): two overflowing steps cut
-    # the loss scale from 65,536 to 16,384.
+    # A float16 run's scaler (the CPU's GradScaler works the same way): two overflowing steps
+    # cut the loss scale from 65,536 to 16,384.
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
     tokens = torch.randint(0, 100, (1, 8))
     for _ in range(2):

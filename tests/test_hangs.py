@@ -1,5 +1,5 @@
-"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed, and
-is fixed.
+"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed,
+and is fixed.
 
 The launches are slow to start (each imports torch three times) and the hang cases spend most of
 their time waiting for a timeout, so the module starts all of them at once and each test reads
@@ -102,8 +102,8 @@ def ended_with_failure(run: Launch) -> str:
 
 
 def assert_collectives(out: str, op: str, shapes: list[int]) -> None:
-    """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running: rank
-    r an `op` of a tensor of shape [shapes[r]]."""
+    """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running:
+    rank r an `op` of a tensor of shape [shapes[r]]."""
     for rank, shape in enumerate(shapes):
         running = rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
         assert re.search(rf"{running}OpType={op}, TensorShape=\[{shape}\]", out), out

@@ -1,5 +1,5 @@
-"""What a reader sees before and after a run goes wrong: the defaults in --help, and the
-divergence advice."""
+"""What a reader sees before and after a run goes wrong: the defaults in --help, and
+the divergence advice."""
 
 from __future__ import annotations
 

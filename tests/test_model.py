@@ -1,5 +1,5 @@
-"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2 (the same
-logits as Hugging Face's)."""
+"""The GPT: its size, its first loss, that it can learn, and that it is GPT-2
+(the same logits as Hugging Face's)."""
 
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ def hf_gpt2(n_positions: int = 64):
         activation_function="gelu_new",
     )
     model = GPT2LMHeadModel(config).eval()
-    # random biases and gains too, so that a missed or transposed tensor cannot hide behind
-    # zeros and ones
+    # random biases and gains too, so that a missed or transposed tensor cannot hide
+    # behind zeros and ones
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

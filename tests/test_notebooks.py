@@ -1,5 +1,5 @@
-"""Every chapter's notebook runs top to bottom on the CPU, and its committed notebook.ipynb is its
-source run.
+"""Every chapter's notebook runs top to bottom on the CPU, and its committed notebook.ipynb is
+its source run.
 
 Each chapter's source, notebook.py, is executed here afresh in a real Jupyter kernel (nbclient),
 from its chapter folder, with the session's prepared corpus (COURSE_DATA_DIR), so a failing cell —

@@ -9,7 +9,7 @@ stops with one line and status 75, and resumes exactly.
   and `--resume` ends with the parameters of chapter 01's run that was never stopped (float64:
   equal up to rounding).
 - Chapter 05, the signal to one rank only: every rank stops after the same step (the all-reduced
-  flag), status 75 on both, that step saved, and rank 0 names the signal the other rank received.
+  flag), that step saved, and rank 0 names the signal the other rank received.
 - In-process: the signal handling itself (every copy after the first is the same stop, however
   late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
   it; an error while stopping is an error, with its own status), --stop-signal's names, and a

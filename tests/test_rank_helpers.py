@@ -47,8 +47,9 @@ def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
 
 @pytest.mark.parametrize("local_rank", [1, 3, 7])
 def test_a_process_that_sees_one_gpu_is_not_mapped_onto_it_beside_others(local_rank, capsys):
-    # Under torchrun every process of a machine sees the same GPUs: one visible GPU and LOCAL_RANK
-    # 1 or more is several ranks on one GPU, refused before NCCL would meet it with a traceback.
+    # Under torchrun every process of a machine sees the same GPUs: one visible GPU and
+    # LOCAL_RANK 1 or more is several ranks on one GPU, refused before NCCL would meet it
+    # with a traceback.
     for requested in ("auto", "cuda"):
         with pytest.raises(
             CourseError, match=rf"LOCAL_RANK {local_rank}, but this machine has 1 GPU\(s\)"

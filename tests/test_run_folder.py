@@ -1,5 +1,5 @@
-"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress always
-shows.
+"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress
+always shows.
 
 - A new run refuses a folder that holds a run (chapter 01, chapter 04 under torchrun, and the
   two-node simulation), and the earlier run's files stay byte for byte as they were.
@@ -201,8 +201,8 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
 
 
 def test_progress_shows_under_a_pseudo_terminal_without_a_size(data_dir, tmp_path):
-    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: in a terminal that reports
-    0 columns."""
+    """As `script -qc "python 01_single_gpu/train.py ..."` runs it: in a terminal that
+    reports 0 columns."""
     parent, child = pty.openpty()
     assert os.get_terminal_size(child).columns == 0
     proc = subprocess.Popen(

@@ -1,5 +1,5 @@
-"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and chapter
-01.
+"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and
+chapter 01.
 
 All runs are real processes; the runs are made once (a module fixture) and shared:
 
@@ -191,8 +191,8 @@ def test_chapter01_checkpoint_continues_under_zero(runs):
 def test_zero_checkpoint_continues_in_chapter01(runs, impl):
     saved = torch.load(runs["w3"] / f"{impl}_step{SAVE_AT}" / "ckpt.pt", weights_only=True)
     ours = torch.load(runs["ch01"] / "ckpt.pt", weights_only=True)
-    # the gathered optimizer state has chapter 01's layout: every parameter, with the number
-    # AdamW gives it
+    # the gathered optimizer state has chapter 01's layout: every parameter, with the
+    # number AdamW gives it
     assert saved["optimizer"]["state"].keys() == ours["optimizer"]["state"].keys()
     assert [len(g["params"]) for g in saved["optimizer"]["param_groups"]] == [
         len(g["params"]) for g in ours["optimizer"]["param_groups"]

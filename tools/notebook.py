@@ -1,5 +1,5 @@
-"""What the chapters' notebooks share: run a chapter's script as a reader would, read and plot its
-losses.
+"""What the chapters' notebooks share: run a chapter's script as a reader would, read and plot
+its losses.
 
 A notebook imports this module once, in its setup cell, and calls setup(): one torch thread (the
 experiments are small, and one thread keeps them repeatable). Importing it makes a fresh folder for
@@ -41,9 +41,9 @@ from tools.launch import (
 
 
 def shown_path(path: str | Path) -> str:
-    """A path relative to the course's root when it lies inside: as the notebook prints it, and as
-    the commands it runs from the root get it (so that their own output names no folder of this
-    machine)."""
+    """A path relative to the course's root when it lies inside: as the notebook prints it, and
+    as the commands it runs from the root get it (so that their own output names no folder of
+    this machine)."""
     path = Path(path).resolve()
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
@@ -55,12 +55,12 @@ def words(cmd: list) -> list[str]:
 
 (REPO / "out").mkdir(exist_ok=True)
 RUNS = Path(tempfile.mkdtemp(prefix="notebook_", dir=REPO / "out"))  # this notebook's runs go here
-# prepared once, shared by all chapters
+# The data folder: prepared once, shared by all chapters
 DATA_DIR = Path(os.environ.get("COURSE_DATA_DIR", REPO / "data"))
 
 ITERS = 15  # optimizer steps per run: enough to see the loss fall, a few seconds each
-# tiny model, float32 on the CPU, no dropout, a short warm-up and a high learning rate (so 15 steps
-# show learning), a metrics line every step: a deterministic run
+# tiny model, float32 on the CPU, no dropout, a short warm-up and a high learning rate (so 15
+# steps show learning), a metrics line every step: a deterministic run
 TINY = measured_run_flags(
     ITERS, log_interval=1, eval_batches=2, preset="tiny", warmup_iters=2, lr=1e-2
 )
@@ -72,8 +72,8 @@ RUN_ENV = child_env(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
 
 # What each rank of a torchrun job does, by hand: the program that notebooks 04 and 05 start
 WORKER = REPO / "workers" / "rank_worker.py"
-# The global batch of the notebooks' experiments: 8 sequences, as chapter 01's reference run reads
-# them
+# The global batch of the notebooks' experiments: 8 sequences, as chapter 01's reference run
+# reads them
 SEED, GLOBAL_BATCH = 1337, 8
 
 
@@ -108,14 +108,14 @@ def run(cmd: list, show: int = 6, timeout: float = 300) -> str:
 
 
 def torchrun(script: str | Path, nproc: int, *args, show: int = 6) -> str:
-    """`torchrun --standalone --nproc-per-node=NPROC script args` on this machine: the output of all
-    ranks."""
+    """`torchrun --standalone --nproc-per-node=NPROC script args` on this machine: the output
+    of all ranks."""
     return run(torchrun_command(*words([script]), nproc, words(list(args))), show=show)
 
 
 def two_nodes(per_node: int, script: str | Path, *args, show: int = 4) -> list[str]:
-    """Start one torchrun per "node", as you would on two machines, and wait for both: their
-    outputs."""
+    """Start one torchrun per "node", as you would on two machines, and wait for both:
+    their outputs."""
     commands = two_node_commands(*words([script]), per_node, words(list(args)))
     for node, cmd in enumerate(commands):
         print(f"node {node}: $ {shown_command(cmd)}")
@@ -198,8 +198,8 @@ def tiny_model() -> GPT:
 
 
 def full_batch_gradient() -> tuple[list[int], torch.Tensor]:
-    """One process, the whole global batch of 8: the gradient, flattened, that DDP's average must
-    equal."""
+    """One process, the whole global batch of 8: the gradient, flattened, that DDP's average
+    must equal."""
     order, x, y = first_batch()
     model = tiny_model()
     _, loss = model(x, y)
@@ -210,8 +210,8 @@ def full_batch_gradient() -> tuple[list[int], torch.Tensor]:
 def results(output: str) -> list[dict]:
     """Every rank's RESULT (printed by workers/rank_worker.py), as a dict, in rank order.
 
-    Read object by object, not line by line: the ranks share one output pipe, and two lines can come
-    out glued together."""
+    Read object by object, not line by line: the ranks share one output pipe, and two lines can
+    come out glued together."""
     decoder = json.JSONDecoder()
     rows = [decoder.raw_decode(part)[0] for part in output.split("RESULT ")[1:]]
     return sorted(rows, key=lambda r: r["rank"])

@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_fsdp_by_hand.py: train small models with
-06_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write how far
-apart they are.
+06_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write
+how far apart they are.
 
     torchrun --nproc_per_node=W -m workers.fsdp_by_hand_worker [OUT_DIR]
 

@@ -191,7 +191,7 @@ class Run:
 
     def load_optimizer_state(self, state: dict) -> None:
         if self.impl == "zero_redundancy":
-            # it overwrites entries it does not own
+            # a deep copy: it overwrites entries it does not own
             self.optimizer.load_state_dict(copy.deepcopy(state))
         else:
             self.optimizer.load_full_state_dict(state)
@@ -199,7 +199,7 @@ class Run:
 
 def train(impl, K, args, config, batches, rank, world, start=0, checkpoint=None, save_dir=None):
     if checkpoint is None:
-        # rank 0: chapter 01's init
+        # rank 0 starts from chapter 01's init, every other rank elsewhere
         torch.manual_seed(args.seed if rank == 0 else args.seed + 1000 + rank)
         model = GPT(config)
     else:
@@ -320,8 +320,8 @@ def main() -> None:
             results[f"ddp/K={K}"] = measure(ddp, losses, norms, rank, world, ddp_params)
             broken = ("broken_local_norm_clip", "broken_no_all_gather", "broken_sum_not_average")
             for impl in ("zero1", "zero_redundancy", *(broken if extras and K == 3 else ())):
-                # with --extras, the two real ones save a gathered checkpoint at step 5, which
-                # chapter 01 resumes
+                # with --extras, the two real ones save a gathered checkpoint at step 5,
+                # which chapter 01 resumes
                 save = extras and K == 3 and impl in ("zero1", "zero_redundancy")
                 save_dir = out_dir / f"{impl}_step{SAVE_AT}" if save else None
                 run, losses, norms = train_here(impl, K, save_dir=save_dir)

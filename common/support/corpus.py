@@ -58,7 +58,7 @@ def read_corpus(kind: str, name: str, text_column: str) -> list[str]:
             raise CourseError(f"{name} is empty: give a file with some text in it")
         source = FILE_TYPES[path.suffix.lower()]
         options = {"data_files": str(path)}
-        # JSON too: said here in one line, where datasets says "An error occurred"
+        # text and JSON: not UTF-8 is said here in one line, where datasets says "An error occurred"
         if source != "parquet":
             text = utf8_text(data, name)
         if source == "text":  # one document, newlines as text mode reads them
@@ -83,8 +83,8 @@ def read_corpus(kind: str, name: str, text_column: str) -> list[str]:
 
 
 def utf8_text(data: bytes, name: str) -> str:
-    """The file's text, or why it is not UTF-8 (a guessed encoding could give wrong letters
-    silently)."""
+    """The file's text, or why it is not UTF-8 (a guessed encoding could give wrong
+    letters silently)."""
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         convert = f"iconv -f utf-16 -t utf-8 {name} > utf8.txt"
         raise CourseError(f"{name} is UTF-16 text; convert it to UTF-8: {convert}")

@@ -1,8 +1,8 @@
 """The built site, served on 127.0.0.1 and opened in Debian's Chromium, driven by Selenium.
 
 tests/test_site.py checks every page this way; maintainer/site/screenshot.py takes the README's
-picture of the home page. Nothing is downloaded: the browser is the system's (`apt-get install
-chromium chromium-driver`) and it resolves no host but 127.0.0.1.
+picture of the home page. Nothing is downloaded: the browser is the system's
+(`apt-get install chromium chromium-driver`) and it resolves no host but 127.0.0.1.
 """
 
 from __future__ import annotations

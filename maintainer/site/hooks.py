@@ -122,8 +122,8 @@ def nav_paths(nav: list | dict | str) -> list[str]:
 
 
 def linked_paths(page: str) -> list[str]:
-    """The repository paths a Markdown page links to that exist (a link that does not is MkDocs's
-    to report)."""
+    """The repository paths a Markdown page links to that exist (a link that does not is
+    MkDocs's to report)."""
     text = (ROOT / page).read_text(encoding="utf-8")
     found = []
     for match in LINK.finditer(text):
