@@ -1,10 +1,10 @@
-"""What the ranks' agreement on a stop costs per step (common/support/preempt_ranks.py),
-under torchrun.
+"""What chapter 05's agreement on a stop costs, under torchrun: one all-reduce of the stop flag over
+the ranks' CPU (gloo) group, every 10 steps as the chapter does it, and on every step.
 
 Every rank runs `--steps` stand-in steps of `--step-ms` milliseconds (a sleep: the host is free, as
-it is while a GPU computes) and asks `AgreedPreemption.requested()` after each, as the chapters do.
-It prints the mean time per step spent in that call, on the slowest rank: with the agreement every K
-steps (the course's), and on every step (what the chapters did before: one all-reduce per step).
+it is while a GPU computes) and, after every `--every`-th of them, all-reduces its flag (MAX), as
+05_multinode/train.py does. It prints the time of one check and the mean time per step spent in
+the checks, on the slowest rank, for the chapter's interval and for a check on every step.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m bench.stop_check
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 -m bench.stop_check
@@ -13,50 +13,59 @@ steps (the course's), and on every step (what the chapters did before: one all-r
 import argparse
 import datetime
 import os
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from common.support import preempt_ranks
+# 05_multinode/train.py's stop_check_every
+CHAPTER_INTERVAL = 10
 
 
-def mean_check_us(steps: int, step_s: float, out_dir: str) -> tuple[float, int]:
-    """The mean microseconds per step spent in requested(), and the last interval K."""
-    preemption = preempt_ranks.AgreedPreemption(
-        "TERM", out_dir, ranks_agree_within=datetime.timedelta(60)
-    )
+def check_cost_us(
+    steps: int, step_s: float, every: int, group: dist.ProcessGroup
+) -> tuple[float, float]:
+    """Microseconds per check and per step spent in the checks, on this rank."""
     spent = 0.0
-    for _ in range(steps):
+    checks = 0
+    for step in range(1, steps + 1):
         time.sleep(step_s)
+        if step % every != 0:
+            continue
         started = time.perf_counter()
-        preemption.requested()
+        stop_flag = torch.tensor(0.0)
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=group)
+        stop_flag.item()
         spent += time.perf_counter() - started
-    slowest = torch.tensor(spent / steps * 1e6)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item(), preemption.interval
+        checks += 1
+    return spent / checks * 1e6, spent / steps * 1e6
+
+
+def slowest(value: float) -> float:
+    """The largest value over all ranks."""
+    tensor = torch.tensor(value)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--step-ms", type=float, default=20.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    with tempfile.TemporaryDirectory() as out_dir:
-        every_k, interval = mean_check_us(args.steps, args.step_ms / 1e3, out_dir)
-        every_step_plan = preempt_ranks.steps_between_checks
-        preempt_ranks.steps_between_checks = lambda check_s, step_s: 1  # the old schedule
-        every_step, _ = mean_check_us(args.steps, args.step_ms / 1e3, out_dir)
-        preempt_ranks.steps_between_checks = every_step_plan
-    if rank == 0:
-        world = dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    step_s = args.step_ms / 1e3
+    per_check, per_step = check_cost_us(args.steps, step_s, CHAPTER_INTERVAL, group)
+    _, every_step = check_cost_us(args.steps, step_s, 1, group)
+    per_check, per_step, every_step = slowest(per_check), slowest(per_step), slowest(every_step)
+    if dist.get_rank() == 0:
         print(
-            f"{world} ranks, steps of {args.step_ms:g} ms: the agreement costs "
-            f"{every_step:.0f} µs per step on every step, "
-            f"{every_k:.1f} µs per step every K steps (K = {interval})",
+            f"{dist.get_world_size()} ranks, steps of {args.step_ms:g} ms: one check "
+            f"{per_check:.0f} µs; every {CHAPTER_INTERVAL} steps {per_step:.1f} µs per step, "
+            f"on every step {every_step:.0f} µs per step",
             flush=True,
         )
     dist.destroy_process_group()

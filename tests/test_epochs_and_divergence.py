@@ -40,7 +40,7 @@ from common.chapters import CHAPTERS
 from common.data import TokenWindows, load_splits, prepare
 from common.metrics import read_metrics
 from common.support.errors import CourseError
-from common.training import is_divergence, stop_if_diverged
+from common.training import stop_if_diverged
 from layout import REPO
 from tools.check import corpus_text
 from tools.launch import child_env, run_python, torchrun_command, two_node_commands
@@ -313,11 +313,10 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    # --grad-clip 1.0 and float32 are in effect already: only --lr is advised
     assert re.fullmatch(
         r"error: the run diverged at step 12: validation loss (nan|inf); "
         r"no checkpoint was written from it \(the last one, if any, is intact\); "
-        r"try a lower --lr, with --resume to continue from the checkpoint",
+        r"try a lower --lr or --dtype float32, with --resume to continue from the checkpoint",
         lines[0],
     ), lines[0]
     assert folder_state(folder) == before, (
@@ -330,7 +329,7 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
     folder, before, proc = diverged["04"]
     assert proc.returncode != 0, proc.stdout + proc.stderr
     stops = re.findall(
-        r"\[rank (\d)\] error: the run diverged at step (\d+): (?:training loss|gradient)",
+        r"\[rank (\d)\] error: the run diverged at step (\d+): training loss",
         proc.stderr,
     )
     # both ranks, none left waiting
@@ -348,8 +347,7 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
 
 def test_float16_skipped_steps_are_not_divergence():
     """float16's GradScaler finds an inf in the gradients, skips that step and lowers its scale: the
-    parameters stay finite and the run goes on. Without the scaler the same inf would be stepped
-    into the parameters, so there it is divergence. A non-finite loss is divergence either way."""
+    parameters and the loss stay finite and the run goes on. A non-finite loss is divergence."""
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -367,29 +365,8 @@ def test_float16_skipped_steps_are_not_divergence():
     assert not math.isfinite(grad_norm.item())
     assert math.isfinite(loss.item())
 
-    stop_if_diverged(7, loss.item(), grad_norm, scaler)  # a skipped step: no error
-    with pytest.raises(
-        CourseError, match=r"^the run diverged at step 7: training loss [-\d.]+, gradient norm inf;"
-    ):
-        stop_if_diverged(7, loss.item(), grad_norm, None)
+    stop_if_diverged(7, loss.item())  # a skipped step: no error
     with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss nan;"):
-        stop_if_diverged(7, float("nan"), None, scaler)
-
-
-@pytest.mark.parametrize(
-    "loss, grad_norm, skips_inf_steps, expected",
-    [
-        (2.5, 1.0, False, False),
-        (2.5, None, False, False),
-        (2.5, 1.0, True, False),
-        (math.inf, 1.0, False, True),
-        (math.nan, None, True, True),
-        (-math.inf, 1.0, True, True),
-        (2.5, math.inf, False, True),
-        (2.5, math.nan, False, True),
-        (2.5, math.inf, True, False),
-        (2.5, math.nan, True, False),
-    ],
-)
-def test_divergence_decision(loss, grad_norm, skips_inf_steps, expected):
-    assert is_divergence(loss, grad_norm, skips_inf_steps) is expected
+        stop_if_diverged(7, float("nan"))
+    with pytest.raises(CourseError, match=r"^the run diverged at step 7: validation loss inf;"):
+        stop_if_diverged(7, float("inf"), "validation loss")
