@@ -28,6 +28,8 @@ class Plant:
 
 MICRO_LOSS_MEAN = P(assigns="micro_loss", call="mean")
 NO_SYNC = P(call="no_sync")
+# the `if` that chooses no_sync() on every micro-step but the last
+SYNC_SWITCH = P(kind="if", uses="micro_step")
 SAMPLER = P(call="DistributedSampler")
 SKIP = P(assigns="skip")
 DIVIDED = P(assigns="micro_loss", uses="grad_accum")
@@ -70,9 +72,11 @@ PLANTS = {
         ranks=2,
     ),
     "no_sync on the wrong micro-step": Plant(
-        4, ((rewrite, NO_SYNC, "micro_step < args.grad_accum - 1", "micro_step > 0"),), ranks=2
+        4, ((rewrite, SYNC_SWITCH, "micro_step < args.grad_accum - 1", "micro_step > 0"),), ranks=2
     ),
-    "gradients never averaged": Plant(4, ((replace, NO_SYNC, "sync = model.no_sync()"),), ranks=2),
+    "gradients never averaged": Plant(
+        4, ((replace, SYNC_SWITCH, "sync = model.no_sync()"),), ranks=2
+    ),
     "clipping or stepping on some ranks only": Plant(
         4,
         (

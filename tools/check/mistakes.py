@@ -119,6 +119,8 @@ def averaged(f: Facts) -> str | None:
 DIVIDED = P(assigns="micro_loss", uses="grad_accum")
 THE_LOSS = P(assigns="micro_loss", call="model")  # the forward that computes the loss
 MICRO_LOOP = P(kind="for", uses="micro_step")
+# the `if` that chooses no_sync() on every micro-step but the last (chapter 04)
+SYNC_SWITCH = P(kind="if", uses="micro_step")
 SAMPLER = P(assigns="sampler", call="DistributedSampler")
 STEP = P(call="step")  # scaler.step(optimizer), optimizer.step()
 
@@ -254,8 +256,8 @@ MISTAKES = [
         "drift",
         signature=lambda f: f.grads.last_micro_step_unsynced and not f.ranks.sharded,
         chapter=4,
-        right=(P(call="no_sync"),),
-        look_for=(P(call="no_sync"),),
+        right=(SYNC_SWITCH, P(call="no_sync")),
+        look_for=(SYNC_SWITCH, P(call="no_sync")),
         near=MICRO_LOOP,
     ),
     Mistake(
@@ -269,7 +271,7 @@ MISTAKES = [
             and not f.ranks.ranks_steps_differ
         ),
         chapter=4,
-        right=(P(call="no_sync"),),
+        right=(SYNC_SWITCH, P(call="no_sync")),
         look_for=(P(call="no_sync"), P(call="DDP"), P(call="DistributedDataParallel")),
         near=MICRO_LOOP,
         unless=averaged,
