@@ -30,17 +30,15 @@ from common.checkpoint import load_checkpoint, restore_training_state, save_chec
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
     batch_loader,
+    count_steps_per_epoch,
     describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
 )
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-from common.metrics import MetricsLog, Throughput, max_memory_mb
-from common.support.errors import CourseError, run_main
-from common.support.gpus import peak_flops
-from common.support.preempt import Preemption
-from common.support.progress import Progress
+from common.metrics import RunLog, Throughput
+from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -77,12 +75,7 @@ def main():
     global_batch = args.batch_size
     tokens_per_step = global_batch * model_config.block_size
     # the incomplete last batch of an epoch is dropped
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0:
-        raise CourseError(
-            f"the training split has {len(train_set)} windows, fewer than one batch of "
-            f"{global_batch}; lower --batch-size or use a larger corpus"
-        )
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
@@ -113,7 +106,6 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    peak = peak_flops(device, dtype)
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
@@ -126,36 +118,17 @@ def main():
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num)
-    progress = Progress(total=args.max_iters, initial=iter_num)
     # TODO 4/6: change the next 1 line(s) of code:
     #     train_config = vars(args) | {"global_batch": global_batch, "chapter": 2}
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 1}
     model.train()
-    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
-    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
-
-    def save(step: int) -> None:
-        """The checkpoint, at every evaluation and when the run is asked to stop."""
-        save_checkpoint(
-            out_dir,
-            model_state=raw_model.state_dict(),
-            optimizer_state=optimizer.state_dict(),
-            iter_num=step,
-            model_config=model_config,
-            train_config=train_config,
-            best_val_loss=best_val_loss,
-            scaler_state=scaler.state_dict(),
-        )
-
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # (common/support/preempt.py)
-    preemption = Preemption(args.stop_signal)
+    # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
+    report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # the data order: epoch e visits the windows in randperm(N), drawn from a generator seeded
-        # with seed + e
+        # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # TODO 5/6: change the next 1 line(s) of code:
@@ -174,8 +147,8 @@ def main():
                 group["lr"] = lr
             # TODO 6/6: change the next 5 line(s) of code into 9:
             #   the mean loss over the whole global batch
-            #   backward() adds into .grad, so K micro-steps sum K gradients; dividing each loss by
-            #     K turns that sum into the gradient of the mean over all K * B sequences
+            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
+            #     makes that sum the gradient of the mean over all K * B sequences
             #   this micro-batch's activations are freed here
             #   clipping, the optimizer step and the learning rate act once per global batch
             x, y = next(batches)  # (B, T) each, built in CPU memory
@@ -185,7 +158,7 @@ def main():
             scaler.scale(loss).backward()  # gradients of the loss land in each parameter's .grad
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -194,19 +167,8 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 loss_value = loss.item()
-                # nan/inf?
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
-                figures = speed.measure(iter_num)  # since the last log line
-                metrics.write(
-                    iter=iter_num,
-                    loss=loss_value,
-                    lr=lr,
-                    **figures,
-                    max_mem_mb=max_memory_mb(device),
-                )
-                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
-            else:
-                progress.step(iter_num)  # the bar moves on
+                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
@@ -215,22 +177,22 @@ def main():
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
-                stop_if_diverged(
-                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
-                )
+                # before the save: a diverged model never replaces a good checkpoint
+                stop_if_diverged(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                metrics.write(iter=iter_num, val_loss=val_loss)
-                save(iter_num)
-                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
-                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
-                speed.restart_clock()  # evaluation time is not training time
-            # a stop signal came during this step (on the last step, the run just ends)
-            if iter_num < args.max_iters and preemption.requested():
-                if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
-                    save(iter_num)
-                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
-    progress.close()
+                save_checkpoint(
+                    out_dir,
+                    model_state=raw_model.state_dict(),
+                    optimizer_state=optimizer.state_dict(),
+                    iter_num=iter_num,
+                    model_config=model_config,
+                    train_config=train_config,
+                    best_val_loss=best_val_loss,
+                    scaler_state=scaler.state_dict(),
+                )
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+    report.close()
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")

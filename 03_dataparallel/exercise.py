@@ -32,17 +32,15 @@ from common.checkpoint import load_checkpoint, restore_training_state, save_chec
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
     batch_loader,
+    count_steps_per_epoch,
     describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
 )
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-from common.metrics import MetricsLog, Throughput, max_memory_mb
-from common.support.errors import CourseError, run_main
-from common.support.gpus import peak_flops
-from common.support.preempt import Preemption
-from common.support.progress import Progress
+from common.metrics import RunLog, Throughput
+from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -91,12 +89,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
     # the incomplete last batch of an epoch is dropped
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0:
-        raise CourseError(
-            f"the training split has {len(train_set)} windows, fewer than one batch of "
-            f"{global_batch}; lower --batch-size or use a larger corpus"
-        )
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
@@ -133,7 +126,6 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    peak = peak_flops(device, dtype)
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
@@ -158,47 +150,25 @@ def main():
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num)
-    progress = Progress(total=args.max_iters, initial=iter_num)
     # TODO 9/16: change the next 1 line(s) of code:
     #     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 2}
     model.train()
-    # TODO 10/16: change the next 1 line(s) of code into 3:
-    #   tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
-    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), peak, start=iter_num)
-    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
-
-    def save(step: int) -> None:
-        """The checkpoint, at every evaluation and when the run is asked to stop."""
-        # TODO 11/16: change the next 3 line(s) of code:
-        #     save_checkpoint(
-        #     out_dir,
-        #     model_state=model.module.state_dict(),
-        save_checkpoint(
-            out_dir,
-            model_state=raw_model.state_dict(),
-            optimizer_state=optimizer.state_dict(),
-            iter_num=step,
-            model_config=model_config,
-            train_config=train_config,
-            best_val_loss=best_val_loss,
-            scaler_state=scaler.state_dict(),
-        )
-
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # (common/support/preempt.py)
-    preemption = Preemption(args.stop_signal)
+    # TODO 10/16: change the next 1 line(s) of code into 2:
+    #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
+    #   metrics.jsonl and the progress bar: one call per log step
+    # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
+    report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # the data order: epoch e visits the windows in randperm(N), drawn from a generator seeded
-        # with seed + e
+        # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 12/16: change the next 2 line(s) of code:
+        # TODO 11/16: change the next 2 line(s) of code:
         #     loader = batch_loader(
         #     train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
@@ -214,26 +184,24 @@ def main():
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
-                # TODO 13/16: change the next 1 line(s) of code:
+                # TODO 12/16: change the next 1 line(s) of code:
                 #   (replicas * B, T) each, built in CPU memory
                 x, y = next(batches)  # (B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 14/16: change the next 1 line(s) of code into 2:
+                    # TODO 13/16: change the next 1 line(s) of code into 2:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on
-                    #     cuda:0. Every replica has B sequences, so their mean is the mean over the
-                    #     micro-batch.
+                    #     cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
-                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-                    # loss by K turns that sum into the gradient of the mean over all K * B
-                    # sequences
+                    # backward() adds into .grad, so K micro-steps sum K gradients; each loss
+                    # divided by K makes that sum the gradient of the mean over all K * B sequences
                     micro_loss = micro_loss / args.grad_accum
                 scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -242,46 +210,39 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 loss_value = loss.item()
-                # nan/inf?
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
-                figures = speed.measure(iter_num)  # since the last log line
-                metrics.write(
-                    iter=iter_num,
-                    loss=loss_value,
-                    lr=lr,
-                    **figures,
-                    max_mem_mb=max_memory_mb(device),
-                )
-                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
-            else:
-                progress.step(iter_num)  # the bar moves on
+                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 15/16: change the next 2 line(s) of code:
+                # TODO 14/16: change the next 2 line(s) of code:
                 #     val_loss = evaluate(
                 #     eval_model, val_set, val_windows, whole_batch, device, autocast
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
-                stop_if_diverged(
-                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
-                )
+                # before the save: a diverged model never replaces a good checkpoint
+                stop_if_diverged(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                metrics.write(iter=iter_num, val_loss=val_loss)
-                save(iter_num)
-                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
-                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
-                speed.restart_clock()  # evaluation time is not training time
-            # a stop signal came during this step (on the last step, the run just ends)
-            if iter_num < args.max_iters and preemption.requested():
-                if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
-                    save(iter_num)
-                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
-    progress.close()
+                # TODO 15/16: change the next 3 line(s) of code:
+                #     save_checkpoint(
+                #     out_dir,
+                #     model_state=model.module.state_dict(),
+                save_checkpoint(
+                    out_dir,
+                    model_state=raw_model.state_dict(),
+                    optimizer_state=optimizer.state_dict(),
+                    iter_num=iter_num,
+                    model_config=model_config,
+                    train_config=train_config,
+                    best_val_loss=best_val_loss,
+                    scaler_state=scaler.state_dict(),
+                )
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+    report.close()
 
     # TODO 16/16: add 6 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss

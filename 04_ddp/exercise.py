@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -18,12 +18,11 @@ run is chapter 02's.
     python 03_dataparallel/train.py --gpus 2
 """
 
-# TODO 1/22: the imports: remove (-) and add (+)
+# TODO 1/21: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
 #     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
 #     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-#     - from common.support.preempt import Preemption
 #     + import contextlib
 #     + import datetime
 #     + import os
@@ -33,12 +32,13 @@ run is chapter 02's.
 #     + from torch.utils.data.distributed import DistributedSampler
 #     + from common.device import autocast_context, describe, pick_dtype, setup_math
 #     + from common.distributed import (
+#     + RankLog,
 #     + one_rank_first,
 #     + rank_device,
 #     + ranks_unlike_rank0,
+#     + refuse_shared_gpus,
+#     + require_torchrun,
 #     + share_cpu_cores,
-#     + start_process_group,
-#     + from common.support.preempt_ranks import AgreedPreemption
 import sys
 from pathlib import Path
 
@@ -53,6 +53,7 @@ from common.checkpoint import load_checkpoint, restore_training_state, save_chec
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
     batch_loader,
+    count_steps_per_epoch,
     describe_global_batch,
     load_splits,
     prepare,
@@ -60,11 +61,8 @@ from common.data import (
 )
 from common.dataparallel import choose_dataparallel_gpus, in_autocast
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-from common.metrics import MetricsLog, Throughput, max_memory_mb
-from common.support.errors import CourseError, run_main
-from common.support.gpus import peak_flops
-from common.support.preempt import Preemption
-from common.support.progress import Progress
+from common.metrics import RunLog, Throughput
+from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -76,7 +74,7 @@ from common.training import (
 )
 
 
-# TODO 2/22: remove the next 22 line(s) of code
+# TODO 2/21: remove the next 22 line(s) of code
 class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
     and whose loss counts every row once, however the batch splits (see parallel_apply).
@@ -111,19 +109,22 @@ def row_weights(rows: list[int]) -> list[float]:
 
 
 def main():
-    # TODO 3/22: change the next 1 line(s) of code:
+    # TODO 3/21: change the next 1 line(s) of code into 8:
+    #   ---- who is who
+    #     ------------------------------------------------------------------------------
+    #   torchrun starts WORLD_SIZE copies of this script and tells each its place in the
+    #     environment.
+    #   started with plain `python`: one line that gives the torchrun command
+    #   this process among all of them: 0 .. world_size - 1
+    #   this process among those on its machine: its GPU
+    #   log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
     args = parse_args(chapter=3, description=__doc__)
     torch.manual_seed(args.seed)
-    # TODO 4/22: change the next 1 line(s) of code into 18:
-    #   ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
-    #   ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
-    #     MASTER_PORT
-    #   this process among all of them: 0 .. world_size - 1
-    #   this process among those on this machine: its GPU
+    # TODO 4/21: change the next 1 line(s) of code into 4:
     #   Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the
     #     CPU.
-    #   before any CUDA work, or it would all land on cuda:0
+    #   cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
     #   ranks on one CPU share its cores
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -131,14 +132,14 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 5/22: change the next 3 line(s) of code into 10:
-    #   ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
-    #   ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
-    #   A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
-    #     hanging.
-    #   Under torchrun the ranks meet at MASTER_ADDR:MASTER_PORT; with plain `python` the world is
-    #     this process alone. The backend follows the device (--backend auto), and on GPUs the ranks
-    #     check that no two of them share one.
+    # TODO 5/21: change the next 3 line(s) of code into 6:
+    #   ---- the process group
+    #     -----------------------------------------------------------------------
+    #   Every rank joins it, and the collectives (all-reduce, broadcast) run in it. NCCL moves CUDA
+    #     tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
+    #   every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    #   two ranks on one GPU: one line, not NCCL's traceback
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
     # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
@@ -149,7 +150,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 6/22: change the next 3 line(s) of code into 8:
+    # TODO 6/21: change the next 3 line(s) of code into 8:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
     #     work.
@@ -159,18 +160,13 @@ def main():
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
-    # TODO 7/22: change the next 1 line(s) of code:
+    # TODO 7/21: change the next 1 line(s) of code:
     #   on each of world_size ranks at the same time, each of `batch_size` sequences.
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
     # the incomplete last batch of an epoch is dropped
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0:
-        raise CourseError(
-            f"the training split has {len(train_set)} windows, fewer than one batch of "
-            f"{global_batch}; lower --batch-size or use a larger corpus"
-        )
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
@@ -197,32 +193,30 @@ def main():
         # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 8/22: change the next 1 line(s) of code:
+    # TODO 8/21: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
     #     hooks into backward to average the gradients over ranks. The wrapper keeps the real model
     #     in model.module. Its state dict would prefix every name with "module.", so checkpoints
-    #     save model.module's, which any chapter can load. On a GPU, device_ids is this rank's GPU,
-    #     cuda:LOCAL_RANK.
+    #     save model.module's, which any chapter can load. On a GPU, device_ids is cuda:LOCAL_RANK.
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
     # it calls the model as it is
     model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
-    # TODO 9/22: remove the next 1 line(s) of code
+    # TODO 9/21: remove the next 1 line(s) of code
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
-    peak = peak_flops(device, dtype)
-    # TODO 10/22: change the next 1 line(s) of code:
+    # TODO 10/21: change the next 1 line(s) of code:
     #     log(
     print(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     )
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 11/22: change the next 13 line(s) of code into 8:
+    # TODO 11/21: change the next 13 line(s) of code into 8:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
     #     averaging = "gradients are averaged over ranks in buckets during backward"
@@ -244,74 +238,35 @@ def main():
             f"DataParallel has nothing to split on one {device.type} device: "
             "the run is chapter 02's"
         )
-    # TODO 12/22: change the next 5 line(s) of code into 12:
+    # TODO 12/21: change the next 3 line(s) of code into 10:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
     #     ----------
     #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
     #     ... (W = world_size): the ranks' micro-batches of one step together are the G consecutive
     #     positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
-    #   only rank 0 writes files and draws the progress bar
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=iter_num)
-    progress = Progress(total=args.max_iters, initial=iter_num)
     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
     model.train()
-    # tokens_per_step counts the tokens of all replicas, so MFU is measured against all GPUs' peak
-    # TODO 13/22: change the next 2 line(s) of code:
-    #     speed = Throughput(
-    #     tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
-    speed = Throughput(
-        tokens_per_step, raw_model.flops_per_token(), peak, devices=replicas, start=iter_num
-    )
-    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
-
-    def save(step: int) -> None:
-        # TODO 14/22: change the next 11 line(s) of code into 12:
-        #     """The checkpoint, at every evaluation and when the run is asked to stop (rank 0
-        #       writes)."""
-        #     if is_rank0:
-        #     save_checkpoint(
-        #     out_dir,
-        #     model_state=model.module.state_dict(),
-        #     optimizer_state=optimizer.state_dict(),
-        #     iter_num=step,
-        #     model_config=model_config,
-        #     train_config=train_config,
-        #     best_val_loss=best_val_loss,
-        #     scaler_state=scaler.state_dict(),
-        #     )
-        """The checkpoint, at every evaluation and when the run is asked to stop."""
-        save_checkpoint(
-            out_dir,
-            model_state=model.module.state_dict(),
-            optimizer_state=optimizer.state_dict(),
-            iter_num=step,
-            model_config=model_config,
-            train_config=train_config,
-            best_val_loss=best_val_loss,
-            scaler_state=scaler.state_dict(),
-        )
-
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # TODO 15/22: change the next 1 line(s) of code:
-    #   (common/support/preempt_ranks.py). The ranks agree on the step to stop at, with an all-
-    #     reduce of two numbers every few steps. A worker restarted after a stop stops here too.
-    # (common/support/preempt.py)
-    preemption = Preemption(args.stop_signal)
+    # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
+    flops_per_token = raw_model.flops_per_token()
+    # TODO 13/21: change the next 2 line(s) of code:
+    #   metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
+    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=replicas)
+    # metrics.jsonl and the progress bar: one call per log step
+    report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
-        # TODO 16/22: change the next 2 line(s) of code into 1:
+        # TODO 14/21: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
-        # the data order: epoch e visits the windows in randperm(N), drawn from a generator seeded
-        # with seed + e
+        # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 17/22: change the next 2 line(s) of code:
+        # TODO 15/21: change the next 2 line(s) of code:
         #     loader = batch_loader(
         #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
@@ -325,36 +280,34 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 18/22: change the next 9 line(s) of code into 14:
+            # TODO 16/21: change the next 9 line(s) of code into 12:
             #   this rank's mean loss over its share of the global batch
-            #   DDP averages the gradients over ranks inside backward(). Before the last micro-step
-            #     that traffic would be wasted: no_sync() lets this rank's gradients add up locally,
-            #     and the last backward averages the sums once.
+            #   DDP all-reduces the gradients inside backward(); before the last micro-step that
+            #     traffic would be wasted, so no_sync() lets them add up on this rank
             #   (B, T) each, built in CPU memory
             #   mean cross-entropy over B * T predictions
-            #   the last micro-step's backward all-reduces bucket after bucket of gradients while it
-            #     is still computing the rest; when it returns, every rank holds the average this
-            #     micro-batch's activations are freed here
+            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
+            #     makes that sum the gradient of the mean over K * B
+            #   the last backward all-reduces bucket after bucket of gradients while it still
+            #     computes the rest; this micro-batch's activations are freed here
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
                     # each replica returns its own mean loss: a vector of `replicas` losses on
-                    # cuda:0. Every replica has B sequences, so their mean is the mean over the
-                    # micro-batch.
+                    # cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
                     _, micro_loss = model(x, y)
                     micro_loss = micro_loss.mean()
-                    # backward() adds into .grad, so K micro-steps sum K gradients; dividing each
-                    # loss by K turns that sum into the gradient of the mean over all K * B
-                    # sequences
+                    # backward() adds into .grad, so K micro-steps sum K gradients; each loss
+                    # divided by K makes that sum the gradient of the mean over all K * B sequences
                     micro_loss = micro_loss / args.grad_accum
                 scaler.scale(micro_loss).backward()  # this micro-batch's activations are freed here
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -362,26 +315,15 @@ def main():
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-                # TODO 19/22: change the next 1 line(s) of code into 2:
-                #   the mean over all ranks: a collective, so every rank calls it (SUM works on
-                #     every backend)
+                # TODO 17/21: change the next 1 line(s) of code into 2:
+                #   the mean over all ranks: a collective, so every rank calls it (SUM, which every
+                #     backend has)
                 loss_value = loss.item()
-                # nan/inf?
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
-                figures = speed.measure(iter_num)  # since the last log line
-                metrics.write(
-                    iter=iter_num,
-                    loss=loss_value,
-                    lr=lr,
-                    **figures,
-                    max_mem_mb=max_memory_mb(device),
-                )
-                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
-            else:
-                progress.step(iter_num)  # the bar moves on
+                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            # TODO 20/22: change the next 4 line(s) of code into 9:
+            # TODO 18/21: change the next 4 line(s) of code into 9:
             #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
             #     nothing for DDP to do); the loss sums and window counts are added over ranks, so
             #     every rank gets the mean over all the windows.
@@ -392,23 +334,25 @@ def main():
                 val_loss = evaluate(
                     eval_model, val_set, val_windows, whole_batch, device, autocast
                 ).item()
-                stop_if_diverged(
-                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
-                )
+                # before the save: a diverged model never replaces a good checkpoint
+                stop_if_diverged(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                metrics.write(iter=iter_num, val_loss=val_loss)
-                save(iter_num)
-                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
-                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
-                speed.restart_clock()  # evaluation time is not training time
-            # a stop signal came during this step (on the last step, the run just ends)
-            if iter_num < args.max_iters and preemption.requested():
-                if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
-                    save(iter_num)
-                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
-    progress.close()
-    # TODO 21/22: change the next 8 line(s) of code into 5:
+                # TODO 19/21: change the next 10 line(s) of code into 11:
+                #   one copy is enough: every rank holds the same model
+                save_checkpoint(
+                    out_dir,
+                    model_state=model.module.state_dict(),
+                    optimizer_state=optimizer.state_dict(),
+                    iter_num=iter_num,
+                    model_config=model_config,
+                    train_config=train_config,
+                    best_val_loss=best_val_loss,
+                    scaler_state=scaler.state_dict(),
+                )
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+    report.close()
+    # TODO 20/21: change the next 8 line(s) of code into 5:
     #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
     #     it bit for bit against rank 0's copy.
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
@@ -423,7 +367,7 @@ def main():
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
 
-# TODO 22/22: change the next 2 line(s) of code into 6:
+# TODO 21/21: change the next 2 line(s) of code into 6:
 #   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the connections
 #     to the other ranks (and NCCL's communicators) cleanly.
 if __name__ == "__main__":

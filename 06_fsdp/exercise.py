@@ -1,4 +1,4 @@
-# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 20
+# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 19
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -7,21 +7,22 @@
 # The solution is 06_fsdp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
 # start again, copy this file under another name. This file is made by maintainer/make_exercises.py
 # from the two scripts.
-"""Chapter 05: one training job on several machines.
+"""Chapter 05: one training job on several machines, which must survive failures and stops.
 
 Chapter 04's program, with what changes when the processes live on several machines ("nodes").
 The training step is the same: DDP averages gradients over every rank, wherever it runs. Around it:
 each process knows its node as well as its global and local rank and prefixes every line with
 them; the token files are prepared once per node, or once in all on a shared file system
-(--shared-fs); and when torchrun restarts the group after a failure (--max-restarts), the run
-continues from its last checkpoint. Launch recipes for two machines, SLURM and a two-node
-simulation on one machine are in this folder (README.md).
+(--shared-fs); when torchrun restarts the group after a failure (--max-restarts), the run
+continues from its last checkpoint; and a scheduler's stop (SIGTERM, or --stop-signal) saves the
+step every rank has reached and exits 75, for the job to be requeued and resumed. Launch recipes for
+two machines, SLURM and a two-node simulation on one machine are in this folder (README.md).
 
     bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/20: the imports: remove (-) and add (+)
+# TODO 1/19: the imports: remove (-) and add (+)
 #     - import contextlib
 #     - from torch.nn.parallel import DistributedDataParallel as DDP
 #     - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
@@ -59,6 +60,7 @@ from common.checkpoint import load_checkpoint, restore_training_state, save_chec
 from common.config import gpt_config_from_args, parse_args
 from common.data import (
     batch_loader,
+    count_steps_per_epoch,
     describe_global_batch,
     load_splits,
     prepare,
@@ -66,19 +68,20 @@ from common.data import (
 )
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
+    RankLog,
     agree_on_restart,
     one_rank_first,
     rank_device,
     ranks_unlike_rank0,
+    refuse_shared_gpus,
+    require_torchrun,
     restart_store,
     share_cpu_cores,
-    start_process_group,
 )
-from common.metrics import MetricsLog, Throughput, max_memory_mb
-from common.support.errors import CourseError, run_main
-from common.support.gpus import peak_flops
-from common.support.preempt_ranks import AgreedPreemption
-from common.support.progress import Progress
+from common.metrics import RunLog, Throughput
+from common.support.errors import run_main
+from common.support.preempt import Preemption
+from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
@@ -91,20 +94,17 @@ from common.training import (
 
 
 def main():
-    # TODO 2/20: change the next 1 line(s) of code:
-    #   the same seed on every rank: every rank builds the same model, then keeps its shards of it
+    # TODO 2/19: change the next 1 line(s) of code:
+    #     args = parse_args(chapter=6, description=__doc__)
     args = parse_args(chapter=5, description=__doc__)
-    # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
-    torch.manual_seed(args.seed)
-
-    # ---- who is who: torchrun starts WORLD_SIZE copies of this script and tells each its place
-    # ---- torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-    launched = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", 0))  # this process among all of them: 0 .. world_size - 1
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    # this process among those on this machine: its GPU
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # ---- who is who ------------------------------------------------------------------------------
+    # torchrun starts WORLD_SIZE copies of this script and tells each its place in the environment.
+    require_torchrun()  # started with plain `python`: one line that gives the torchrun command
+    rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    is_rank0 = rank == 0
     # torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
     # launchers call it NODE_RANK). Training does not depend on it, but every line names it: "which
     # machine?" is the first question when a job of many machines goes wrong.
@@ -112,55 +112,37 @@ def main():
     n_nodes = world_size // local_world_size
     # How often torchrun (--max-restarts) has restarted this node's processes after a failure.
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    is_rank0 = rank == 0
-    who = f"[node {node_rank} rank {rank} local {local_rank}]"
-
-    def say(message: str) -> None:
-        """A line from this rank, which says who is speaking."""
-        print(f"{who} {message}", flush=True)
-
-    def log(message: str) -> None:
-        """A line from rank 0, which speaks for every rank."""
-        if is_rank0:
-            say(message)
+    # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
+    log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
+    # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
+    torch.manual_seed(args.seed)
 
     # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
     device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any CUDA work, or it would all land on cuda:0
+        torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
     # ranks on one CPU share its cores
     cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/20: remove the next 1 line(s) of code
+    # TODO 3/19: remove the next 1 line(s) of code
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # ---- the process group: every rank joins it; collectives (all-reduce, broadcast) run in it
-    # ---- NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP.
-    # A collective that waits longer than the timeout for a peer (dead or stuck) fails instead of
-    # hanging.
+    # ---- the process group -----------------------------------------------------------------------
+    # Every rank joins it, and the collectives (all-reduce, broadcast) run in it. NCCL moves CUDA
+    # tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     # its own meeting point for every attempt: torchrun's store outlives a restart (--max-restarts)
     store = restart_store(world_size, restart_count, timeout)
-    # Under torchrun the ranks meet at that store (or at MASTER_ADDR:MASTER_PORT); with plain
-    # `python` the world is this process alone. The backend follows the device (--backend auto),
-    # and on GPUs the ranks check that no two of them share one.
-    backend = start_process_group(args.backend, device, launched, rank, world_size, timeout, store)
+    # every rank meets the others at that store, or at MASTER_ADDR:MASTER_PORT (store None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
     place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
     place += f", node {node_rank} of {n_nodes}"
-    say(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
-    if not launched:
-        # TODO 4/20: change the next 4 line(s) of code:
-        #     log(
-        #     "not started by torchrun, so this is a world of one process (chapter 01's run); "
-        #     "for N processes: "
-        #     "torchrun --standalone --nproc_per_node=N 06_fsdp/train.py"
-        log(
-            "not started by torchrun, so this is a world of one process (chapter 01's run); "
-            "for N processes: "
-            "torchrun --standalone --nproc_per_node=N 05_multinode/train.py"
-        )
+    log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
@@ -175,7 +157,7 @@ def main():
             args.data_dir,
             num_proc=args.num_proc,
             text_column=args.text_column,
-            log=say,
+            log=log.every_rank,
         )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
@@ -184,12 +166,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
     # the incomplete last batch of an epoch is dropped
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0:
-        raise CourseError(
-            f"the training split has {len(train_set)} windows, fewer than one batch of "
-            f"{global_batch}; lower --batch-size or use a larger corpus"
-        )
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
@@ -205,13 +182,13 @@ def main():
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
-    # TODO 5/20: change the next 2 line(s) of code:
+    # TODO 4/19: change the next 2 line(s) of code:
     #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
     if args.resume or (restarts > 0 and checkpoint_everywhere):
         checkpoint = load_checkpoint(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
-    # TODO 6/20: change the next 1 line(s) of code into 11:
+    # TODO 5/19: change the next 1 line(s) of code into 11:
     #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
     #     device a tensor has a shape and a type but no storage: this model costs no memory yet.
     #   On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
@@ -235,39 +212,38 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 7/20: add 7 line(s) of code here:
+    # TODO 6/19: add 7 line(s) of code here:
     #   Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
     #     seed, chapter 01's. Every rank then takes its rows of it, one tensor at a time.
     #   a fresh optimizer has no state to load
     #   rank 0's; the other ranks' is empty
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 8/20: change the next 1 line(s) of code:
+    # TODO 7/19: change the next 1 line(s) of code:
+    #   float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     #   Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
     #     whether a step had an inf, so all of them skip it or none does.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     best_val_loss = None
-    # TODO 9/20: change the next 2 line(s) of code:
+    # TODO 8/19: change the next 2 line(s) of code:
     #   resuming: the loss scale and the random state continue where they were
     if checkpoint is not None:
         # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 10/20: change the next 2 line(s) of code into 4:
+    # TODO 9/19: change the next 2 line(s) of code into 4:
     #   rank 0's whole tensors are freed
     #   the most memory this rank held while it built its shards, above what it held before
     #   fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
     # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
     # into backward to average the gradients over ranks. The wrapper keeps the real model in
     # model.module. Its state dict would prefix every name with "module.", so checkpoints save
-    # model.module's, which any chapter can load. On a GPU, device_ids is this rank's GPU,
-    # cuda:LOCAL_RANK.
+    # model.module's, which any chapter can load. On a GPU, device_ids is cuda:LOCAL_RANK.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     raw_model = model.module
     if args.compile:
         model = torch.compile(model)
 
-    peak = peak_flops(device, dtype)
     log(
         f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
         f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
@@ -275,12 +251,12 @@ def main():
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    # TODO 11/20: change the next 1 line(s) of code:
+    # TODO 10/19: change the next 1 line(s) of code:
     #     averaging = "parameters gathered block by block, gradients reduce-scattered during
     #       backward"
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    # TODO 12/20: change the next 4 line(s) of code into 2:
+    # TODO 11/19: change the next 4 line(s) of code into 2:
     #     share = f"1/{world_size} of the model each"
     #     log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
     log(
@@ -301,10 +277,7 @@ def main():
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
 
-    # only rank 0 writes files and draws the progress bar
-    metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_rank0, resume_from=iter_num)
-    progress = Progress(total=args.max_iters, initial=iter_num, enabled=is_rank0, prefix=f"{who} ")
-    # TODO 13/20: change the next 4 line(s) of code:
+    # TODO 12/19: change the next 4 line(s) of code:
     #     train_config = vars(args) | {
     #     "global_batch": global_batch,
     #     "world_size": world_size,
@@ -315,18 +288,18 @@ def main():
         "chapter": 5,
     }
     model.train()
-    # tokens_per_step counts the tokens of all ranks, so MFU is measured against all devices' peak
-    speed = Throughput(
-        tokens_per_step, raw_model.flops_per_token(), peak, devices=world_size, start=iter_num
-    )
-    grad_norm = None  # the last step's gradient norm, a tensor on the device (with --grad-clip)
+    # tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
+    flops_per_token = raw_model.flops_per_token()
+    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=world_size)
+    # metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
+    report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
     def save(step: int) -> None:
-        # TODO 14/20: change the next 2 line(s) of code into 4:
+        # TODO 13/19: change the next 2 line(s) of code into 4:
         #   the others' dicts are empty
         """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
-            # TODO 15/20: change the next 4 line(s) of code:
+            # TODO 14/19: change the next 4 line(s) of code:
             #     save_checkpoint(
             #     out_dir,
             #     model_state=model_state,
@@ -342,10 +315,17 @@ def main():
                 scaler_state=scaler.state_dict(),
             )
 
-    # SIGTERM from a scheduler (or --stop-signal): finish the step, save it, stop
-    # (common/support/preempt_ranks.py). The ranks agree on the step to stop at, with an all-reduce
-    # of two numbers every few steps. A worker restarted after a stop stops here too.
-    preemption = AgreedPreemption(args.stop_signal, out_dir, ranks_agree_within=timeout)
+    # ---- a scheduler's stop ----------------------------------------------------------------------
+    # SIGTERM (or --stop-signal) before a time limit or a preemption: the run saves the step it is
+    # in and exits 75, for the job to be requeued and resumed. A rank that stopped alone would leave
+    # the others waiting in their next collective, so every `stop_check_every` steps the ranks
+    # all-reduce their stop flags, over a CPU group of their own: one rank's signal stops them all
+    # after the same step. bench/stop_check.py measures what a check costs.
+    preemption = Preemption(args.stop_signal)  # its handler only notes the signal
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)
+    stop_check_every = 10
+    # a worker torchrun restarted after a stop finds the stop's marker and stops too
+    stop_if_stopped_before(out_dir, restarts, stop_group)
 
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
@@ -366,69 +346,54 @@ def main():
                 group["lr"] = lr
             # this rank's mean loss over its share of the global batch
             loss = torch.zeros((), device=device)
-            # TODO 16/20: change the next 13 line(s) of code into 7:
-            #   FSDP reduce-scatters the gradients over ranks inside backward(). Before the last
-            #     micro-step that traffic would be wasted: without sync this rank's full, unsharded
-            #     gradients add up locally (more memory, as no_sync() in chapter 04), and the last
-            #     backward reduce-scatters the sums once.
-            #   the last micro-step's backward reduce-scatters block after block of gradients while
-            #     it is still computing the rest; when it returns, every rank holds the average of
-            #     its shard this micro-batch's activations are freed here
+            # TODO 15/19: change the next 11 line(s) of code into 7:
+            #   FSDP reduce-scatters the gradients inside backward(); before the last micro-step
+            #     that traffic would be wasted, so without sync they add up on this rank, whole and
+            #     unsharded (more memory than no_sync() in chapter 04, which adds none)
+            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
+            #     makes that sum the gradient of the mean over all K * B sequences
+            #   the last backward reduce-scatters block after block of gradients while it still
+            #     computes the rest; this micro-batch's activations are freed here
             for micro_step in range(args.grad_accum):
-                # DDP averages the gradients over ranks inside backward(). Before the last
-                # micro-step that traffic would be wasted: no_sync() lets this rank's gradients add
-                # up locally, and the last backward averages the sums once.
-                sync = (
-                    model.no_sync()
-                    if micro_step < args.grad_accum - 1
-                    else contextlib.nullcontext()
-                )
+                # DDP all-reduces the gradients inside backward(); before the last micro-step that
+                # traffic would be wasted, so no_sync() lets them add up on this rank
+                sync = contextlib.nullcontext()
+                if micro_step < args.grad_accum - 1:
+                    sync = model.no_sync()
                 with sync:
                     x, y = next(batches)  # (B, T) each, built in CPU memory
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     with autocast:
                         _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
-                        # backward() adds into .grad, so K micro-steps sum K gradients; dividing
-                        # each loss by K turns that sum into the gradient of the mean over all K * B
-                        # sequences
+                        # backward() adds into .grad, so K micro-steps sum K gradients; each
+                        # loss divided by K makes that sum the gradient of the mean over K * B
                         micro_loss = micro_loss / args.grad_accum
-                    # the last micro-step's backward all-reduces bucket after bucket of gradients
-                    # while it is still computing the rest; when it returns, every rank holds the
-                    # average
-                    # this micro-batch's activations are freed here
+                    # the last backward all-reduces bucket after bucket of gradients while it still
+                    # computes the rest; this micro-batch's activations are freed here
                     scaler.scale(micro_loss).backward()
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
 
-            # TODO 17/20: add 2 line(s) of code here:
+            # TODO 16/19: add 4 line(s) of code here:
             #     if iter_num == first_step:
-            #     say(f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB")
+            #     log.every_rank(
+            #     f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB"
+            #     )
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-                # the mean over all ranks: a collective, so every rank calls it (SUM works on every
-                # backend)
+                # the mean over all ranks: a collective, so every rank calls it (SUM, which every
+                # backend has)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                # nan/inf?
-                stop_if_diverged(iter_num, loss_value, grad_norm, scaler, args.grad_clip, dtype)
-                figures = speed.measure(iter_num)  # since the last log line
-                metrics.write(
-                    iter=iter_num,
-                    loss=loss_value,
-                    lr=lr,
-                    **figures,
-                    max_mem_mb=max_memory_mb(device),
-                )
-                progress.step(iter_num, loss_value, figures, lr)  # on the bar, or a line in a file
-            else:
-                progress.step(iter_num)  # the bar moves on
+                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
@@ -436,7 +401,7 @@ def main():
                 # nothing for DDP to do); the loss sums and window counts are added over ranks, so
                 # every rank gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
-                # TODO 18/20: change the next 3 line(s) of code into 1:
+                # TODO 17/19: change the next 3 line(s) of code into 1:
                 #     my_loss = evaluate(raw_model, val_set, my_windows, args.batch_size, device)
                 my_loss = evaluate(
                     raw_model, val_set, my_windows, args.batch_size, device, autocast
@@ -446,23 +411,26 @@ def main():
                 val_stats = torch.stack([my_loss * my_count, my_count])
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
-                stop_if_diverged(
-                    iter_num, val_loss, None, scaler, args.grad_clip, dtype, "validation loss"
-                )
+                # before the save: a diverged model never replaces a good checkpoint
+                stop_if_diverged(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                metrics.write(iter=iter_num, val_loss=val_loss)
                 save(iter_num)
-                saved = f"checkpoint saved to {out_dir / 'ckpt.pt'}"
-                progress.print(f"step {iter_num}: val loss {val_loss:.4f}, {saved}")
-                speed.restart_clock()  # evaluation time is not training time
-            # a stop signal came during this step (on the last step, the run just ends)
-            if iter_num < args.max_iters and preemption.requested():
-                if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
-                    save(iter_num)
-                preemption.stop(iter_num)  # one line, exit status 75: continue with --resume
-    progress.close()
-    # TODO 19/20: change the next 4 line(s) of code into 2:
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+
+            # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
+            if iter_num % stop_check_every == 0 and iter_num < args.max_iters:
+                # 0, or the number of the signal this rank received; the MAX over ranks stops all
+                stop_flag = torch.tensor(float(preemption.signal_number()))
+                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
+                stop_signal = int(stop_flag.item())
+                if stop_signal:
+                    if iter_num % args.eval_interval != 0:  # an evaluation step saved it already
+                        save(iter_num)
+                    # the stop's marker, then one line and exit status 75: continue with --resume
+                    stop_after_saving(iter_num, stop_signal, out_dir, stop_group)
+    report.close()
+    # TODO 18/19: change the next 4 line(s) of code into 2:
     #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
     #     state.
     #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
@@ -473,7 +441,7 @@ def main():
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 20/20: change the next 3 line(s) of code into 5:
+    # TODO 19/19: change the next 3 line(s) of code into 5:
     #     if args.sample_tokens:
     #     log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
     #     text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
