@@ -15,9 +15,9 @@ CKPT_NAME = "ckpt.pt"
 METRICS_NAME = "metrics.jsonl"
 # The claim: a lock on this regular file, and in it who holds it (host, process id, SLURM job id).
 LOCK_NAME = "run.lock"
-# A POSIX lock (fcntl.lockf) on a file opened for writing is what NFS passes to its lock service, so
-# it keeps out processes on other machines as well. Lustre mounted without flock (ENOSYS) and NFS
-# without its lock service (ENOLCK) cannot lock: COURSE_NO_LOCK=1 goes on without it.
+# fcntl.lockf holds across hosts on NFS (its server keeps it) and on Lustre with flock (its default
+# since 2.12.3). Lustre's noflock (ENOSYS), NFSv3 without lockd (ENOLCK): no lock; COURSE_NO_LOCK=1
+# runs without. NFS's nolock or local_lock=posix/all, Lustre's localflock: it holds on one host.
 NO_LOCK = "COURSE_NO_LOCK"
 
 
