@@ -31,14 +31,7 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
 def main():
@@ -60,7 +53,6 @@ def main():
     # One optimizer step sees `global_batch` sequences. Here that is one batch on one device.
     global_batch = args.batch_size
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
@@ -92,16 +84,14 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    print(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     print(f"global batch: {per_step}")
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    train_config = vars(args) | {"global_batch": global_batch, "chapter": 1}
+    train_config = vars(args) | {"global_batch": global_batch}
     model.train()
     # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
@@ -140,7 +130,7 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
@@ -151,7 +141,7 @@ def main():
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
                 save_checkpoint(

@@ -34,14 +34,7 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
 class AutocastDataParallel(nn.DataParallel):
@@ -105,7 +98,6 @@ def main():
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
@@ -143,10 +135,8 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    print(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
@@ -164,11 +154,10 @@ def main():
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
+    train_config = vars(args) | {"global_batch": global_batch}
     model.train()
     # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
-    flops_per_token = raw_model.flops_per_token()
-    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=replicas)
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
     # metrics.jsonl and the progress bar: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
@@ -216,7 +205,7 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
@@ -227,7 +216,7 @@ def main():
                     eval_model, val_set, val_windows, whole_batch, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
                 save_checkpoint(

@@ -64,14 +64,7 @@ from common.support.errors import run_main
 from common.support.preempt import Preemption
 from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
 def main():
@@ -142,7 +135,6 @@ def main():
     # on each of world_size ranks at the same time, each of `batch_size` sequences.
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
@@ -225,10 +217,8 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    log(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
@@ -250,15 +240,10 @@ def main():
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
 
-    train_config = vars(args) | {
-        "global_batch": global_batch,
-        "world_size": world_size,
-        "chapter": 6,
-    }
+    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     model.train()
     # tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
-    flops_per_token = raw_model.flops_per_token()
-    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=world_size)
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
@@ -343,7 +328,7 @@ def main():
                 # backend has)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
@@ -359,7 +344,7 @@ def main():
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
                 save(iter_num)
@@ -388,12 +373,9 @@ def main():
         if is_rank0:
             print(text)
 
+    # leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
+    dist.destroy_process_group()
+
 
 if __name__ == "__main__":
-    try:
-        run_main(main, resumable=True)
-    finally:
-        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
-        # connections to the other ranks (and NCCL's communicators) cleanly.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_main(main, resumable=True)

@@ -136,6 +136,7 @@ def parse_args(chapter: int, description: str, argv: list[str] | None = None) ->
                 "torchrun starts them: "
                 f"torchrun --standalone --nproc_per_node=N {CHAPTERS[chapter]}/train.py"
             )
+    args.chapter = chapter  # the script's chapter, saved with its checkpoints' settings
     args.grad_accum = args.grad_accum or 1
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
     path = Path(args.out_dir)

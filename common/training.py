@@ -58,7 +58,7 @@ def lr_at(iteration: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def stop_if_diverged(step: int, loss: float, what: str = "training loss") -> None:
+def check_finite(step: int, loss: float, what: str = "training loss") -> None:
     """Stop with one line when `loss` is NaN or infinite: the run has diverged. Checked before any
     checkpoint is written, so a diverged model never replaces the last good checkpoint."""
     if math.isfinite(loss):

@@ -40,7 +40,7 @@ from common.chapters import CHAPTERS
 from common.data import TokenWindows, load_splits, prepare
 from common.metrics import read_metrics
 from common.support.errors import CourseError
-from common.training import stop_if_diverged
+from common.training import check_finite
 from layout import REPO
 from tools.check import corpus_text
 from tools.launch import child_env, run_python, torchrun_command, two_node_commands
@@ -365,8 +365,8 @@ def test_float16_skipped_steps_are_not_divergence():
     assert not math.isfinite(grad_norm.item())
     assert math.isfinite(loss.item())
 
-    stop_if_diverged(7, loss.item())  # a skipped step: no error
+    check_finite(7, loss.item())  # a skipped step: no error
     with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss nan;"):
-        stop_if_diverged(7, float("nan"))
+        check_finite(7, float("nan"))
     with pytest.raises(CourseError, match=r"^the run diverged at step 7: validation loss inf;"):
-        stop_if_diverged(7, float("inf"), "validation loss")
+        check_finite(7, float("inf"), "validation loss")

@@ -9,7 +9,7 @@ import pytest
 
 from common.config import build_parser, parse_args
 from common.support.errors import CourseError
-from common.training import stop_if_diverged
+from common.training import check_finite
 
 
 @pytest.mark.quick
@@ -34,7 +34,7 @@ def test_help_shows_every_default_once(chapter):
 
 def test_divergence_is_one_line_that_names_the_fix():
     with pytest.raises(CourseError) as err:
-        stop_if_diverged(7, float("nan"))
+        check_finite(7, float("nan"))
     message = str(err.value)
     assert "\n" not in message
     assert message == (
@@ -42,7 +42,7 @@ def test_divergence_is_one_line_that_names_the_fix():
         "(the last one, if any, is intact); try a lower --lr or --dtype float32, "
         "with --resume to continue from the checkpoint"
     )
-    stop_if_diverged(7, 2.5)  # a finite loss goes on
+    check_finite(7, 2.5)  # a finite loss goes on
 
 
 @pytest.mark.quick
