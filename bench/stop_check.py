@@ -64,8 +64,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(
             f"{dist.get_world_size()} ranks, steps of {args.step_ms:g} ms: one check "
-            f"{per_check:.0f} µs; every {CHAPTER_INTERVAL} steps {per_step:.1f} µs per step, "
-            f"on every step {every_step:.0f} µs per step",
+            f"{per_check:.0f} µs; {per_step:.1f} µs per step with a check every "
+            f"{CHAPTER_INTERVAL} steps, {every_step:.0f} µs per step with one on every step",
             flush=True,
         )
     dist.destroy_process_group()
