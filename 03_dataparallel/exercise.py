@@ -1,5 +1,5 @@
 # Exercise: chapter 03 (03_dataparallel). This is chapter 02's train.py; add chapter 03's idea where
-# the 16 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
+# the 15 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
 # solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
 # course's tests read only this one). Then check your copy:
 #     cp -n 03_dataparallel/exercise.py 03_dataparallel/my_exercise.py
@@ -16,7 +16,7 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
     python 02_grad_accumulation/train.py --batch-size 2 --grad-accum 4   # the same run as 01 with 8
 """
 
-# TODO 1/16: the imports: remove (-) and add (+)
+# TODO 1/15: the imports: remove (-) and add (+)
 #     + from torch import nn
 #     + from common.dataparallel import choose_dataparallel_gpus, in_autocast
 import sys
@@ -42,23 +42,16 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
-# TODO 2/16: add 22 line(s) of code here:
+# TODO 2/15: add 22 line(s) of code here:
 #   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the replicas
 #     different shares, and the plain mean of their mean losses would count each row of the smaller
 #     share more. Weighted by its rows, the mean of the losses is the mean over all rows. An even
 #     split, as every training batch is, gets weights of exactly 1.
 def main():
-    # TODO 3/16: change the next 1 line(s) of code:
+    # TODO 3/15: change the next 1 line(s) of code:
     #     args = parse_args(chapter=3, description=__doc__)
     args = parse_args(chapter=2, description=__doc__)
     torch.manual_seed(args.seed)
@@ -68,7 +61,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 4/16: add 3 line(s) of code here:
+    # TODO 4/15: add 3 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     #   The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
     #   --compile over several GPUs) are refused with one line each (common/dataparallel.py).
@@ -81,14 +74,13 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 5/16: change the next 1 line(s) of code:
+    # TODO 5/15: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, each of `batch_size` sequences per replica, which DataParallel cuts out of one
     #     big batch.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
@@ -116,7 +108,7 @@ def main():
         # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 6/16: change the next 1 line(s) of code into 3:
+    # TODO 6/15: change the next 1 line(s) of code into 3:
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
     #     with "module.", so checkpoints save model.module's, which any chapter can load.
     #     nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
@@ -126,16 +118,14 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    print(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 7/16: change the next 1 line(s) of code:
+    # TODO 7/15: change the next 1 line(s) of code:
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
-    # TODO 8/16: add 11 line(s) of code here:
+    # TODO 8/15: add 11 line(s) of code here:
     #     if replicas > 1:
     #     print(
     #     f"DataParallel: 1 process, {replicas} threads, "
@@ -150,11 +140,9 @@ def main():
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    # TODO 9/16: change the next 1 line(s) of code:
-    #     train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
-    train_config = vars(args) | {"global_batch": global_batch, "chapter": 2}
+    train_config = vars(args) | {"global_batch": global_batch}
     model.train()
-    # TODO 10/16: change the next 1 line(s) of code into 2:
+    # TODO 9/15: change the next 1 line(s) of code:
     #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     #   metrics.jsonl and the progress bar: one call per log step
     # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
@@ -168,7 +156,7 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 11/16: change the next 2 line(s) of code:
+        # TODO 10/15: change the next 2 line(s) of code:
         #     loader = batch_loader(
         #     train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
@@ -184,12 +172,12 @@ def main():
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
-                # TODO 12/16: change the next 1 line(s) of code:
+                # TODO 11/15: change the next 1 line(s) of code:
                 #   (replicas * B, T) each, built in CPU memory
                 x, y = next(batches)  # (B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 13/16: change the next 1 line(s) of code into 2:
+                    # TODO 12/15: change the next 1 line(s) of code into 2:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on
                     #     cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
@@ -210,24 +198,24 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 14/16: change the next 2 line(s) of code:
+                # TODO 13/15: change the next 2 line(s) of code:
                 #     val_loss = evaluate(
                 #     eval_model, val_set, val_windows, whole_batch, device, autocast
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                # TODO 15/16: change the next 3 line(s) of code:
+                # TODO 14/15: change the next 3 line(s) of code:
                 #     save_checkpoint(
                 #     out_dir,
                 #     model_state=model.module.state_dict(),
@@ -244,7 +232,7 @@ def main():
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
 
-    # TODO 16/16: add 6 line(s) of code here:
+    # TODO 15/15: add 6 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")

@@ -64,14 +64,7 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
 # TODO 2/21: remove the next 22 line(s) of code
@@ -165,7 +158,6 @@ def main():
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
@@ -209,12 +201,10 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     # TODO 10/21: change the next 1 line(s) of code:
-    #     log(
-    print(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    #     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
+    print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     # TODO 11/21: change the next 13 line(s) of code into 8:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
@@ -238,7 +228,7 @@ def main():
             f"DataParallel has nothing to split on one {device.type} device: "
             "the run is chapter 02's"
         )
-    # TODO 12/21: change the next 3 line(s) of code into 10:
+    # TODO 12/21: change the next 3 line(s) of code into 6:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
     #     ----------
     #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
@@ -247,13 +237,13 @@ def main():
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
-    train_config = vars(args) | {"global_batch": global_batch, "chapter": 3}
+    train_config = vars(args) | {"global_batch": global_batch}
     model.train()
-    # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
-    flops_per_token = raw_model.flops_per_token()
     # TODO 13/21: change the next 2 line(s) of code:
+    #   tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
     #   metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
-    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=replicas)
+    # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
     # metrics.jsonl and the progress bar: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
@@ -319,7 +309,7 @@ def main():
                 #   the mean over all ranks: a collective, so every rank calls it (SUM, which every
                 #     backend has)
                 loss_value = loss.item()
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
@@ -335,7 +325,7 @@ def main():
                     eval_model, val_set, val_windows, whole_batch, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
                 # TODO 19/21: change the next 10 line(s) of code into 11:
@@ -367,8 +357,7 @@ def main():
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
 
-# TODO 21/21: change the next 2 line(s) of code into 6:
-#   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the connections
-#     to the other ranks (and NCCL's communicators) cleanly.
+# TODO 21/21: add 1 line(s) of code here:
+#   leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
 if __name__ == "__main__":
     run_main(main, resumable=True)

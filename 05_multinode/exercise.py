@@ -1,5 +1,5 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
-# the 15 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
+# the 14 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
 # solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
 # course's tests read only this one). Then check your copy:
 #     cp -n 05_multinode/exercise.py 05_multinode/my_exercise.py
@@ -19,7 +19,7 @@ One process alone is `torchrun --standalone --nproc_per_node=1 04_ddp/train.py`.
     torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4  # 01's run with 8
 """
 
-# TODO 1/15: the imports: remove (-) and add (+)
+# TODO 1/14: the imports: remove (-) and add (+)
 #     + agree_on_restart,
 #     + restart_store,
 #     + from common.support.preempt import Preemption
@@ -62,18 +62,11 @@ from common.distributed import (
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
 def main():
-    # TODO 2/15: change the next 1 line(s) of code:
+    # TODO 2/14: change the next 1 line(s) of code:
     #     args = parse_args(chapter=5, description=__doc__)
     args = parse_args(chapter=4, description=__doc__)
     # ---- who is who ------------------------------------------------------------------------------
@@ -84,13 +77,13 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
-    # TODO 3/15: add 3 line(s) of code here:
+    # TODO 3/14: add 3 line(s) of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
     #     launchers call it NODE_RANK). Training does not depend on it, but every line names it:
     #     "which machine?" is the first question when a job of many machines goes wrong.
     #   How often torchrun (--max-restarts) has restarted this node's processes after a failure.
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
-    # TODO 4/15: change the next 1 line(s) of code:
+    # TODO 4/14: change the next 1 line(s) of code:
     #     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     log = RankLog(f"[rank {rank}]", speaks=is_rank0)
     # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
@@ -113,14 +106,14 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # TODO 5/15: change the next 1 line(s) of code into 2:
+    # TODO 5/14: change the next 1 line(s) of code into 2:
     #   its own meeting point for every attempt: torchrun's store outlives a restart (--max-
     #     restarts)
     #   every rank meets the others at that store, or at MASTER_ADDR:MASTER_PORT (store None)
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
-    # TODO 6/15: change the next 1 line(s) of code into 2:
+    # TODO 6/14: change the next 1 line(s) of code into 2:
     #     place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
     #     place += f", node {node_rank} of {n_nodes}"
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
@@ -128,7 +121,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 7/15: change the next 1 line(s) of code into 2:
+    # TODO 7/14: change the next 1 line(s) of code into 2:
     #   One-time work: the token files. On node-local disks every machine needs its own copy, so
     #     local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
     #     several machines writing the same files at once would corrupt them: global rank 0 alone
@@ -150,19 +143,18 @@ def main():
     # on each of world_size ranks at the same time, each of `batch_size` sequences.
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # TODO 8/15: add 3 line(s) of code here:
+    # TODO 8/14: add 3 line(s) of code here:
     #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
     #     them again. A restarted run continues from the checkpoint written before the failure, if
     #     there is one yet. The ranks agree on the restart count, and every rank says whether it
     #     sees the checkpoint: across machines --out-dir must be on a file system all nodes see.
     # The run folder: refused if it holds another run (unless this one continues it) or another
-    # TODO 9/15: change the next 2 line(s) of code into 4:
+    # TODO 9/14: change the next 2 line(s) of code into 4:
     #   run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     # run is using it; then locked until this process ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume)
@@ -194,10 +186,8 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    log(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
@@ -207,9 +197,9 @@ def main():
         f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
         f"{averaging}{threads}"
     )
-    # TODO 10/15: add 1 line(s) of code here:
+    # TODO 10/14: add 1 line(s) of code here:
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
-    # TODO 11/15: change the next 2 line(s) of code into 4:
+    # TODO 11/14: change the next 2 line(s) of code into 4:
     #     if iter_num:
     #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
     #     elif restarted:
@@ -225,24 +215,14 @@ def main():
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
 
-    # TODO 12/15: change the next 4 line(s) of code:
-    #     train_config = vars(args) | {
-    #     "global_batch": global_batch,
-    #     "world_size": world_size,
-    #     "chapter": 5,
-    train_config = vars(args) | {
-        "global_batch": global_batch,
-        "world_size": world_size,
-        "chapter": 4,
-    }
+    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     model.train()
     # tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
-    flops_per_token = raw_model.flops_per_token()
-    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=world_size)
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
-    # TODO 13/15: add 17 line(s) of code here:
+    # TODO 12/14: add 17 line(s) of code here:
     #   ---- a scheduler's stop
     #     ----------------------------------------------------------------------
     #   SIGTERM (or --stop-signal) before a time limit or a preemption: the run saves the step it is
@@ -304,7 +284,7 @@ def main():
                 # backend has)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
@@ -322,10 +302,10 @@ def main():
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                # TODO 14/15: change the next 11 line(s) of code into 1:
+                # TODO 13/14: change the next 11 line(s) of code into 1:
                 #     save(iter_num)
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(
@@ -339,7 +319,7 @@ def main():
                         scaler_state=scaler.state_dict(),
                     )
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 15/15: add 8 line(s) of code here:
+    # TODO 14/14: add 8 line(s) of code here:
     #   ---- has any rank been asked to stop? (on the last step, the run just ends) ----
     #   0, or the number of the signal this rank received; the MAX over ranks stops all
     #   an evaluation step saved it already
@@ -355,12 +335,9 @@ def main():
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
+    # leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
+    dist.destroy_process_group()
+
 
 if __name__ == "__main__":
-    try:
-        run_main(main, resumable=True)
-    finally:
-        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
-        # connections to the other ranks (and NCCL's communicators) cleanly.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_main(main, resumable=True)

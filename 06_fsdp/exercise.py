@@ -1,4 +1,4 @@
-# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 19
+# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 18
 # TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
 # there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -22,7 +22,7 @@ two machines, SLURM and a two-node simulation on one machine are in this folder 
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/19: the imports: remove (-) and add (+)
+# TODO 1/18: the imports: remove (-) and add (+)
 #     - import contextlib
 #     - from torch.nn.parallel import DistributedDataParallel as DDP
 #     - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
@@ -83,18 +83,11 @@ from common.support.errors import run_main
 from common.support.preempt import Preemption
 from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.support.rundir import claim_out_dir
-from common.training import (
-    build_model,
-    check_resume,
-    evaluate,
-    lr_at,
-    sample_text,
-    stop_if_diverged,
-)
+from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
 
 
 def main():
-    # TODO 2/19: change the next 1 line(s) of code:
+    # TODO 2/18: change the next 1 line(s) of code:
     #     args = parse_args(chapter=6, description=__doc__)
     args = parse_args(chapter=5, description=__doc__)
     # ---- who is who ------------------------------------------------------------------------------
@@ -125,7 +118,7 @@ def main():
     cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/19: remove the next 1 line(s) of code
+    # TODO 3/18: remove the next 1 line(s) of code
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -165,7 +158,6 @@ def main():
     # on each of world_size ranks at the same time, each of `batch_size` sequences.
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
-    # the incomplete last batch of an epoch is dropped
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
@@ -182,13 +174,13 @@ def main():
     # run is using it; then locked by rank 0 until it ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
-    # TODO 4/19: change the next 2 line(s) of code:
+    # TODO 4/18: change the next 2 line(s) of code:
     #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
     if args.resume or (restarts > 0 and checkpoint_everywhere):
         checkpoint = load_checkpoint(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
-    # TODO 5/19: change the next 1 line(s) of code into 11:
+    # TODO 5/18: change the next 1 line(s) of code into 11:
     #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
     #     device a tensor has a shape and a type but no storage: this model costs no memory yet.
     #   On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
@@ -212,26 +204,26 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 6/19: add 7 line(s) of code here:
+    # TODO 6/18: add 7 line(s) of code here:
     #   Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
     #     seed, chapter 01's. Every rank then takes its rows of it, one tensor at a time.
     #   a fresh optimizer has no state to load
     #   rank 0's; the other ranks' is empty
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 7/19: change the next 1 line(s) of code:
+    # TODO 7/18: change the next 1 line(s) of code:
     #   float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     #   Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
     #     whether a step had an inf, so all of them skip it or none does.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     best_val_loss = None
-    # TODO 8/19: change the next 2 line(s) of code:
+    # TODO 8/18: change the next 2 line(s) of code:
     #   resuming: the loss scale and the random state continue where they were
     if checkpoint is not None:
         # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 9/19: change the next 2 line(s) of code into 4:
+    # TODO 9/18: change the next 2 line(s) of code into 4:
     #   rank 0's whole tensors are freed
     #   the most memory this rank held while it built its shards, above what it held before
     #   fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
@@ -244,19 +236,17 @@ def main():
     if args.compile:
         model = torch.compile(model)
 
-    log(
-        f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; "
-        f"model {raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    )
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    # TODO 10/19: change the next 1 line(s) of code:
+    # TODO 10/18: change the next 1 line(s) of code:
     #     averaging = "parameters gathered block by block, gradients reduce-scattered during
     #       backward"
     averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    # TODO 11/19: change the next 4 line(s) of code into 2:
+    # TODO 11/18: change the next 4 line(s) of code into 2:
     #     share = f"1/{world_size} of the model each"
     #     log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
     log(
@@ -277,29 +267,19 @@ def main():
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
 
-    # TODO 12/19: change the next 4 line(s) of code:
-    #     train_config = vars(args) | {
-    #     "global_batch": global_batch,
-    #     "world_size": world_size,
-    #     "chapter": 6,
-    train_config = vars(args) | {
-        "global_batch": global_batch,
-        "world_size": world_size,
-        "chapter": 5,
-    }
+    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     model.train()
     # tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
-    flops_per_token = raw_model.flops_per_token()
-    speed = Throughput(tokens_per_step, flops_per_token, device, dtype, devices=world_size)
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
     def save(step: int) -> None:
-        # TODO 13/19: change the next 2 line(s) of code into 4:
+        # TODO 12/18: change the next 2 line(s) of code into 4:
         #   the others' dicts are empty
         """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
-            # TODO 14/19: change the next 4 line(s) of code:
+            # TODO 13/18: change the next 4 line(s) of code:
             #     save_checkpoint(
             #     out_dir,
             #     model_state=model_state,
@@ -346,7 +326,7 @@ def main():
                 group["lr"] = lr
             # this rank's mean loss over its share of the global batch
             loss = torch.zeros((), device=device)
-            # TODO 15/19: change the next 11 line(s) of code into 7:
+            # TODO 14/18: change the next 11 line(s) of code into 7:
             #   FSDP reduce-scatters the gradients inside backward(); before the last micro-step
             #     that traffic would be wasted, so without sync they add up on this rank, whole and
             #     unsharded (more memory than no_sync() in chapter 04, which adds none)
@@ -381,7 +361,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
 
-            # TODO 16/19: add 4 line(s) of code here:
+            # TODO 15/18: add 4 line(s) of code here:
             #     if iter_num == first_step:
             #     log.every_rank(
             #     f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB"
@@ -392,7 +372,7 @@ def main():
                 # backend has)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
-                stop_if_diverged(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
@@ -401,7 +381,7 @@ def main():
                 # nothing for DDP to do); the loss sums and window counts are added over ranks, so
                 # every rank gets the mean over all the windows.
                 my_windows = val_windows[rank::world_size]
-                # TODO 17/19: change the next 3 line(s) of code into 1:
+                # TODO 16/18: change the next 3 line(s) of code into 1:
                 #     my_loss = evaluate(raw_model, val_set, my_windows, args.batch_size, device)
                 my_loss = evaluate(
                     raw_model, val_set, my_windows, args.batch_size, device, autocast
@@ -412,7 +392,7 @@ def main():
                 dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
                 val_loss = (val_stats[0] / val_stats[1]).item()
                 # before the save: a diverged model never replaces a good checkpoint
-                stop_if_diverged(iter_num, val_loss, "validation loss")
+                check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
                 save(iter_num)
@@ -430,7 +410,7 @@ def main():
                     # the stop's marker, then one line and exit status 75: continue with --resume
                     stop_after_saving(iter_num, stop_signal, out_dir, stop_group)
     report.close()
-    # TODO 18/19: change the next 4 line(s) of code into 2:
+    # TODO 17/18: change the next 4 line(s) of code into 2:
     #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
     #     state.
     #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
@@ -441,7 +421,7 @@ def main():
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 19/19: change the next 3 line(s) of code into 5:
+    # TODO 18/18: change the next 3 line(s) of code into 5:
     #     if args.sample_tokens:
     #     log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
     #     text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
@@ -451,12 +431,9 @@ def main():
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
+    # leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
+    dist.destroy_process_group()
+
 
 if __name__ == "__main__":
-    try:
-        run_main(main, resumable=True)
-    finally:
-        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
-        # connections to the other ranks (and NCCL's communicators) cleanly.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_main(main, resumable=True)

@@ -71,8 +71,8 @@ def gpu_identity(device: torch.device) -> str:
 
 def ranks_sharing_a_gpu(gpus: list[tuple[str, str | None]]) -> list[list[int]]:
     """The groups of ranks that drive the same GPU, from every rank's (host, GPU identity) in rank
-    order (identity None: a rank without a GPU, which shares nothing). [] when every GPU has one
-    rank."""
+    order; [] when every GPU has one rank. An identity of None is a rank without a GPU, which
+    shares nothing."""
     ranks_of_gpu: dict[tuple[str, str], list[int]] = {}
     for rank, (host, gpu) in enumerate(gpus):
         if gpu is None:

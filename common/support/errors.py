@@ -42,9 +42,9 @@ class StopNow:
 
 def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
     """Run a script's main(): a CourseError is one line and status 2, a stop signal one line and 130
-    (75 for a loop's own stop at a step's end); `resumable`: the line says to continue with
-    --resume. An error while a stop is under way is an error: its line or traceback, and status
-    1."""
+    (75 for chapter 05's own stop at a step's end); `resumable`: the line says to continue with
+    --resume. An error while a stop is under way is an error, with status 1 and its line (or its
+    traceback, for a bug)."""
     # under torchrun: who speaks
     prefix = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""
     stop_now = StopNow()

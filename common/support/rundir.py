@@ -22,8 +22,8 @@ NO_LOCK = "COURSE_NO_LOCK"
 
 
 def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
-    """Refuse a folder in use, or holding a run without --resume; lock it while this process
-    lives."""
+    """Refuse a folder in use, or one holding a run without --resume; then lock it for as long as
+    this process lives."""
     distributed = dist.is_available() and dist.is_initialized()
     verdict = [_claim(Path(out_dir), resume) if not distributed or dist.get_rank() == 0 else None]
     if distributed:
