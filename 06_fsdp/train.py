@@ -69,8 +69,7 @@ from common.training import build_model, check_finite, check_resume, evaluate, l
 
 def main():
     args = parse_args(chapter=6, description=__doc__)
-    # ---- who is who ------------------------------------------------------------------------------
-    # torchrun starts WORLD_SIZE copies of this script and tells each its place in the environment.
+    # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
     rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
     world_size = int(os.environ["WORLD_SIZE"])
@@ -99,9 +98,8 @@ def main():
     setup_math(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # ---- the process group -----------------------------------------------------------------------
-    # Every rank joins it, and the collectives (all-reduce, broadcast) run in it. NCCL moves CUDA
-    # tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    # ---- the process group: every rank joins it; collectives run in it ---------------------------
+    # NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
     backend = "nccl" if device.type == "cuda" else "gloo"
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
@@ -242,9 +240,8 @@ def main():
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     model.train()
-    # tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
-    # metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
+    # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
     def save(step: int) -> None:
@@ -324,8 +321,7 @@ def main():
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-                # the mean over all ranks: a collective, so every rank calls it (SUM, which every
-                # backend has)
+                # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
