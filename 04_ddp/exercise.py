@@ -103,10 +103,8 @@ def row_weights(rows: list[int]) -> list[float]:
 
 def main():
     # TODO 3/21: change the next 1 line(s) of code into 8:
-    #   ---- who is who
-    #     ------------------------------------------------------------------------------
-    #   torchrun starts WORLD_SIZE copies of this script and tells each its place in the
-    #     environment.
+    #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
+    #     ----------------------
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
     #   this process among those on its machine: its GPU
@@ -126,10 +124,9 @@ def main():
     out_dir = Path(args.out_dir)
 
     # TODO 5/21: change the next 3 line(s) of code into 6:
-    #   ---- the process group
-    #     -----------------------------------------------------------------------
-    #   Every rank joins it, and the collectives (all-reduce, broadcast) run in it. NCCL moves CUDA
-    #     tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    #   ---- the process group: every rank joins it; collectives run in it
+    #     ---------------------------
+    #   NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
     #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     #   every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     #   two ranks on one GPU: one line, not NCCL's traceback
@@ -186,10 +183,9 @@ def main():
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
     # TODO 8/21: change the next 1 line(s) of code:
-    #   DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and
-    #     hooks into backward to average the gradients over ranks. The wrapper keeps the real model
-    #     in model.module. Its state dict would prefix every name with "module.", so checkpoints
-    #     save model.module's, which any chapter can load. On a GPU, device_ids is cuda:LOCAL_RANK.
+    #   DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
+    #     into backward to average the gradients over ranks. Checkpoints save the real model inside,
+    #     model.module, whose names have no "module." prefix, so that any chapter can load them.
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
@@ -206,15 +202,12 @@ def main():
     #     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 11/21: change the next 13 line(s) of code into 8:
+    # TODO 11/21: change the next 13 line(s) of code into 5:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
-    #     averaging = "gradients are averaged over ranks in buckets during backward"
     #     threads = f"; {cpu_threads}" if cpu_threads else ""
-    #     log(
-    #     f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
-    #     f"{averaging}{threads}"
-    #     )
+    #     ddp = f"DDP: {world_size} process(es), one model copy each, backend {backend}"
+    #     log(f"{ddp}; gradients are averaged over ranks in buckets during backward{threads}")
     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
     if replicas > 1:
@@ -240,8 +233,8 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch}
     model.train()
     # TODO 13/21: change the next 2 line(s) of code:
-    #   tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
-    #   metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
+    #   metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log
+    #     step
     # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
     # metrics.jsonl and the progress bar: one call per log step
@@ -306,8 +299,7 @@ def main():
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 # TODO 17/21: change the next 1 line(s) of code into 2:
-                #   the mean over all ranks: a collective, so every rank calls it (SUM, which every
-                #     backend has)
+                #   the mean over all ranks: a collective, so every rank calls it
                 loss_value = loss.item()
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)

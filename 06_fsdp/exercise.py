@@ -90,8 +90,7 @@ def main():
     # TODO 2/18: change the next 1 line(s) of code:
     #     args = parse_args(chapter=6, description=__doc__)
     args = parse_args(chapter=5, description=__doc__)
-    # ---- who is who ------------------------------------------------------------------------------
-    # torchrun starts WORLD_SIZE copies of this script and tells each its place in the environment.
+    # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
     rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
     world_size = int(os.environ["WORLD_SIZE"])
@@ -122,9 +121,8 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # ---- the process group -----------------------------------------------------------------------
-    # Every rank joins it, and the collectives (all-reduce, broadcast) run in it. NCCL moves CUDA
-    # tensors GPU to GPU; gloo moves CPU tensors over TCP.
+    # ---- the process group: every rank joins it; collectives run in it ---------------------------
+    # NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
     backend = "nccl" if device.type == "cuda" else "gloo"
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
@@ -227,10 +225,9 @@ def main():
     #   rank 0's whole tensors are freed
     #   the most memory this rank held while it built its shards, above what it held before
     #   fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
-    # DDP broadcasts rank 0's parameters to all ranks here, so every copy starts the same, and hooks
-    # into backward to average the gradients over ranks. The wrapper keeps the real model in
-    # model.module. Its state dict would prefix every name with "module.", so checkpoints save
-    # model.module's, which any chapter can load. On a GPU, device_ids is cuda:LOCAL_RANK.
+    # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
+    # into backward to average the gradients over ranks. Checkpoints save the real model inside,
+    # model.module, whose names have no "module." prefix, so that any chapter can load them.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     raw_model = model.module
     if args.compile:
@@ -241,18 +238,15 @@ def main():
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    # TODO 10/18: change the next 1 line(s) of code:
+    # TODO 10/18: add 1 line(s) of code here:
     #     averaging = "parameters gathered block by block, gradients reduce-scattered during
     #       backward"
-    averaging = "gradients are averaged over ranks in buckets during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
-    # TODO 11/18: change the next 4 line(s) of code into 2:
+    # TODO 11/18: change the next 2 line(s) of code:
     #     share = f"1/{world_size} of the model each"
     #     log(f"FSDP: {world_size} process(es), {share}, backend {backend}; {averaging}{threads}")
-    log(
-        f"DDP: {world_size} process(es), one model copy each, backend {backend}; "
-        f"{averaging}{threads}"
-    )
+    ddp = f"DDP: {world_size} process(es), one model copy each, backend {backend}"
+    log(f"{ddp}; gradients are averaged over ranks in buckets during backward{threads}")
     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     if iter_num:
         log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -269,9 +263,8 @@ def main():
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     model.train()
-    # tokens/s and MFU between log lines: MFU against the peak of all the ranks' devices
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
-    # metrics.jsonl and the progress bar, from rank 0 only (log): one call per log step
+    # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
     def save(step: int) -> None:
@@ -368,8 +361,7 @@ def main():
             #     )
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
-                # the mean over all ranks: a collective, so every rank calls it (SUM, which every
-                # backend has)
+                # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
