@@ -40,7 +40,14 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
 
 
 def main():

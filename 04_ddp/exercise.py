@@ -64,7 +64,14 @@ from common.device import autocast_context, describe, pick_device, pick_dtype, s
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
 
 
 # TODO 2/21: remove the next 22 line(s) of code
@@ -349,7 +356,9 @@ def main():
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
 
-# TODO 21/21: add 1 line(s) of code here:
-#   leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
+# TODO 21/21: change the next 2 line(s) of code into 6:
+#   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the connections
+#     to the other ranks cleanly; after main() has returned, so that the model that holds the group
+#     (DDP's, FSDP's) is freed first.
 if __name__ == "__main__":
     run_main(main, resumable=True)

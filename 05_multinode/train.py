@@ -55,7 +55,14 @@ from common.support.errors import run_main
 from common.support.preempt import Preemption
 from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
 
 
 def main():
@@ -320,9 +327,13 @@ def main():
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
 
-    # leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
-    run_main(main, resumable=True)
+    try:
+        run_main(main, resumable=True)
+    finally:
+        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
+        # connections to the other ranks cleanly; after main() has returned, so that the model
+        # that holds the group (DDP's, FSDP's) is freed first.
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -64,7 +64,14 @@ from common.support.errors import run_main
 from common.support.preempt import Preemption
 from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.support.rundir import claim_out_dir
-from common.training import build_model, check_finite, check_resume, evaluate, lr_at, sample_text
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
 
 
 def main():
@@ -369,9 +376,13 @@ def main():
         if is_rank0:
             print(text)
 
-    # leaving the process group closes the connections to the other ranks (and NCCL's) cleanly
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
-    run_main(main, resumable=True)
+    try:
+        run_main(main, resumable=True)
+    finally:
+        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
+        # connections to the other ranks cleanly; after main() has returned, so that the model
+        # that holds the group (DDP's, FSDP's) is freed first.
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -140,9 +140,10 @@ def test_mfu_divides_by_the_peak_of_all_devices():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Throughput"
         ]
         assert len(calls) == 1, script
-        assert [ast.unparse(k.value) for k in calls[0].keywords if k.arg == "devices"] == [
-            devices
-        ], script
+        # devices: Throughput's fifth argument, by position or by name
+        given = [ast.unparse(a) for a in calls[0].args[4:5]]
+        given += [ast.unparse(k.value) for k in calls[0].keywords if k.arg == "devices"]
+        assert given == [devices], script
 
 
 # ---- 3. --dtype auto from the compute capability ---------------------------------------------
