@@ -185,7 +185,8 @@ def chapter01(corpus, static_run, tmp_path_factory) -> dict[int, float]:
     return losses(out)
 
 
-@pytest.fixture(scope="module", params=["static", "c10d"])
+# c10d's restart is the slow stage's (python -m pytest -m slow): the suite keeps the static one
+@pytest.fixture(scope="module", params=["static", pytest.param("c10d", marks=pytest.mark.slow)])
 def killed_run(request, corpus, tmp_path_factory):
     """The simulation with torchrun --max-restarts 1 and one data folder for both nodes
     (SHARED_FS=1: --shared-fs); once a checkpoint exists, global rank 3 is killed (SIGKILL)."""

@@ -173,6 +173,7 @@ def float64(data_dir, tmp_path_factory) -> tuple[Path, Path, int, str, int]:
     return reference64, stopped, step, seen + rest, status
 
 
+@pytest.mark.slow
 def test_float64_control_and_a_stopped_run_resumes_to_chapter01s_numbers(float64):
     reference64, stopped, step, output, status = float64
     assert status != 0, output

@@ -109,6 +109,7 @@ def assert_collectives(out: str, op: str, shapes: list[int]) -> None:
         assert re.search(rf"{running}OpType={op}, TensorShape=\[{shape}\]", out), out
 
 
+@pytest.mark.slow
 def test_eval_on_rank0_only_is_named_by_the_collective_check(launches):
     out = ended_with_failure(launches["eval-on-rank0"])
     # rank 0's all-reduce of (sum, count) meets rank 1's all-reduce of the 17 gradients
