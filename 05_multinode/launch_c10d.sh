@@ -17,8 +17,8 @@
 #   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to check)
 #
 # To stop a training run so that it can continue later, send SIGTERM to torchrun on every node (a
-# scheduler does): torchrun passes it on, every rank ends the step it is in, rank 0 saves it, and
-# the training processes exit with status 75 (torchrun itself with 1). Run the same line again
+# scheduler does): torchrun passes it on, the ranks stop after the same step (they check every
+# 10 steps), rank 0 saves it, and the training processes exit with status 75 (torchrun itself with 1). Run the same line again
 # with --resume to continue. exec: torchrun takes this script's place, so a signal sent to it (as
 # Kubernetes sends SIGTERM to a container's first process) reaches torchrun.
 set -euo pipefail

@@ -1,6 +1,6 @@
-"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: the run finishes its step, saves it and
-stops (one line, status 75). Further copies of the signal are the same stop and change nothing
-(SIGKILL stays the force); Ctrl-C stops at once (status 130).
+"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: chapter 05's run saves the step its
+ranks agree to stop after and stops (one line, status 75). Further copies of the signal are the
+same stop and change nothing (SIGKILL stays the force); Ctrl-C stops at once (status 130).
 
 Chapter 05 listens with Preemption; its ranks also agree on the step to stop at, and a stop must
 stay final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-04 a signal
