@@ -25,7 +25,8 @@ def stop_signal(name: str) -> str:
 
 
 class Preemption:
-    """Listens for SIGTERM and `signal_name`; the loop asks requested() once per step."""
+    """Listens for SIGTERM and `signal_name`; chapter 05's ranks all-reduce signal_number() every
+    few steps."""
 
     def __init__(self, signal_name: str):
         self.received: str | None = None  # the first stop signal's name

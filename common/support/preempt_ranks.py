@@ -26,8 +26,9 @@ def stop_if_stopped_before(out_dir: str | Path, restarts: int, group: dist.Proce
     ends at once: Stopped. A new launch clears an old stop's marker."""
     marker = Path(out_dir) / STOP_MARKER
     rank = dist.get_rank()
+    marked = marker.exists()
     # any rank's sight of the marker decides for all
-    seen = torch.tensor(float(marker.exists()))
+    seen = torch.tensor(float(marked))
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
     if restarts == 0:
         if rank == 0:
@@ -36,7 +37,7 @@ def stop_if_stopped_before(out_dir: str | Path, restarts: int, group: dist.Proce
     if seen.item() == 0:
         return  # restarted after a failure, not a stop: train on
     step, name = "?", "a stop signal"
-    if marker.exists():
+    if marked:
         step, name = marker.read_text().strip().split(maxsplit=1)
     raise Stopped(f"{name} before torchrun restarted this worker", step, speaks=rank == 0)
 

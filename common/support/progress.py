@@ -25,12 +25,11 @@ class Progress:
             desc=prefix.strip() or None,
         )
 
-    def step(
-        self, iter_num: int, loss: float | None = None, figures: dict | None = None, lr: float = 0.0
-    ) -> None:
-        """The run has reached `iter_num`; with its loss and Throughput's figures, shown too."""
+    def step(self, iter_num: int, loss: float, figures: dict, lr: float) -> None:
+        """A log step: the bar reaches `iter_num` and shows its loss and Throughput's figures, or,
+        in a file, a plain line says them."""
         self.bar.update(iter_num - self.bar.n)  # nothing where the bar is off
-        if loss is None or not self.enabled:
+        if not self.enabled:
             return
         tokens_per_sec = figures["tokens_per_sec"]
         if self.tty:
