@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
@@ -78,7 +78,14 @@ def row_weights(rows: list[int]) -> list[float]:
 
 
 def main():
-    args = parse_args(chapter=3, description=__doc__)
+    parser = CourseParser(chapter=3, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--gpus", type=positive_int, help="GPUs DataParallel splits over (default: all visible)"
+    )
+    args = parser.parse_args()
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -110,12 +117,11 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked until this process ends, so no second run writes into it.
+    # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
-    checkpoint = load_checkpoint(out_dir) if args.resume else None
-    if checkpoint is not None:
-        check_resume(checkpoint, global_batch, args.seed)
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -127,11 +133,10 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue
+        # resuming: the same global batch and seed, then the optimizer, scaler and random state
+        check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-        best_val_loss = checkpoint.get("best_val_loss")
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
@@ -162,14 +167,14 @@ def main():
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    model.train()
     # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
     # metrics.jsonl and the progress bar: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
-        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
@@ -189,7 +194,8 @@ def main():
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
                 with autocast:
                     # each replica returns its own mean loss: a vector of `replicas` losses on
                     # cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
@@ -208,15 +214,16 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            last_step = iter_num == args.max_iters
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.log_interval == 0 or last_step:
                 loss_value = loss.item()
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(
@@ -224,18 +231,7 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                if best_val_loss is None or val_loss < best_val_loss:
-                    best_val_loss = val_loss
-                save_checkpoint(
-                    out_dir,
-                    model_state=model.module.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
@@ -247,7 +243,8 @@ def main():
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
@@ -59,7 +59,14 @@ from common.training import (
 
 
 def main():
-    args = parse_args(chapter=4, description=__doc__)
+    parser = CourseParser(chapter=4, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
+    )
+    args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
     rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
@@ -69,23 +76,20 @@ def main():
     is_rank0 = rank == 0
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[rank {rank}]", speaks=is_rank0)
-    # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
 
     # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
     device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
-    # ranks on one CPU share its cores
-    cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
+    share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
     # ---- the process group: every rank joins it; collectives run in it ---------------------------
-    # NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
@@ -100,11 +104,7 @@ def main():
     # (every rank calls one_rank_first), then find the files ready and prepare() does no work.
     with one_rank_first(local_rank == 0):
         data_folder = prepare(
-            args.dataset,
-            args.data_dir,
-            num_proc=args.num_proc,
-            text_column=args.text_column,
-            log=log.every_rank,
+            args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
         )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
@@ -117,12 +117,11 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked until this process ends, so no second run writes into it.
+    # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
-    checkpoint = load_checkpoint(out_dir) if args.resume else None
-    if checkpoint is not None:
-        check_resume(checkpoint, global_batch, args.seed)
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -134,15 +133,14 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue
+        # resuming: the same global batch and seed, then the optimizer, scaler and random state
+        check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-        best_val_loss = checkpoint.get("best_val_loss")
     # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
-    # into backward to average the gradients over ranks. Checkpoints save the real model inside,
-    # model.module, whose names have no "module." prefix, so that any chapter can load them.
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # into backward to average the gradients over ranks (no device_ids: the model is on this rank's
+    # device). Checkpoints save model.module, whose names any chapter loads (no "module." prefix).
+    model = DDP(model)
     raw_model = model.module
     if args.compile:
         model = torch.compile(model)
@@ -152,28 +150,26 @@ def main():
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    threads = f"; {cpu_threads}" if cpu_threads else ""
-    ddp = f"DDP: {world_size} process(es), one model copy each, backend {backend}"
-    log(f"{ddp}; gradients are averaged over ranks in buckets during backward{threads}")
+    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W, ...
-    # (W = world_size): the ranks' micro-batches of one step together are the G consecutive
-    # positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
+    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
+    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
+    # it. drop_last: an epoch's remainder is dropped, not padded.
     sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
-    model.train()
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
     while iter_num < args.max_iters:
-        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
         # the permutation of seed + epoch; without this every epoch repeats epoch 0
         sampler.set_epoch(epoch)
         # micro-batches of this epoch a resumed run trained on
@@ -189,8 +185,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # this rank's mean loss over its share of the global batch
-            loss = torch.zeros((), device=device)
+            loss = torch.zeros((), device=device)  # the mean loss of this rank's share
             for micro_step in range(args.grad_accum):
                 # DDP all-reduces the gradients inside backward(); before the last micro-step that
                 # traffic would be wasted, so no_sync() lets them add up on this rank
@@ -199,7 +194,8 @@ def main():
                     sync = model.no_sync()
                 with sync:
                     x, y = next(batches)  # (B, T) each, built in CPU memory
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
                     with autocast:
                         _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                         # backward() adds into .grad, so K micro-steps sum K gradients; each
@@ -217,9 +213,10 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            last_step = iter_num == args.max_iters
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
@@ -227,53 +224,34 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # Each rank evaluates every world_size-th window (with raw_model: no gradients,
-                # nothing for DDP to do); the loss sums and window counts are added over ranks, so
-                # every rank gets the mean over all the windows.
-                my_windows = val_windows[rank::world_size]
-                my_loss = evaluate(
-                    raw_model, val_set, my_windows, args.batch_size, device, autocast
-                )
-                my_count = torch.tensor(float(len(my_windows)), device=device)
-                # the sum of my losses, their count
-                val_stats = torch.stack([my_loss * my_count, my_count])
-                dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
-                val_loss = (val_stats[0] / val_stats[1]).item()
+            if iter_num % args.eval_interval == 0 or last_step:
+                # the model uncompiled: eval mode and a shorter last batch would each be compiled
+                # anew, which takes longer than evaluating without compiling. Every rank evaluates
+                # the same windows with its own copy: all get the same loss, with no collective.
+                val_loss = evaluate(
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
+                ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                if best_val_loss is None or val_loss < best_val_loss:
-                    best_val_loss = val_loss
                 if is_rank0:  # one copy is enough: every rank holds the same model
-                    save_checkpoint(
-                        out_dir,
-                        model_state=model.module.state_dict(),
-                        optimizer_state=optimizer.state_dict(),
-                        iter_num=iter_num,
-                        model_config=model_config,
-                        train_config=train_config,
-                        best_val_loss=best_val_loss,
-                        scaler_state=scaler.state_dict(),
-                    )
+                    save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
-    # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
-    # bit for bit against rank 0's copy.
+    # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
 
 
 if __name__ == "__main__":
     try:
         run_main(main, resumable=True)
     finally:
-        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
-        # connections to the other ranks cleanly; after main() has returned, so that the model
-        # that holds the group (DDP's, FSDP's) is freed first.
+        # every way out leaves the process group, after main() has freed the model that holds it
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.optim import Optimizer
 
-from .model import GPTConfig
+from .model import GPT, GPTConfig
 from .support.errors import CourseError
 from .support.rundir import CKPT_NAME
 
@@ -22,13 +22,33 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(
     out_dir: str | Path,
+    iter_num: int,
+    model: GPT,
+    optimizer: Optimizer,
+    scaler: torch.amp.GradScaler,
+    train_config: dict,
+) -> None:
+    """<out_dir>/ckpt.pt after step `iter_num`: all a resumed run needs (the model's weights and
+    shape, AdamW's averages, the loss scale, the random state and the run's settings)."""
+    write_checkpoint(
+        out_dir,
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        iter_num=iter_num,
+        model_config=model.config,
+        train_config=train_config,
+        scaler_state=scaler.state_dict(),
+    )
+
+
+def write_checkpoint(
+    out_dir: str | Path,
     *,
     model_state: dict,
     optimizer_state: dict,
     iter_num: int,
     model_config: GPTConfig,
     train_config: dict,
-    best_val_loss: float | None = None,
     scaler_state: dict | None = None,
 ) -> None:
     """Write <out_dir>/ckpt.pt through a temporary file: a crash while it writes leaves the old
@@ -50,7 +70,6 @@ def save_checkpoint(
         "iter_num": iter_num,
         "model_config": asdict(model_config),
         "train_config": plain,
-        "best_val_loss": best_val_loss,
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": gpu_rng,
         "rng_cuda_all": every_gpu_rng,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .device import parse_device
 from .support.errors import CourseError
+from .support.rundir import CKPT_NAME
 
 # Tokenizing a large data set can take hours, far longer than a training collective may wait.
 PREPARATION_TIMEOUT = datetime.timedelta(hours=6)
@@ -165,7 +166,7 @@ def restart_store(
     return dist.PrefixStore(f"attempt_{restart_count}", agent_store)
 
 
-def agree_on_restart(restart_count: int, checkpoint: Path, resume: bool) -> tuple[int, bool]:
+def agree_on_restart(restart_count: int, out_dir: Path, resume: bool) -> tuple[int, bool]:
     """What the ranks agree on after torchrun restarted them (a collective: every rank calls it).
 
     Returns the job's restart count, the largest any rank has (the count is kept per node: with
@@ -174,6 +175,7 @@ def agree_on_restart(restart_count: int, checkpoint: Path, resume: bool) -> tupl
     --out-dir must be on a file system all nodes see: a checkpoint that some ranks see and others
     do not, when the run continues (--resume, or a restart), is refused with one line.
     """
+    checkpoint = out_dir / CKPT_NAME
     seen: list[tuple[int, bool] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (restart_count, checkpoint.exists()))
     restarts = max(count for count, _ in seen)
@@ -223,26 +225,23 @@ def rank_device(
 
 def cpu_threads_per_rank(
     local_world_size: int, cpu_count: int, omp_num_threads: str | None
-) -> tuple[int | None, str]:
-    """Torch threads for each of `local_world_size` ranks sharing one CPU, and why (None: torch's
-    choice).
+) -> int | None:
+    """Torch threads for each of `local_world_size` ranks sharing one CPU (None: torch's choice).
 
     Unset, torch gives every rank all the cores; torchrun's OMP_NUM_THREADS=1 leaves a big CPU idle.
     So then each rank gets an equal share; any other OMP_NUM_THREADS is the reader's choice.
     """
     if local_world_size > 1 and omp_num_threads in (None, "1"):
-        threads = max(1, cpu_count // local_world_size)
-        return threads, f"{cpu_count} cores / {local_world_size} rank(s)"
-    if omp_num_threads is not None:
-        return None, "OMP_NUM_THREADS"
-    return None, "torch's default"
+        return max(1, cpu_count // local_world_size)
+    return None
 
 
-def share_cpu_cores(local_world_size: int) -> str:
-    """Give this rank its share of the CPU's cores; says how many threads it has, and why."""
-    threads, why = cpu_threads_per_rank(
+def share_cpu_cores(device: torch.device, local_world_size: int) -> None:
+    """On the CPU, give this rank its share of the cores (a GPU rank keeps torch's default)."""
+    if device.type != "cpu":
+        return
+    threads = cpu_threads_per_rank(
         local_world_size, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS")
     )
     if threads is not None:
         torch.set_num_threads(threads)
-    return f"{torch.get_num_threads()} CPU thread(s) per rank ({why})"

@@ -1,7 +1,7 @@
-"""Chapter 06's ckpt.pt from and into a sharded model (gather_full_state, shard_full_state,
-load_checkpoint_on_rank0: collectives, every rank calls them), and what the chapter measures but
-does not teach: the bytes of state each rank holds, and the most memory a rank held while it built
-its shards and took a step (these read only this rank's tensors or this process's figures).
+"""Chapter 06's ckpt.pt from and into a sharded model (load_checkpoint_on_rank0, shard_full_state,
+gather_and_save: collectives, every rank calls them), and what the chapter measures but does not
+teach: the bytes of state each rank holds, and the most memory a rank held while it built its
+shards and took a step (these read only this rank's tensors or this process's figures).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from .checkpoint import load_checkpoint
+from .checkpoint import check_same_shape, load_checkpoint, write_checkpoint
+from .model import GPTConfig
 from .support.errors import CourseError
 
 
@@ -55,8 +56,9 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return held
 
 
-def describe_held_bytes(held: dict[str, list[int]]) -> str:
+def describe_held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """One line: what this rank holds, against what a DDP rank holds, in MB (10^6 bytes)."""
+    held = held_bytes(model, optimizer)
     parts = [
         f"{kind} {mine / 1e6:.2f} MB (DDP {ddp / 1e6:.2f})" for kind, (mine, ddp) in held.items()
     ]
@@ -73,21 +75,23 @@ def _proc_status_mb(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def start_peak_memory(device: torch.device) -> float:
-    """Forget the peak so far and return the memory held now, in MB: on a GPU the tensors' bytes
-    there, on the CPU the process's resident memory (Linux: /proc/self/status)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device) / 1e6
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident memory
-    return _proc_status_mb("VmRSS")
+class PeakMemory:
+    """The most memory this rank held since it was made, above what it held then, in MB: on a GPU
+    the tensors' bytes there, on the CPU the process's resident memory (Linux's /proc/self)."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.before = torch.cuda.memory_allocated(device) / 1e6
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident memory
+            self.before = _proc_status_mb("VmRSS")
 
-def peak_memory(device: torch.device) -> float:
-    """The most memory held at any moment since start_peak_memory, in MB, counted as it counts."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e6
-    return _proc_status_mb("VmHWM")
+    def since_start(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e6 - self.before
+        return _proc_status_mb("VmHWM") - self.before
 
 
 # ---- ckpt.pt from and into a sharded model (FSDP) ---------------------------------------------
@@ -109,26 +113,29 @@ def shard_full_state(
     model: torch.nn.Module,
     optimizer: Optimizer,
     model_state: dict,
-    optimizer_state: dict | None,
+    checkpoint: dict | None,
 ) -> None:
-    """Fill this rank's shards from rank 0's whole tensors (a fresh model's or ckpt.pt's), which
-    rank 0 broadcasts one tensor at a time: each rank keeps its rows of each and frees the rest.
+    """Fill this rank's shards from rank 0's whole tensors (a fresh model's, or ckpt.pt's and its
+    optimizer state), which rank 0 broadcasts one tensor at a time: each rank keeps its rows of each
+    and frees the rest.
 
-    The other ranks pass empty dicts. Every rank passes None as optimizer_state for a fresh
-    optimizer, which then has no state to load."""
+    The other ranks pass an empty model_state. Every rank passes the checkpoint it has, or None for
+    a fresh run, whose optimizer has no state to load."""
     from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, model_state, options=from_rank0)
-    if optimizer_state is None:
+    if checkpoint is None:
         return
+    optimizer_state = checkpoint["optimizer"]  # rank 0's; the other ranks' is empty
     if dist.get_rank() == 0:
         optimizer_state = optimizer_state_by_name(optimizer_state, model, optimizer)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=from_rank0)
 
 
-def load_checkpoint_on_rank0(out_dir: str | Path) -> dict:
+def load_checkpoint_on_rank0(out_dir: str | Path, config: GPTConfig) -> dict:
     """ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the settings,
     the random state) with empty model and optimizer states, so no rank but rank 0 ever holds the
-    whole model. A checkpoint rank 0 cannot read is every rank's error."""
+    whole model. A checkpoint rank 0 cannot read, or one of another shape than `config`, is every
+    rank's error."""
     shared = [None]
     if dist.get_rank() == 0:
         try:
@@ -140,9 +147,33 @@ def load_checkpoint_on_rank0(out_dir: str | Path) -> dict:
     dist.broadcast_object_list(shared, src=0)
     if isinstance(shared[0], str):
         raise CourseError(shared[0])
+    check_same_shape(shared[0], config)
     if dist.get_rank() == 0:
         return checkpoint
     return shared[0]
+
+
+def gather_and_save(
+    out_dir: str | Path,
+    iter_num: int,
+    model: torch.nn.Module,
+    optimizer: Optimizer,
+    scaler,
+    train_config: dict,
+) -> None:
+    """ckpt.pt from a sharded model, as every chapter writes it: the whole tensors, gathered into
+    rank 0's CPU memory one tensor at a time, and rank 0 writes them (save_checkpoint's file)."""
+    model_state, optimizer_state = gather_full_state(model, optimizer)
+    if dist.get_rank() == 0:  # the others' dicts are empty
+        write_checkpoint(
+            out_dir,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            iter_num=iter_num,
+            model_config=model.config,
+            train_config=train_config,
+            scaler_state=scaler.state_dict(),
+        )
 
 
 def optimizer_state_by_index(state: dict) -> dict:

@@ -17,7 +17,7 @@ from common.checkpoint import (
     clean_state_dict,
     gpu_rng_plan,
     load_checkpoint,
-    save_checkpoint,
+    write_checkpoint,
 )
 from common.model import GPT, PRESETS, GPTConfig, model_config
 from common.support.errors import CourseError
@@ -27,7 +27,7 @@ from tools.launch import run_python
 def save_tiny(out_dir: Path, iter_num: int, model: GPT | None = None, **train_config) -> GPT:
     model = model or GPT(PRESETS["tiny"])
     optimizer = torch.optim.AdamW(model.parameters())
-    save_checkpoint(
+    write_checkpoint(
         out_dir,
         model_state=model.state_dict(),
         optimizer_state=optimizer.state_dict(),
@@ -104,7 +104,7 @@ from common.model import GPT, PRESETS
 
 out_dir = sys.argv[1]
 model = GPT(PRESETS["tiny"])
-ck.save_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state={}, iter_num=1,
+ck.write_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state={}, iter_num=1,
                    model_config=model.config, train_config={})
 real_save = torch.save
 
@@ -120,7 +120,7 @@ ck.torch.save = save_half_then_die
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)
-ck.save_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state={}, iter_num=2,
+ck.write_checkpoint(out_dir, model_state=model.state_dict(), optimizer_state={}, iter_num=2,
                    model_config=model.config, train_config={})
 print("not reached")
 """
@@ -144,7 +144,7 @@ def test_killed_mid_write_keeps_previous_checkpoint(tmp_path):
 WRITES_FOREVER = r"""
 import sys
 import torch
-from common.checkpoint import save_checkpoint
+from common.checkpoint import write_checkpoint
 from common.model import PRESETS
 
 out_dir = sys.argv[1]
@@ -153,7 +153,7 @@ i = 0
 while True:
     i += 1
     big["weight"].fill_(i)
-    save_checkpoint(
+    write_checkpoint(
         out_dir,
         model_state=big,
         optimizer_state={},

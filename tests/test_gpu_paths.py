@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.chapters import CHAPTERS
-from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.checkpoint import load_checkpoint, restore_training_state, write_checkpoint
 from common.dataparallel import choose_dataparallel_gpus, in_autocast
 from common.device import auto_dtype
 from common.metrics import model_flops_utilization
@@ -223,7 +223,7 @@ def test_checkpoint_keeps_the_loss_scaler_and_cuda_rng(tmp_path):
 
     def saved_and_loaded(iter_num: int, scaler: torch.amp.GradScaler) -> dict:
         states = {"model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()}
-        save_checkpoint(
+        write_checkpoint(
             tmp_path,
             **states,
             iter_num=iter_num,

@@ -40,7 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import RandomSampler
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import load_checkpoint, write_checkpoint
 from common.config import gpt_config_from_args, parse_args
 from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
@@ -217,7 +217,7 @@ def train(impl, K, args, config, batches, rank, world, start=0, checkpoint=None,
         if save_dir is not None and iter_num + 1 == SAVE_AT:
             full = run.full_optimizer_state()
             if rank == 0:
-                save_checkpoint(
+                write_checkpoint(
                     save_dir,
                     model_state=run.model.module.state_dict(),
                     optimizer_state=full,

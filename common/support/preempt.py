@@ -1,15 +1,21 @@
 """SIGTERM (or the --stop-signal) from SLURM or Kubernetes: chapter 05's run saves the step its
-ranks agree to stop after and stops (one line, status 75). Further copies of the signal are the
-same stop and change nothing (SIGKILL stays the force); Ctrl-C stops at once (status 130).
+ranks agree to stop after and stops (one line, status 75), for the job to be requeued and resumed.
+Further copies of the signal are the same stop (SIGKILL stays the force); Ctrl-C stops at once
+(status 130). An error met while stopping (a full disk) is an error: one line, or its traceback for
+a bug, and status 1.
 
-Chapter 05 listens with Preemption; its ranks also agree on the step to stop at, and a stop must
-stay final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-04 a signal
+Chapter 05 listens with Preemption; its ranks agree on the step to stop at in its loop, and a stop
+stays final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-04 a signal
 ends the run at once (run_main), and the last checkpoint stays intact."""
 
 import argparse
+import os
 import signal
+import sys
+from typing import NoReturn
 
-from .errors import StopNow
+EXIT_STOPPED = 75  # os.EX_TEMPFAIL, "try again later": what a run stopped to be resumed asks for
+RESUME = "continue with --resume"
 
 
 def stop_signal(name: str) -> str:
@@ -24,13 +30,19 @@ def stop_signal(name: str) -> str:
     return full
 
 
+def rank_prefix() -> str:
+    """Under torchrun, "[rank N] ", as run_main writes it."""
+    if "RANK" in os.environ:
+        return f"[rank {os.environ['RANK']}] "
+    return ""
+
+
 class Preemption:
     """Listens for SIGTERM and `signal_name`; chapter 05's ranks all-reduce signal_number() every
     few steps."""
 
     def __init__(self, signal_name: str):
         self.received: str | None = None  # the first stop signal's name
-        self._stop_now = signal.getsignal(signal.SIGINT)  # run_main's StopNow, if any
         for name in {"SIGTERM", stop_signal(signal_name)}:
             signal.signal(signal.Signals[name], self._on_signal)
 
@@ -38,9 +50,17 @@ class Preemption:
         if self.received is not None:
             return  # a copy passed on by a launcher, or a repeat while saving: the same stop
         self.received = signal.Signals(signum).name
-        if isinstance(self._stop_now, StopNow):
-            # an error from now on happened while stopping: run_main says so
-            self._stop_now.saving_for = self.received
+        # from now on an error that ends the run was met while stopping: its last line says so
+        sys.excepthook = self._error_while_stopping
+
+    def _error_while_stopping(self, kind, error, trace) -> None:
+        """Python's last word on an error that ends the run after the stop signal: a file system's
+        refusal (a full disk) in one line; a bug with its traceback, then that line."""
+        if not isinstance(error, OSError):
+            sys.__excepthook__(kind, error, trace)
+        during = f"while stopping after {self.received}"
+        intact = f"the last checkpoint written is intact; {RESUME}"
+        print(f"{rank_prefix()}error {during}: {error}: {intact}", file=sys.stderr)
 
     def requested(self) -> bool:
         """Whether the run should save this step and stop."""
@@ -52,3 +72,12 @@ class Preemption:
         if self.received is None:
             return 0
         return signal.Signals[self.received].value
+
+
+def exit_stopped(signal_name: str, step: int | str, speaks: bool) -> NoReturn:
+    """End a run stopped at a step's end, its checkpoint written: one line (from the rank that
+    `speaks` for all), then status 75."""
+    if speaks:
+        message = f"stopped by {signal_name} at step {step}: checkpoint saved; {RESUME}"
+        print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_STOPPED)

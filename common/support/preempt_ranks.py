@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .errors import Stopped
+from .preempt import exit_stopped
 
 # written beside the stop's checkpoint; holds the step it saved and the signal's name
 STOP_MARKER = "stopped"
@@ -23,7 +23,7 @@ STOP_MARKER = "stopped"
 
 def stop_if_stopped_before(out_dir: str | Path, restarts: int, group: dist.ProcessGroup) -> None:
     """A worker torchrun restarted (`restarts`, agreed by all ranks) after the run was stopped
-    ends at once: Stopped. A new launch clears an old stop's marker."""
+    ends at once, with status 75. A new launch clears an old stop's marker."""
     marker = Path(out_dir) / STOP_MARKER
     rank = dist.get_rank()
     marked = marker.exists()
@@ -39,14 +39,14 @@ def stop_if_stopped_before(out_dir: str | Path, restarts: int, group: dist.Proce
     step, name = "?", "a stop signal"
     if marked:
         step, name = marker.read_text().strip().split(maxsplit=1)
-    raise Stopped(f"{name} before torchrun restarted this worker", step, speaks=rank == 0)
+    exit_stopped(f"{name} before torchrun restarted this worker", step, speaks=rank == 0)
 
 
 def stop_after_saving(
     step: int, signal_number: int, out_dir: str | Path, group: dist.ProcessGroup
 ) -> None:
     """End the run after the checkpoint of `step` is written: rank 0 marks the run as stopped,
-    then every rank raises Stopped for run_main (status 75). `signal_number`: the stop signal some
+    then every rank exits with status 75 (rank 0 says so). `signal_number`: the stop signal some
     rank received, as the ranks agreed on it."""
     name = signal.Signals(signal_number).name
     rank = dist.get_rank()
@@ -54,4 +54,4 @@ def stop_after_saving(
         (Path(out_dir) / STOP_MARKER).write_text(f"{step} {name}\n")
     dist.barrier(group=group)  # rank 0 has written the checkpoint and marker before any rank ends
     dist.destroy_process_group(group)
-    raise Stopped(name, step, speaks=rank == 0)
+    exit_stopped(name, step, speaks=rank == 0)
