@@ -47,13 +47,13 @@ setup()
 # it is what makes them comparable step by step.
 
 # %%
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args
 from common.data import load_splits, prepare
 from common.model import GPT
 from common.tokenizer import decode
 
 # The very settings train.py gets from the command line (and its defaults for the rest)
-args = parse_args(chapter=1, description="", argv=TINY + ["--batch-size", "8"])
+args = CourseParser(chapter=1, description="").parse_args(TINY + ["--batch-size", "8"])
 config = gpt_config_from_args(args)
 folder = prepare(args.dataset, DATA_DIR)  # tokenizes once; later calls find the files
 train_set, val_set = load_splits(folder, config.block_size)

@@ -169,7 +169,7 @@ def refuse_other_chapters_flag(flag: str, chapter: int) -> None:
             f"{flag} is introduced in chapter {first:02d} ({CHAPTERS[first]}); "
             f"this is chapter {chapter:02d}: run {CHAPTERS[first]}/train.py to use it"
         )
-    if flag in DATAPARALLEL_FLAGS:
+    if flag in DATAPARALLEL_FLAGS and chapter > first:
         raise CourseError(
             f"{flag} is chapter 03's DataParallel flag; here each process drives one GPU and "
             f"torchrun starts them: torchrun --standalone --nproc_per_node=N {CHAPTERS[chapter]}"

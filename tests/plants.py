@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tools.statements import Pattern as P
-from tools.statements import insert, move, replace, rewrite, wrap
+from tools.statements import insert, move, replace, replace_each, rewrite, wrap
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ DIVIDED = P(assigns="micro_loss", uses="grad_accum")
 
 PLANTS = {
     "a collective called by only some ranks": Plant(
-        4, ((wrap, P(call="all_reduce", arg="val_stats"), "if is_rank0:"),), ranks=2
+        4, ((wrap, P(call="all_reduce", arg="loss"), "if is_rank0:"),), ranks=2
     ),
     "the replicas' losses not reduced": Plant(3, ((replace, MICRO_LOSS_MEAN, ""),)),
     "the replicas' losses summed, not averaged": Plant(
@@ -128,16 +128,29 @@ PLANTS = {
         ranks=2,
     ),
     "your evaluation differs; training is the same": Plant(
-        4, ((replace, P(call="all_reduce", arg="val_stats"), ""),), ranks=2
+        4,
+        (
+            (
+                rewrite,
+                P(assigns="val_loss", call="evaluate"),
+                "val_windows",
+                "val_windows[rank::world_size]",
+            ),
+        ),
+        ranks=2,
     ),
+    # chapter 05's saves kept in chapter 06 (and 05's import of save_checkpoint)
     "a checkpoint of rank 0's shards only": Plant(
         6,
         (
             (
-                replace,
-                P(assigns="model_state", call="gather_full_state"),
-                "model_state, optimizer_state = gather_full_state(model, optimizer)\n"
-                "model_state = model.state_dict()",
+                replace_each,
+                P(call="gather_and_save"),
+                "from common.checkpoint import save_checkpoint\n"
+                "if is_rank0:\n"
+                "    save_checkpoint(\n"
+                "        out_dir, iter_num, raw_model, optimizer, scaler, train_config\n"
+                "    )",
             ),
         ),
         ranks=2,

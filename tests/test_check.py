@@ -196,7 +196,7 @@ PLANT_FACTS = {
         chapter=6,
         sharded=True,
         params_equal=False,
-        failure="RuntimeError: Error(s) in loading state_dict for GPT: (line 226 of copy/train.py)",
+        failure="RuntimeError: Error(s) in loading state_dict for GPT: (line 185 of copy/train.py)",
     ),
     "resume skipping steps instead of micro-batches": dict(
         chapter=2,
@@ -329,7 +329,8 @@ def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     """03: no DataParallel splits a batch; 05: a killed rank's restart does not continue. (06's,
     "no FSDP", is named from its facts above: a real run of it would add half a minute.)"""
     source = (REPO / CHAPTERS[chapter] / "exercise.py").read_text()
-    source = source.replace(f"parse_args(chapter={chapter - 1},", f"parse_args(chapter={chapter},")
+    given = f"CourseParser(chapter={chapter - 1},"
+    source = source.replace(given, f"CourseParser(chapter={chapter},")
     (tmp_path / "exercise.py").write_text(source)
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
     code, out = run_check(capsys, out_root, tmp_path / "exercise.py", *nproc, "--no-plot")
@@ -422,7 +423,7 @@ def test_a_collective_on_some_ranks_only_is_named_as_a_hang(capsys, out_root, tm
     assert code == 1, out
     assert "the ranks hang" in out, out
     assert "nothing is known to differ" in out, out
-    assert re.search(r"rank 0 waits in all_reduce at line \d+ of .*: `dist.all_reduce\(val_", out)
+    assert re.search(r"rank 0 waits in all_reduce at line \d+ of .*: `dist.all_reduce\(loss", out)
     assert re.search(r"rank 1 waits in \w+ at line \d+ of ", out), out
     assert "diagnosis: a collective called by only some ranks" in out, out
     print(f"the hang was named in {took:.0f} s")

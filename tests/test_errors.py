@@ -193,11 +193,11 @@ def test_out_dir_that_is_a_file(data_dir, earlier_copy):
         f"{out_dir / 'metrics.jsonl'} is a file, not a folder",
     )
     assert snapshot(out_dir) == before
-    from common.config import parse_args
+    from common.config import CourseParser
 
     # every chapter checks it first
     with pytest.raises(CourseError, match="metrics.jsonl is a file, not a folder"):
-        parse_args(4, "", ["--out-dir", str(out_dir / "metrics.jsonl" / "run2")])
+        CourseParser(4, "").parse_args(["--out-dir", str(out_dir / "metrics.jsonl" / "run2")])
 
 
 @pytest.mark.parametrize(
@@ -215,11 +215,11 @@ def test_out_dir_that_is_a_file(data_dir, earlier_copy):
 def test_optimizer_values_are_checked_before_anything_runs(flag, value, message, capsys):
     """Every optimizer value that AdamW would refuse with a traceback (or train on as nan),
     in every chapter."""
-    from common.config import parse_args
+    from common.config import CourseParser
 
     for chapter in range(1, 6):
         with pytest.raises(SystemExit) as stop:
-            parse_args(chapter, "", [flag, value])
+            CourseParser(chapter, "").parse_args([flag, value])
         assert stop.value.code == 2
         assert capsys.readouterr().err.strip() == f"error: argument {flag}: {message} (see --help)"
 

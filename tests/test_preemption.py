@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import io
 import os
 import re
@@ -39,8 +38,8 @@ import torch.distributed as dist
 from helpers import read_until, start, tiny_run_args
 
 from common.metrics import read_metrics
-from common.support.errors import EXIT_STOPPED, Stopped, run_main
-from common.support.preempt import Preemption, stop_signal
+from common.support.errors import run_main
+from common.support.preempt import EXIT_STOPPED, Preemption, exit_stopped, stop_signal
 from common.support.preempt_ranks import STOP_MARKER, stop_after_saving, stop_if_stopped_before
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
@@ -217,19 +216,25 @@ def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers)
     assert preemption.signal_number() == signal.SIGUSR1.value
 
 
-def test_the_ranks_stop_marks_the_run_as_stopped(world_of_one, tmp_path):
+def test_the_ranks_stop_marks_the_run_as_stopped(world_of_one, tmp_path, capsys):
     group = dist.new_group(backend="gloo", timeout=world_of_one)
-    with pytest.raises(Stopped, match="stopped by SIGUSR1 at step 7: checkpoint saved"):
+    with pytest.raises(SystemExit) as stop:
         stop_after_saving(7, signal.SIGUSR1.value, tmp_path, group)
+    assert stop.value.code == EXIT_STOPPED
+    said = capsys.readouterr().err
+    assert said == "stopped by SIGUSR1 at step 7: checkpoint saved; continue with --resume\n"
     assert (tmp_path / STOP_MARKER).read_text() == "7 SIGUSR1\n"
 
 
-def test_a_worker_restarted_after_a_stop_stops_at_once(world_of_one, tmp_path):
+def test_a_worker_restarted_after_a_stop_stops_at_once(world_of_one, tmp_path, capsys):
     group = dist.new_group(backend="gloo", timeout=world_of_one)
     (tmp_path / STOP_MARKER).write_text("7 SIGTERM\n")  # what the stop left
     # torchrun restarted the worker
-    with pytest.raises(Stopped, match="stopped by SIGTERM before torchrun restarted this worker"):
+    with pytest.raises(SystemExit) as stop:
         stop_if_stopped_before(tmp_path, 1, group)
+    assert stop.value.code == EXIT_STOPPED
+    said = capsys.readouterr().err
+    assert said.startswith("stopped by SIGTERM before torchrun restarted this worker at step 7")
     # a new launch (with --resume) is not a restart: the old stop is over, and its marker goes
     stop_if_stopped_before(tmp_path, 0, group)
     assert not (tmp_path / STOP_MARKER).exists()
@@ -247,10 +252,10 @@ def ends(main, resumable=False) -> tuple[int, str]:
 
 def test_run_main_lines_and_statuses(restore_signal_handlers):
     def stopped_at_step_3():
-        raise Stopped("SIGTERM", 3, speaks=True)
+        exit_stopped("SIGTERM", 3, speaks=True)
 
     def stopped_on_rank_1():
-        raise Stopped("SIGTERM", 3, speaks=False)
+        exit_stopped("SIGTERM", 3, speaks=False)
 
     def signalled():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -266,30 +271,39 @@ def test_run_main_lines_and_statuses(restore_signal_handlers):
     )
 
 
-def test_an_error_while_stopping_is_an_error(restore_signal_handlers):
-    """A full disk in the stop's save is one line and status 1; a bug keeps its traceback."""
+ERROR_WHILE_STOPPING = """
+import errno, os, signal, sys
+from common.support.errors import run_main
+from common.support.preempt import Preemption
 
-    def full_disk_while_saving():
-        preemption = Preemption("TERM")
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert preemption.requested()
+def main():
+    preemption = Preemption("TERM")
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preemption.requested()
+    if sys.argv[1] == "full disk":
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    raise ValueError("a bug")
 
-    def bug_while_saving():
-        preemption = Preemption("TERM")
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert preemption.requested()
-        raise ValueError("a bug")
+run_main(main, resumable=True)
+"""
 
-    status, output = ends(full_disk_while_saving, resumable=True)
-    assert status == 1, output
-    assert output.count("\n") == 1, output
-    assert output.startswith("error while stopping after SIGTERM: [Errno 122] Disk quota exceeded")
-    status, output = ends(bug_while_saving)
-    assert status == 1, output
-    assert "Traceback" in output, output
-    assert "ValueError: a bug" in output, output
-    assert output.splitlines()[-1] == "error while stopping after SIGTERM: a bug"
+
+@pytest.mark.parametrize("error", ["full disk", "bug"])
+def test_an_error_while_stopping_is_an_error(error):
+    """After the stop signal, an error that ends the run says it came while stopping, status 1: a
+    full disk in the stop's save is one line; a bug keeps its traceback, then that line."""
+    proc = run_python(["-c", ERROR_WHILE_STOPPING, error], check=False)
+    output = proc.stderr
+    assert proc.returncode == 1, output
+    intact = ": the last checkpoint written is intact; continue with --resume"
+    if error == "full disk":
+        assert output.count("\n") == 1, output
+        disk = "error while stopping after SIGTERM: [Errno 122] Disk quota exceeded"
+        assert output == f"{disk}{intact}\n"
+    else:
+        assert "Traceback" in output, output
+        assert "ValueError: a bug" in output, output
+        assert output.splitlines()[-1] == f"error while stopping after SIGTERM: a bug{intact}"
 
 
 def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):

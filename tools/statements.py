@@ -239,6 +239,17 @@ def replace(source: str, pattern: Pattern, code: str, script: str) -> str:
     return put(source, where, code, indentation(source.splitlines()[where.start]))
 
 
+def replace_each(source: str, pattern: Pattern, code: str, script: str) -> str:
+    """Every statement that fits (at least one) replaced by `code`, each at its indentation."""
+    found = find(source, pattern)
+    if not found:
+        raise ValueError(f"{script}: no statement is {pattern}")
+    for node in reversed(found):  # from the last: the lines above keep their numbers
+        where = lines_of(source, node, script)
+        source = put(source, where, code, indentation(source.splitlines()[where.start]))
+    return source
+
+
 def insert(source: str, pattern: Pattern, code: str, script: str, after: bool = False) -> str:
     """`code` on new lines before (or after) the one statement that fits, at its indentation."""
     node = the_one(source, pattern, script)

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, write_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args
 from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
 from common.training import lr_at
@@ -291,7 +291,7 @@ def compare_states(full: dict, reference: dict) -> float:
 def main() -> None:
     out_dir, ch01_step5, ch01_final = map(Path, sys.argv[1:4])
     extras = "--extras" in sys.argv[4 : sys.argv.index("--")]
-    args = parse_args(chapter=1, description="", argv=sys.argv[sys.argv.index("--") + 1 :])
+    args = CourseParser(chapter=1, description="").parse_args(sys.argv[sys.argv.index("--") + 1 :])
     with gloo_group() as (rank, world):
         torch.use_deterministic_algorithms(True)
         config = gpt_config_from_args(args)

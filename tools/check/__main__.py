@@ -55,7 +55,7 @@ from tools.statements import quoted, statements
 
 
 def written_as(source: str) -> tuple[int | None, int | None]:
-    """(N, line) of the script's call that names its chapter (parse_args(chapter=N, ...))."""
+    """(N, line) of the script's call that names its chapter (CourseParser(chapter=N, ...))."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -68,7 +68,7 @@ def written_as(source: str) -> tuple[int | None, int | None]:
 
 
 def chapter_of(script: Path, source: str, given: int | None) -> int:
-    """--chapter, else the chapter folder the script is in, else the one its parse_args names."""
+    """--chapter, else the chapter folder the script is in, else the one its CourseParser names."""
     if given is not None:
         return given
     for number, name in CHAPTERS.items():
@@ -166,7 +166,7 @@ def planned(args) -> tuple[Plan, int, str]:
     if says is not None and says != chapter:
         raise CannotRun(
             f"{shown(script)} is still chapter {says:02d}'s script (line {line}: "
-            f"parse_args(chapter={says}, ...)) and is checked as chapter {chapter:02d}: "
+            f"CourseParser(chapter={says}, ...)) and is checked as chapter {chapter:02d}: "
             f"do its TODOs (one sets chapter={chapter})"
         )
     return plan, nproc, source

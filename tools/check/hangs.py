@@ -23,6 +23,9 @@ def where_waiting(script: str, frame) -> dict | None:
             collective = frame.f_code.co_name
         if collective is None and "/torch/autograd/" in name:
             collective = "backward (DDP's or FSDP's gradient reduction)"
+        # DDP's forward syncs with the other ranks too (its bucket order, after the first step)
+        if collective is None and name.endswith("/torch/nn/parallel/distributed.py"):
+            collective = f"DDP's {frame.f_code.co_name}"
         if line is None and os.path.abspath(name) == script:
             line = frame.f_lineno
         frame = frame.f_back

@@ -131,7 +131,7 @@ MISTAKES = [
         "only, or by each at a different place: the ranks wait for each other forever",
         signature=lambda f: f.log.hung,
         chapter=4,
-        right=(P(call="all_reduce", arg="val_stats"),),
+        right=(P(call="all_reduce", arg="loss"),),
         look_for=(
             P(call="all_reduce"),
             P(call="barrier"),
@@ -139,7 +139,7 @@ MISTAKES = [
             P(call="all_gather"),
             P(call="all_gather_into_tensor"),
         ),
-        near=P(assigns="val_stats"),
+        near=P(assigns="loss_value"),
         kind="hang",
     ),
     Mistake(
@@ -393,27 +393,27 @@ MISTAKES = [
     Mistake(
         name="your evaluation differs; training is the same",
         did="every training loss and the parameters are chapter 01's, the validation loss is not: "
-        "with several ranks, each evaluates its part of the windows, and the parts must be added "
-        "up over the ranks (the loss sums and the counts) before dividing",
+        "every rank must evaluate chapter 01's windows (a rank that evaluates only its part of "
+        "them needs the others' loss sums and counts, added up over the ranks, before dividing)",
         signature=lambda f: f.log.first_val_diff is not None and f.log.first_loss_diff is None,
         chapter=4,
-        right=(P(call="all_reduce", arg="val_stats"),),
-        look_for=(P(call="all_reduce", arg="val_stats"), P(assigns="val_loss")),
-        near=P(assigns="val_stats"),
+        right=(P(assigns="val_loss", call="evaluate"),),
+        look_for=(P(assigns="val_loss"),),
+        near=P(call="check_finite", uses="val_loss"),
         kind="evaluation",
     ),
     Mistake(
         name="a checkpoint of rank 0's shards only",
         did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
-        "rank 0's shards, not the model. Saved as ckpt.pt, it does not load into the whole "
-        "model, so the resume fails; the whole tensors must be gathered from "
-        "every rank first (gather_full_state: get_model_state_dict with full_state_dict=True, on "
-        "every rank)",
+        "rank 0's shards, not the model. Saved as ckpt.pt (chapter 05's save_checkpoint), it does "
+        "not load into the whole model, so the resume fails; the whole tensors must be gathered "
+        "from every rank first, on every rank (gather_and_save: get_model_state_dict with "
+        "full_state_dict=True, then rank 0 writes)",
         signature=FailsWith(r"Error\(s\) in loading state_dict"),
         chapter=6,
-        right=(P(assigns="model_state", call="gather_full_state"),),
-        look_for=(P(assigns="model_state"), P(call="state_dict")),
-        near=P(call="gather_full_state"),
+        right=(P(call="gather_and_save"),),
+        look_for=(P(call="save_checkpoint"), P(call="state_dict")),
+        near=P(call="evaluation"),
         kind="resume",
     ),
     Mistake(
