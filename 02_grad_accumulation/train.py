@@ -85,7 +85,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     if checkpoint is not None:
-        # resuming: the same global batch and seed, then the optimizer, scaler and random state
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
     raw_model = model  # the plain module: its state dict is what checkpoints hold

@@ -58,7 +58,8 @@ class AutocastDataParallel(nn.DataParallel):
         self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs
     ):
         super().__init__(module, **kwargs)
-        self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
+        self.autocast_device = autocast_device
+        self.autocast_dtype = autocast_dtype
 
     def parallel_apply(self, replicas, inputs, kwargs):
         replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
@@ -134,14 +135,14 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     if checkpoint is not None:
-        # resuming: the same global batch and seed, then the optimizer, scaler and random state
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-    # The wrapper keeps the real model in model.module. Its state dict would prefix every name
-    # with "module.", so checkpoints save model.module's, which any chapter can load.
-    # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
+    # nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
     # it calls the model as it is
     model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
+    # The wrapper keeps the real model in model.module. Its state dict would prefix every name
+    # with "module.", so checkpoints save model.module's, which any chapter can load.
     raw_model = model.module
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:

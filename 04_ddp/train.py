@@ -134,7 +134,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     if checkpoint is not None:
-        # resuming: the same global batch and seed, then the optimizer, scaler and random state
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
     # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks

@@ -188,7 +188,7 @@ def main():
     scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     if checkpoint is not None:
-        # resuming: the same global batch and seed, then the optimizer, scaler and random state
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, None, scaler)  # None: AdamW is sharded
     del whole_model, checkpoint  # rank 0's whole tensors are freed
