@@ -1,7 +1,8 @@
 # Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add chapter 02's idea
-# where the 5 TODOs say. A TODO says how the lines below it change and quotes the new comments of
-# the solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
-# course's tests read only this one). Then check your copy:
+# where the 5 TODOs say. A TODO says how the lines below it change, and hints: the new comments of
+# the solution there (or its code), the defs it adds and the helpers it first calls, with their
+# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
 #     cp -n 02_grad_accumulation/exercise.py 02_grad_accumulation/my_exercise.py
 #     python -m tools.check 02_grad_accumulation/my_exercise.py
 # The solution is 02_grad_accumulation/train.py (its README shows the diff). `cp -n` never
@@ -146,6 +147,7 @@ def main():
             #     makes that sum the gradient of the mean over all K * B sequences
             #   this micro-batch's activations are freed here
             #   clipping, the optimizer step and the learning rate act once per global batch
+            #   uses torch.zeros, micro_loss.detach
             x, y = next(batches)  # (B, T) each, built in CPU memory
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast:

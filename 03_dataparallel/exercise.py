@@ -1,7 +1,8 @@
 # Exercise: chapter 03 (03_dataparallel). This is chapter 02's train.py; add chapter 03's idea where
-# the 15 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
-# solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
-# course's tests read only this one). Then check your copy:
+# the 14 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
+# solution there (or its code), the defs it adds and the helpers it first calls, with their
+# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
 #     cp -n 03_dataparallel/exercise.py 03_dataparallel/my_exercise.py
 #     python -m tools.check 03_dataparallel/my_exercise.py
 # The solution is 03_dataparallel/train.py (its README shows the diff). `cp -n` never overwrites a
@@ -16,7 +17,7 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
     python 02_grad_accumulation/train.py --batch-size 2 --grad-accum 4   # the same run as 01 with 8
 """
 
-# TODO 1/15: the imports: remove (-) and add (+)
+# TODO 1/14: the imports: remove (-) and add (+)
 #     + from torch import nn
 #     + from common.dataparallel import choose_dataparallel_gpus, in_autocast
 import sys
@@ -52,13 +53,23 @@ from common.training import (
 )
 
 
-# TODO 2/15: add 22 line(s) of code here:
+# TODO 2/14: add 22 line(s) of code here:
+#   class AutocastDataParallel(nn.DataParallel): nn.DataParallel whose replicas compute in the run's
+#       number format (bfloat16 or float16), ...
+#     overrides __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype,
+#         **kwargs)
+#     overrides parallel_apply(self, replicas, inputs, kwargs)
+#   def row_weights(rows: list[int]) -> list[float]: Factors for each replica's mean loss, so that
+#       the mean of the weighted losses is the mean ...
 #   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the replicas
 #     different shares, and the plain mean of their mean losses would count each row of the smaller
 #     share more. Weighted by its rows, the mean of the losses is the mean over all rows. An even
 #     split, as every training batch is, gets weights of exactly 1.
+#   uses common.dataparallel.in_autocast(module, device: torch.device, dtype: torch.dtype): `module`
+#       called inside autocast, which DataParallel's replica threads lose (the trap ...
+#   uses torch.nn.DataParallel
 def main():
-    # TODO 3/15: change the next 1 line(s) of code:
+    # TODO 3/14: change the next 1 line(s) of code:
     #     args = parse_args(chapter=3, description=__doc__)
     args = parse_args(chapter=2, description=__doc__)
     torch.manual_seed(args.seed)
@@ -68,12 +79,16 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 4/15: add 3 line(s) of code here:
+    # TODO 4/14: add 3 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     #   The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
-    #   --compile over several GPUs) are refused with one line each (common/dataparallel.py).
+    #     --compile over several GPUs) are refused with one line each (common/dataparallel.py).
     #   on a CPU: one, the model itself
     #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
+    #   uses common.dataparallel.choose_dataparallel_gpus(device: torch.device, requested: int |
+    #       None, compile: bool, cuda_gpus: int) -> list[int]: The GPU numbers DataParallel spreads
+    #       over, or [] on a machine without a CUDA GPU.
+    #   uses torch.cuda.device_count
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
     data_folder = prepare(
@@ -81,7 +96,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 5/15: change the next 1 line(s) of code:
+    # TODO 5/14: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, each of `batch_size` sequences per replica, which DataParallel cuts out of one
     #     big batch.
@@ -115,10 +130,10 @@ def main():
         # resuming: the optimizer's averages, the loss scale and the random state continue
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
         best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 6/15: change the next 1 line(s) of code into 3:
+    # TODO 6/14: change the next 1 line(s) of code into 3:
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
     #     with "module.", so checkpoints save model.module's, which any chapter can load.
-    #     nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
+    #   nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
     #     []) it calls the model as it is
     #   DataParallel, not compiled: see the evaluation below
     raw_model = model  # the plain module: its state dict is what checkpoints hold
@@ -128,28 +143,28 @@ def main():
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 7/15: change the next 1 line(s) of code:
+    # TODO 7/14: change the next 1 line(s) of code:
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
-    # TODO 8/15: add 11 line(s) of code here:
+    # TODO 8/14: add 11 line(s) of code here:
     #     if replicas > 1:
-    #     print(
-    #     f"DataParallel: 1 process, {replicas} threads, "
-    #     f"one replica per GPU on cuda:0..{replicas - 1}; "
-    #     f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
-    #     )
+    #         print(
+    #             f"DataParallel: 1 process, {replicas} threads, "
+    #             f"one replica per GPU on cuda:0..{replicas - 1}; "
+    #             f"each step scatters the batch, replicates the model and gathers the outputs ...
+    #         )
     #     else:
-    #     print(
-    #     f"DataParallel has nothing to split on one {device.type} device: "
-    #     "the run is chapter 02's"
-    #     )
+    #         print(
+    #             f"DataParallel has nothing to split on one {device.type} device: "
+    #             "the run is chapter 02's"
+    #         )
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
     model.train()
-    # TODO 9/15: change the next 1 line(s) of code:
+    # TODO 9/14: change the next 1 line(s) of code:
     #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     #   metrics.jsonl and the progress bar: one call per log step
     # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
@@ -163,9 +178,9 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 10/15: change the next 2 line(s) of code:
+        # TODO 10/14: change the next 2 line(s) of code:
         #     loader = batch_loader(
-        #     train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
+        #         train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
             train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
         )
@@ -179,14 +194,13 @@ def main():
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
-                # TODO 11/15: change the next 1 line(s) of code:
-                #   (replicas * B, T) each, built in CPU memory
                 x, y = next(batches)  # (B, T) each, built in CPU memory
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 12/15: change the next 1 line(s) of code into 2:
+                    # TODO 11/14: change the next 1 line(s) of code into 2:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on
                     #     cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
+                    #   uses micro_loss.mean
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                     # backward() adds into .grad, so K micro-steps sum K gradients; each loss
                     # divided by K makes that sum the gradient of the mean over all K * B sequences
@@ -212,9 +226,9 @@ def main():
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 13/15: change the next 2 line(s) of code:
+                # TODO 12/14: change the next 2 line(s) of code:
                 #     val_loss = evaluate(
-                #     eval_model, val_set, val_windows, whole_batch, device, autocast
+                #         eval_model, val_set, val_windows, whole_batch, device, autocast
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
@@ -222,10 +236,10 @@ def main():
                 check_finite(iter_num, val_loss, "validation loss")
                 if best_val_loss is None or val_loss < best_val_loss:
                     best_val_loss = val_loss
-                # TODO 14/15: change the next 3 line(s) of code:
+                # TODO 13/14: change the next 3 line(s) of code:
                 #     save_checkpoint(
-                #     out_dir,
-                #     model_state=model.module.state_dict(),
+                #         out_dir,
+                #         model_state=model.module.state_dict(),
                 save_checkpoint(
                     out_dir,
                     model_state=raw_model.state_dict(),
@@ -239,8 +253,9 @@ def main():
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
 
-    # TODO 15/15: add 6 line(s) of code here:
+    # TODO 14/14: add 6 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
+    #   uses torch.cuda.max_memory_allocated
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))

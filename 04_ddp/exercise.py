@@ -1,7 +1,8 @@
 # Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
-# TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
-# there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
-# tests read only this one). Then check your copy:
+# TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
+# there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
+# a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
+# this one). Then check your copy:
 #     cp -n 04_ddp/exercise.py 04_ddp/my_exercise.py
 #     python -m tools.check 04_ddp/my_exercise.py --nproc-per-node 2
 # The solution is 04_ddp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
@@ -22,23 +23,12 @@ run is chapter 02's.
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
 #     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
-#     - from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
-#     + import contextlib
-#     + import datetime
-#     + import os
-#     + import platform
-#     + import torch.distributed as dist
+#     - from common.device import pick_device
+#     + import contextlib, datetime, os, platform, torch.distributed as dist
 #     + from torch.nn.parallel import DistributedDataParallel as DDP
 #     + from torch.utils.data.distributed import DistributedSampler
-#     + from common.device import autocast_context, describe, pick_dtype, setup_math
-#     + from common.distributed import (
-#     + RankLog,
-#     + one_rank_first,
-#     + rank_device,
-#     + ranks_unlike_rank0,
-#     + refuse_shared_gpus,
-#     + require_torchrun,
-#     + share_cpu_cores,
+#     + from common.distributed import RankLog, one_rank_first, rank_device, ranks_unlike_rank0,
+#         refuse_shared_gpus, require_torchrun, share_cpu_cores
 import sys
 from pathlib import Path
 
@@ -74,7 +64,8 @@ from common.training import (
 )
 
 
-# TODO 2/21: remove the next 22 line(s) of code
+# TODO 2/21: remove the next 22 line(s) of code:
+#   gone from the solution: AutocastDataParallel, row_weights
 class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
     and whose loss counts every row once, however the batch splits (see parallel_apply).
@@ -111,12 +102,15 @@ def row_weights(rows: list[int]) -> list[float]:
 def main():
     # TODO 3/21: change the next 1 line(s) of code into 8:
     #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
-    #     ----------------------
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
     #   this process among those on its machine: its GPU
     #   log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
+    #   uses common.distributed.require_torchrun() -> None: Refuse, with one line, a DDP chapter
+    #       started without torchrun, which tells each process its ...
+    #   uses common.distributed.RankLog(prefix: str, speaks: bool): Lines that say which rank wrote
+    #       them: `log(text)` from rank 0 only (it speaks for every ...
     args = parse_args(chapter=3, description=__doc__)
     torch.manual_seed(args.seed)
     # TODO 4/21: change the next 1 line(s) of code into 4:
@@ -124,6 +118,12 @@ def main():
     #     CPU.
     #   cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
     #   ranks on one CPU share its cores
+    #   uses common.distributed.rank_device(requested: str, local_rank: int, local_world_size: int,
+    #       cuda_gpus: int) -> torch.device: The device of one DDP process: cuda:LOCAL_RANK on a
+    #       machine with GPUs, else the CPU.
+    #   uses common.distributed.share_cpu_cores(local_world_size: int) -> str: Give this rank its
+    #       share of the CPU's cores; says how many threads it has, and why.
+    #   uses torch.cuda.set_device
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
@@ -132,11 +132,14 @@ def main():
 
     # TODO 5/21: change the next 3 line(s) of code into 6:
     #   ---- the process group: every rank joins it; collectives run in it
-    #     ---------------------------
     #   NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
     #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     #   every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     #   two ranks on one GPU: one line, not NCCL's traceback
+    #   uses common.distributed.refuse_shared_gpus(device: torch.device, timeout:
+    #       datetime.timedelta) -> None: Refuse, with one line, a job in which two ranks drive the
+    #       same GPU (a collective: every rank ...
+    #   uses torch.distributed.init_process_group, log.every_rank
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
     # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
@@ -151,14 +154,17 @@ def main():
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
     #     work.
+    #   uses common.distributed.one_rank_first(is_first: bool): Run the block on the first rank,
+    #       then on every other one: for work done once on disk.
     data_folder = prepare(
         args.dataset, args.data_dir, num_proc=args.num_proc, text_column=args.text_column
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
     # TODO 7/21: change the next 1 line(s) of code:
-    #   on each of world_size ranks at the same time, each of `batch_size` sequences.
+    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
+    #     another, on each of world_size ranks at the same time, each of `batch_size` sequences.
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
     # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
@@ -193,13 +199,15 @@ def main():
     #   DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     #     into backward to average the gradients over ranks. Checkpoints save the real model inside,
     #     model.module, whose names have no "module." prefix, so that any chapter can load them.
+    #   uses torch.nn.parallel.DistributedDataParallel
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
     # it calls the model as it is
     model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
     raw_model = model.module
-    # TODO 9/21: remove the next 1 line(s) of code
+    # TODO 9/21: remove the next 1 line(s) of code:
+    #   gone from the solution: eval_model
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
@@ -230,10 +238,10 @@ def main():
         )
     # TODO 12/21: change the next 3 line(s) of code into 6:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
-    #     ----------
     #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
     #     ... (W = world_size): the ranks' micro-batches of one step together are the G consecutive
     #     positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
+    #   uses torch.utils.data.distributed.DistributedSampler
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -251,6 +259,7 @@ def main():
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         # TODO 14/21: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
+        #   uses sampler.set_epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
@@ -258,7 +267,7 @@ def main():
         skip = step_in_epoch * args.grad_accum
         # TODO 15/21: change the next 2 line(s) of code:
         #     loader = batch_loader(
-        #     train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
+        #         train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
             train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         )
@@ -280,6 +289,7 @@ def main():
             #     makes that sum the gradient of the mean over K * B
             #   the last backward all-reduces bucket after bucket of gradients while it still
             #     computes the rest; this micro-batch's activations are freed here
+            #   uses model.no_sync
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
@@ -307,6 +317,7 @@ def main():
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 # TODO 17/21: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it
+                #   uses torch.distributed.all_reduce
                 loss_value = loss.item()
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
@@ -317,6 +328,7 @@ def main():
             #     nothing for DDP to do); the loss sums and window counts are added over ranks, so
             #     every rank gets the mean over all the windows.
             #   the sum of my losses, their count
+            #   uses torch.tensor, torch.stack
             if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
@@ -344,6 +356,8 @@ def main():
     # TODO 20/21: change the next 8 line(s) of code into 5:
     #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
     #     it bit for bit against rank 0's copy.
+    #   uses common.distributed.ranks_unlike_rank0(model: torch.nn.Module) -> int: How many ranks
+    #       hold parameters that differ from rank 0's, bit for bit (0 on every rank when ...
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
         peaks = [
             f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB"
@@ -360,5 +374,6 @@ def main():
 #   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the connections
 #     to the other ranks cleanly; after main() has returned, so that the model that holds the group
 #     (DDP's, FSDP's) is freed first.
+#   uses torch.distributed.is_initialized, torch.distributed.destroy_process_group
 if __name__ == "__main__":
     run_main(main, resumable=True)

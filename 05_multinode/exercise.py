@@ -1,7 +1,8 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
-# the 14 TODOs say. A TODO says how the lines below it change and quotes the new comments of the
-# solution there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the
-# course's tests read only this one). Then check your copy:
+# the 14 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
+# solution there (or its code), the defs it adds and the helpers it first calls, with their
+# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
 #     cp -n 05_multinode/exercise.py 05_multinode/my_exercise.py
 #     python -m tools.check 05_multinode/my_exercise.py --nproc-per-node 2
 # The solution is 05_multinode/train.py (its README shows the diff). `cp -n` never overwrites a
@@ -20,8 +21,7 @@ One process alone is `torchrun --standalone --nproc_per_node=1 04_ddp/train.py`.
 """
 
 # TODO 1/14: the imports: remove (-) and add (+)
-#     + agree_on_restart,
-#     + restart_store,
+#     + from common.distributed import agree_on_restart, restart_store
 #     + from common.support.preempt import Preemption
 #     + from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 import contextlib
@@ -112,9 +112,12 @@ def main():
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     # TODO 5/14: change the next 1 line(s) of code into 2:
-    #   its own meeting point for every attempt: torchrun's store outlives a restart (--max-
-    #     restarts)
+    #   its own meeting point for every attempt: torchrun's store outlives a restart
+    #     (--max-restarts)
     #   every rank meets the others at that store, or at MASTER_ADDR:MASTER_PORT (store None)
+    #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
+    #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet; None:
+    #       init_process_group connects to MASTER_ADDR ...
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
@@ -152,15 +155,19 @@ def main():
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # ---- model and optimizer ---------------------------------------------------------------------
     # TODO 8/14: add 3 line(s) of code here:
     #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
     #     them again. A restarted run continues from the checkpoint written before the failure, if
     #     there is one yet. The ranks agree on the restart count, and every rank says whether it
     #     sees the checkpoint: across machines --out-dir must be on a file system all nodes see.
-    # The run folder: refused if it holds another run (unless this one continues it) or another
+    #   uses common.distributed.agree_on_restart(restart_count: int, checkpoint: Path, resume: bool)
+    #       -> tuple[int, bool]: What the ranks agree on after torchrun restarted them (a
+    #       collective: every rank calls it).
+    # ---- model and optimizer ---------------------------------------------------------------------
     # TODO 9/14: change the next 2 line(s) of code into 4:
-    #   run is using it; then locked by rank 0 until it ends, so no second run writes into it.
+    #   The run folder: refused if it holds another run (unless this one continues it) or another
+    #     run is using it; then locked by rank 0 until it ends, so no second run writes into it.
+    # The run folder: refused if it holds another run (unless this one continues it) or another
     # run is using it; then locked until this process ends, so no second run writes into it.
     claim_out_dir(out_dir, resume=args.resume)
     checkpoint = load_checkpoint(out_dir) if args.resume else None
@@ -202,9 +209,9 @@ def main():
     #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
     # TODO 11/14: change the next 2 line(s) of code into 4:
     #     if iter_num:
-    #     log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+    #         log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
     #     elif restarted:
-    #     log(f"{restarted}no checkpoint was written yet, starting again from step 0")
+    #         log(f"{restarted}no checkpoint was written yet, starting again from step 0")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -223,15 +230,20 @@ def main():
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
     # TODO 12/14: add 17 line(s) of code here:
+    #   def save(step: int) -> None: The checkpoint, at every evaluation and when the run is asked
+    #       to stop (rank 0 writes).
     #   ---- a scheduler's stop
-    #     ----------------------------------------------------------------------
     #   SIGTERM (or --stop-signal) before a time limit or a preemption: the run saves the step it is
     #     in and exits 75, for the job to be requeued and resumed. A rank that stopped alone would
-    #     leave the others waiting in their next collective, so every `stop_check_every` steps the
-    #     ranks all-reduce their stop flags, over a CPU group of their own: one rank's signal stops
-    #     them all after the same step. bench/stop_check.py measures what a check costs.
+    #     leave the others waiting in their next collective ...
     #   its handler only notes the signal
     #   a worker torchrun restarted after a stop finds the stop's marker and stops too
+    #   uses common.support.preempt.Preemption(signal_name: str): Listens for SIGTERM and
+    #       `signal_name`; chapter 05's ranks all-reduce signal_number() every ...
+    #   uses common.support.preempt_ranks.stop_if_stopped_before(out_dir: str | Path, restarts: int,
+    #       group: dist.ProcessGroup) -> None: A worker torchrun restarted (`restarts`, agreed by
+    #       all ranks) after the run was stopped ...
+    #   uses torch.distributed.new_group
     while iter_num < args.max_iters:
         epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
         # the permutation of seed + epoch; without this every epoch repeats epoch 0
@@ -319,10 +331,14 @@ def main():
                     )
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     # TODO 14/14: add 8 line(s) of code here:
-    #   ---- has any rank been asked to stop? (on the last step, the run just ends) ----
+    #   ---- has any rank been asked to stop? (on the last step, the run just ends)
     #   0, or the number of the signal this rank received; the MAX over ranks stops all
     #   an evaluation step saved it already
     #   the stop's marker, then one line and exit status 75: continue with --resume
+    #   uses common.support.preempt_ranks.stop_after_saving(step: int, signal_number: int, out_dir:
+    #       str | Path, group: dist.ProcessGroup) -> None: End the run after the checkpoint of
+    #       `step` is written: rank 0 marks the run as stopped, ...
+    #   uses preemption.signal_number
     report.close()
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     # bit for bit against rank 0's copy.

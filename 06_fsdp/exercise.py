@@ -1,7 +1,8 @@
 # Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 18
-# TODOs say. A TODO says how the lines below it change and quotes the new comments of the solution
-# there. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
-# tests read only this one). Then check your copy:
+# TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
+# there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
+# a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
+# this one). Then check your copy:
 #     cp -n 06_fsdp/exercise.py 06_fsdp/my_exercise.py
 #     python -m tools.check 06_fsdp/my_exercise.py --nproc-per-node 2
 # The solution is 06_fsdp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
@@ -25,22 +26,15 @@ two machines, SLURM and a two-node simulation on one machine are in this folder 
 # TODO 1/18: the imports: remove (-) and add (+)
 #     - import contextlib
 #     - from torch.nn.parallel import DistributedDataParallel as DDP
-#     - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-#     - from common.device import autocast_context, describe, pick_dtype, setup_math
-#     - ranks_unlike_rank0,
+#     - from common.checkpoint import load_checkpoint
+#     - from common.device import autocast_context
+#     - from common.distributed import ranks_unlike_rank0
 #     + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 #     + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-#     + from common.checkpoint import check_same_shape, restore_training_state, save_checkpoint
-#     + from common.device import describe, pick_dtype, setup_math
+#     + from common.checkpoint import check_same_shape
 #     + from common.model import GPT
-#     + from common.sharding import (
-#     + describe_held_bytes,
-#     + gather_full_state,
-#     + held_bytes,
-#     + load_checkpoint_on_rank0,
-#     + peak_memory,
-#     + shard_full_state,
-#     + start_peak_memory,
+#     + from common.sharding import describe_held_bytes, gather_full_state, held_bytes,
+#         load_checkpoint_on_rank0, peak_memory, shard_full_state, start_peak_memory
 import contextlib
 import datetime
 import os
@@ -124,7 +118,8 @@ def main():
     cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/18: remove the next 1 line(s) of code
+    # TODO 3/18: remove the next 1 line(s) of code:
+    #   gone from the solution: autocast, autocast_context
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -181,26 +176,26 @@ def main():
     checkpoint = None
     # TODO 4/18: change the next 2 line(s) of code:
     #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
+    #   uses common.sharding.load_checkpoint_on_rank0(out_dir: str | Path) -> dict: ckpt.pt, read by
+    #       rank 0 alone: the other ranks get the rest of it (the step, the settings, ...
     if args.resume or (restarts > 0 and checkpoint_everywhere):
         checkpoint = load_checkpoint(out_dir)
     if checkpoint is not None:
         check_resume(checkpoint, global_batch, args.seed)
     # TODO 5/18: change the next 1 line(s) of code into 11:
-    #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
-    #     device a tensor has a shape and a type but no storage: this model costs no memory yet.
-    #   On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
-    #     gathered cast to it, which also halves the bytes sent; the gradients are reduced in
-    #     float32 and the optimizer steps on float32 shards, the master weights. On the CPU
-    #     (float32, float64) everything stays in the parameters' own type.
-    #   Each transformer block becomes one FSDP unit: its parameters are gathered from all ranks
-    #     just before its forward and freed after it, then gathered again for its backward. The root
-    #     unit holds the rest: the embeddings, the last LayerNorm and the output layer (tied to the
-    #     token embedding). FSDP never frees the root's after forward: they stay whole until
-    #     backward ends. fully_shard changes the model in place: each parameter is now a DTensor
-    #     whose local tensor is this rank's rows of it (model.parameters() yields the shards).
+    #   The chapter is for a model too large for one device, so no rank builds it whole. ...
+    #   On GPUs FSDP computes in bfloat16 (float16 on older ones) ...
+    #   Each transformer block becomes one FSDP unit ...
+    #   fully_shard changes the model in place: each parameter is now a DTensor whose local ...
     #   memory for this rank's shards, on its device, not yet filled (the model has no buffers)
-    #   AdamW keeps two running averages per parameter, each the shape of the parameter: built on
-    #     the shards, the optimizer state is sharded too, and every rank updates only its own rows.
+    #   AdamW keeps two running averages per parameter, each the shape of the parameter ...
+    #   uses common.checkpoint.check_same_shape(checkpoint: dict, config: GPTConfig) -> None: Refuse
+    #       to resume a checkpoint into a model of another shape, naming what differs.
+    #   uses common.sharding.start_peak_memory(device: torch.device) -> float: Forget the peak so
+    #       far and return the memory held now, in MB: on a GPU the tensors' bytes ...
+    #   uses common.model.GPT(config: GPTConfig)
+    #   uses torch.device, torch.distributed.fsdp.MixedPrecisionPolicy,
+    #       torch.distributed.fsdp.fully_shard, model.to_empty
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -214,11 +209,14 @@ def main():
     #     seed, chapter 01's. Every rank then takes its rows of it, one tensor at a time.
     #   a fresh optimizer has no state to load
     #   rank 0's; the other ranks' is empty
+    #   uses common.sharding.shard_full_state(model: torch.nn.Module, optimizer: Optimizer,
+    #       model_state: dict, optimizer_state: dict | None) -> None: Fill this rank's shards from
+    #       rank 0's whole tensors (a fresh model's or ckpt.pt's), which ...
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     # TODO 7/18: change the next 1 line(s) of code:
-    #   float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     #   Each rank sees only its shards of the gradients: the sharded scaler agrees over all ranks on
     #     whether a step had an inf, so all of them skip it or none does.
+    #   uses torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
     best_val_loss = None
@@ -232,6 +230,8 @@ def main():
     #   rank 0's whole tensors are freed
     #   the most memory this rank held while it built its shards, above what it held before
     #   fully_shard wrapped nothing: the model is the sharded model, its state dict names unchanged
+    #   uses common.sharding.peak_memory(device: torch.device) -> float: The most memory held at any
+    #       moment since start_peak_memory, in MB, counted as it counts.
     # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     # into backward to average the gradients over ranks. Checkpoints save the real model inside,
     # model.module, whose names have no "module." prefix, so that any chapter can load them.
@@ -246,8 +246,8 @@ def main():
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
     # TODO 10/18: add 1 line(s) of code here:
-    #     averaging = "parameters gathered block by block, gradients reduce-scattered during
-    #       backward"
+    #     averaging =
+    #         "parameters gathered block by block, gradients reduce-scattered during backward"
     threads = f"; {cpu_threads}" if cpu_threads else ""
     # TODO 11/18: change the next 2 line(s) of code:
     #     share = f"1/{world_size} of the model each"
@@ -277,13 +277,16 @@ def main():
     def save(step: int) -> None:
         # TODO 12/18: change the next 2 line(s) of code into 4:
         #   the others' dicts are empty
+        #   uses common.sharding.gather_full_state(model: torch.nn.Module, optimizer: Optimizer) ->
+        #       tuple[dict, dict]: The model's and the optimizer's whole tensors, gathered from
+        #       every rank's shards into rank ...
         """The checkpoint, at every evaluation and when the run is asked to stop (rank 0 writes)."""
         if is_rank0:
             # TODO 13/18: change the next 4 line(s) of code:
             #     save_checkpoint(
-            #     out_dir,
-            #     model_state=model_state,
-            #     optimizer_state=optimizer_state,
+            #         out_dir,
+            #         model_state=model_state,
+            #         optimizer_state=optimizer_state,
             save_checkpoint(
                 out_dir,
                 model_state=model.module.state_dict(),
@@ -334,6 +337,7 @@ def main():
             #     makes that sum the gradient of the mean over all K * B sequences
             #   the last backward reduce-scatters block after block of gradients while it still
             #     computes the rest; this micro-batch's activations are freed here
+            #   uses model.set_requires_gradient_sync
             for micro_step in range(args.grad_accum):
                 # DDP all-reduces the gradients inside backward(); before the last micro-step that
                 # traffic would be wasted, so no_sync() lets them add up on this rank
@@ -363,9 +367,9 @@ def main():
 
             # TODO 15/18: add 4 line(s) of code here:
             #     if iter_num == first_step:
-            #     log.every_rank(
-            #     f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB"
-            #     )
+            #         log.every_rank(
+            #             f"peak memory, first step: {peak_memory(device) - held_before:.1f} MB"
+            #         )
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
                 # the mean over all ranks: a collective, so every rank calls it
@@ -414,6 +418,11 @@ def main():
     #     state.
     #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
     #   every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
+    #   uses common.sharding.describe_held_bytes(held: dict[str, list[int]]) -> str: One line: what
+    #       this rank holds, against what a DDP rank holds, in MB (10^6 bytes).
+    #   uses common.sharding.held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
+    #       dict[str, list[int]]: Parameter, gradient and optimizer-state bytes: [this rank's, every
+    #       DDP rank's] for each.
     # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
     # bit for bit against rank 0's copy.
     differing = ranks_unlike_rank0(raw_model)
@@ -422,10 +431,10 @@ def main():
 
     # TODO 18/18: change the next 3 line(s) of code into 5:
     #     if args.sample_tokens:
-    #     log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-    #     text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
-    #     if is_rank0:
-    #     print(text)
+    #         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+    #         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+    #         if is_rank0:
+    #             print(text)
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
