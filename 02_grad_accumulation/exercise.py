@@ -1,5 +1,5 @@
 # Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add chapter 02's idea
-# where the 5 TODOs say. A TODO says how the lines below it change, and hints: the new comments of
+# where the 6 TODOs say. A TODO says how the lines below it change, and hints: the new comments of
 # the solution there (or its code), the defs it adds and the helpers it first calls, with their
 # signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -18,6 +18,8 @@ Every later chapter is this script with one idea added.
     python 01_single_gpu/train.py --preset tiny --max-iters 50
 """
 
+# TODO 1/6: the imports: remove (-) and add (+)
+#     + from common.config import positive_int
 import sys
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import torch
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
@@ -52,9 +54,14 @@ from common.training import (
 
 
 def main():
-    # TODO 1/5: change the next 1 line(s) of code:
-    #     args = parse_args(chapter=2, description=__doc__)
-    args = parse_args(chapter=1, description=__doc__)
+    # TODO 2/6: change the next 1 line(s) of code into 4:
+    #     parser = CourseParser(chapter=2, description=__doc__)
+    #     parser.add_argument(
+    #         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    #     )
+    #   uses parser.add_argument
+    parser = CourseParser(chapter=1, description=__doc__)
+    args = parser.parse_args()
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -69,7 +76,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 2/5: change the next 1 line(s) of code:
+    # TODO 3/6: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another.
     # One optimizer step sees `global_batch` sequences. Here that is one batch on one device.
@@ -80,12 +87,11 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked until this process ends, so no second run writes into it.
+    # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
-    checkpoint = load_checkpoint(out_dir) if args.resume else None
-    if checkpoint is not None:
-        check_resume(checkpoint, global_batch, args.seed)
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -97,11 +103,10 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-        best_val_loss = checkpoint.get("best_val_loss")
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
         model = torch.compile(model)
@@ -109,7 +114,7 @@ def main():
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 3/5: change the next 1 line(s) of code into 2:
+    # TODO 4/6: change the next 1 line(s) of code into 2:
     #     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     #     print(f"global batch: {split} = {per_step}")
     print(f"global batch: {per_step}")
@@ -117,17 +122,17 @@ def main():
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    model.train()
     # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
     report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
-        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
-        # TODO 4/5: change the next 1 line(s) of code:
+        # TODO 5/6: change the next 1 line(s) of code:
         #   micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch  # batches of this epoch a resumed run trained on
         loader = batch_loader(
@@ -141,7 +146,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 5/5: change the next 5 line(s) of code into 9:
+            # TODO 6/6: change the next 6 line(s) of code into 10:
             #   the mean loss over the whole global batch
             #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
             #     makes that sum the gradient of the mean over all K * B sequences
@@ -149,7 +154,8 @@ def main():
             #   clipping, the optimizer step and the learning rate act once per global batch
             #   uses torch.zeros, micro_loss.detach
             x, y = next(batches)  # (B, T) each, built in CPU memory
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
             with autocast:
                 _, loss = model(x, y)  # mean cross-entropy over B * T predictions
             scaler.scale(loss).backward()  # gradients of the loss land in each parameter's .grad
@@ -160,15 +166,16 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            last_step = iter_num == args.max_iters
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.log_interval == 0 or last_step:
                 loss_value = loss.item()
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
                 val_loss = evaluate(
@@ -176,24 +183,14 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                if best_val_loss is None or val_loss < best_val_loss:
-                    best_val_loss = val_loss
-                save_checkpoint(
-                    out_dir,
-                    model_state=raw_model.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
@@ -53,7 +53,7 @@ from common.training import (
 )
 
 
-# TODO 2/14: add 22 line(s) of code here:
+# TODO 2/14: add 23 line(s) of code here:
 #   class AutocastDataParallel(nn.DataParallel): nn.DataParallel whose replicas compute in the run's
 #       number format (bfloat16 or float16), ...
 #     overrides __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype,
@@ -70,8 +70,19 @@ from common.training import (
 #   uses torch.nn.DataParallel
 def main():
     # TODO 3/14: change the next 1 line(s) of code:
-    #     args = parse_args(chapter=3, description=__doc__)
-    args = parse_args(chapter=2, description=__doc__)
+    #     parser = CourseParser(chapter=3, description=__doc__)
+    parser = CourseParser(chapter=2, description=__doc__)
+    # TODO 4/14: add 5 line(s) of code here:
+    #     parser.add_argument(
+    #         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    #     )
+    #     parser.add_argument(
+    #         "--gpus", type=positive_int,
+    #             help="GPUs DataParallel splits over (default: all visible)"
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    args = parser.parse_args()
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -79,7 +90,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 4/14: add 3 line(s) of code here:
+    # TODO 5/14: add 3 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     #   The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
     #     --compile over several GPUs) are refused with one line each (common/dataparallel.py).
@@ -96,7 +107,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 5/14: change the next 1 line(s) of code:
+    # TODO 6/14: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, each of `batch_size` sequences per replica, which DataParallel cuts out of one
     #     big batch.
@@ -108,12 +119,11 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked until this process ends, so no second run writes into it.
+    # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
-    checkpoint = load_checkpoint(out_dir) if args.resume else None
-    if checkpoint is not None:
-        check_resume(checkpoint, global_batch, args.seed)
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -125,16 +135,15 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-        best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 6/14: change the next 1 line(s) of code into 3:
+    # TODO 7/14: change the next 1 line(s) of code into 3:
+    #   nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
+    #     it calls the model as it is
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
     #     with "module.", so checkpoints save model.module's, which any chapter can load.
-    #   nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is
-    #     []) it calls the model as it is
     #   DataParallel, not compiled: see the evaluation below
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
@@ -143,11 +152,11 @@ def main():
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 7/14: change the next 1 line(s) of code:
+    # TODO 8/14: change the next 1 line(s) of code:
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
-    # TODO 8/14: add 11 line(s) of code here:
+    # TODO 9/14: add 11 line(s) of code here:
     #     if replicas > 1:
     #         print(
     #             f"DataParallel: 1 process, {replicas} threads, "
@@ -163,8 +172,7 @@ def main():
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    model.train()
-    # TODO 9/14: change the next 1 line(s) of code:
+    # TODO 10/14: change the next 1 line(s) of code:
     #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     #   metrics.jsonl and the progress bar: one call per log step
     # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
@@ -172,13 +180,14 @@ def main():
     report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
-        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 10/14: change the next 2 line(s) of code:
+        # TODO 11/14: change the next 2 line(s) of code:
         #     loader = batch_loader(
         #         train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
         loader = batch_loader(
@@ -195,9 +204,10 @@ def main():
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (B, T) each, built in CPU memory
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 11/14: change the next 1 line(s) of code into 2:
+                    # TODO 12/14: change the next 1 line(s) of code into 2:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on
                     #     cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
                     #   uses micro_loss.mean
@@ -215,18 +225,19 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            last_step = iter_num == args.max_iters
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.log_interval == 0 or last_step:
                 loss_value = loss.item()
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 12/14: change the next 2 line(s) of code:
+                # TODO 13/14: change the next 2 line(s) of code:
                 #     val_loss = evaluate(
                 #         eval_model, val_set, val_windows, whole_batch, device, autocast
                 val_loss = evaluate(
@@ -234,22 +245,7 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                if best_val_loss is None or val_loss < best_val_loss:
-                    best_val_loss = val_loss
-                # TODO 13/14: change the next 3 line(s) of code:
-                #     save_checkpoint(
-                #         out_dir,
-                #         model_state=model.module.state_dict(),
-                save_checkpoint(
-                    out_dir,
-                    model_state=raw_model.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
 
@@ -258,7 +254,8 @@ def main():
     #   uses torch.cuda.max_memory_allocated
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
@@ -64,7 +64,7 @@ from common.training import (
 )
 
 
-# TODO 2/21: remove the next 22 line(s) of code:
+# TODO 2/21: remove the next 23 line(s) of code:
 #   gone from the solution: AutocastDataParallel, row_weights
 class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
@@ -80,7 +80,8 @@ class AutocastDataParallel(nn.DataParallel):
         self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs
     ):
         super().__init__(module, **kwargs)
-        self.autocast_device, self.autocast_dtype = autocast_device, autocast_dtype
+        self.autocast_device = autocast_device
+        self.autocast_dtype = autocast_dtype
 
     def parallel_apply(self, replicas, inputs, kwargs):
         replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
@@ -100,39 +101,47 @@ def row_weights(rows: list[int]) -> list[float]:
 
 
 def main():
-    # TODO 3/21: change the next 1 line(s) of code into 8:
+    # TODO 3/21: change the next 1 line(s) of code:
+    #     parser = CourseParser(chapter=4, description=__doc__)
+    parser = CourseParser(chapter=3, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    # TODO 4/21: change the next 2 line(s) of code:
+    #     parser.add_argument(
+    #         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
+    parser.add_argument(
+        "--gpus", type=positive_int, help="GPUs DataParallel splits over (default: all visible)"
+    )
+    args = parser.parse_args()
+    # TODO 5/21: change the next 2 line(s) of code into 12:
     #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
     #   this process among those on its machine: its GPU
     #   log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
-    #   the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
+    #   (4 more comment(s) in the solution)
     #   uses common.distributed.require_torchrun() -> None: Refuse, with one line, a DDP chapter
     #       started without torchrun, which tells each process its ...
     #   uses common.distributed.RankLog(prefix: str, speaks: bool): Lines that say which rank wrote
     #       them: `log(text)` from rank 0 only (it speaks for every ...
-    args = parse_args(chapter=3, description=__doc__)
-    torch.manual_seed(args.seed)
-    # TODO 4/21: change the next 1 line(s) of code into 4:
-    #   Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the
-    #     CPU.
-    #   cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
-    #   ranks on one CPU share its cores
     #   uses common.distributed.rank_device(requested: str, local_rank: int, local_world_size: int,
     #       cuda_gpus: int) -> torch.device: The device of one DDP process: cuda:LOCAL_RANK on a
     #       machine with GPUs, else the CPU.
-    #   uses common.distributed.share_cpu_cores(local_world_size: int) -> str: Give this rank its
-    #       share of the CPU's cores; says how many threads it has, and why.
+    #   uses common.distributed.share_cpu_cores(device: torch.device, local_world_size: int) ->
+    #       None: On the CPU, give this rank its share of the cores (a GPU rank keeps torch's
+    #       default).
     #   uses torch.cuda.set_device
+    torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 5/21: change the next 3 line(s) of code into 6:
+    # TODO 6/21: change the next 3 line(s) of code into 6:
     #   ---- the process group: every rank joins it; collectives run in it
-    #   NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
+    #   NCCL: GPU to GPU; gloo: CPU over TCP
     #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     #   every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     #   two ranks on one GPU: one line, not NCCL's traceback
@@ -150,7 +159,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 6/21: change the next 3 line(s) of code into 8:
+    # TODO 7/21: change the next 3 line(s) of code into 4:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
     #     work.
@@ -161,7 +170,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 7/21: change the next 1 line(s) of code:
+    # TODO 8/21: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, on each of world_size ranks at the same time, each of `batch_size` sequences.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
@@ -173,12 +182,11 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked until this process ends, so no second run writes into it.
+    # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
-    checkpoint = load_checkpoint(out_dir) if args.resume else None
-    if checkpoint is not None:
-        check_resume(checkpoint, global_batch, args.seed)
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -190,39 +198,37 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-        best_val_loss = checkpoint.get("best_val_loss")
-    # TODO 8/21: change the next 1 line(s) of code:
+    # TODO 9/21: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
-    #     into backward to average the gradients over ranks. Checkpoints save the real model inside,
-    #     model.module, whose names have no "module." prefix, so that any chapter can load them.
+    #     into backward to average the gradients over ranks (no device_ids: the model is on this
+    #     rank's device). Checkpoints save model.module, whose names any chapter loads (no "module."
+    #     prefix).
     #   uses torch.nn.parallel.DistributedDataParallel
-    # The wrapper keeps the real model in model.module. Its state dict would prefix every name
-    # with "module.", so checkpoints save model.module's, which any chapter can load.
-    # nn.DataParallel in the run's number format, see the class above; without GPUs (gpu_ids is [])
+    # nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
     # it calls the model as it is
     model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
+    # The wrapper keeps the real model in model.module. Its state dict would prefix every name
+    # with "module.", so checkpoints save model.module's, which any chapter can load.
     raw_model = model.module
-    # TODO 9/21: remove the next 1 line(s) of code:
+    # TODO 10/21: remove the next 1 line(s) of code:
     #   gone from the solution: eval_model
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    # TODO 10/21: change the next 1 line(s) of code:
+    # TODO 11/21: change the next 1 line(s) of code:
     #     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 11/21: change the next 13 line(s) of code into 5:
+    # TODO 12/21: change the next 13 line(s) of code into 3:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step}")
-    #     threads = f"; {cpu_threads}" if cpu_threads else ""
-    #     ddp = f"DDP: {world_size} process(es), one model copy each, backend {backend}"
-    #     log(f"{ddp}; gradients are averaged over ranks in buckets during backward{threads}")
+    #     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     print(f"global batch: {split} = {per_step}")
     if replicas > 1:
@@ -236,27 +242,26 @@ def main():
             f"DataParallel has nothing to split on one {device.type} device: "
             "the run is chapter 02's"
         )
-    # TODO 12/21: change the next 3 line(s) of code into 6:
+    # TODO 13/21: change the next 5 line(s) of code into 8:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
-    #   Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W,
-    #     ... (W = world_size): the ranks' micro-batches of one step together are the G consecutive
-    #     positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
+    #   Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W
+    #     = world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes
+    #     for it. drop_last: an epoch's remainder is dropped, not padded.
+    #   metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log
+    #     step
     #   uses torch.utils.data.distributed.DistributedSampler
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    model.train()
-    # TODO 13/21: change the next 2 line(s) of code:
-    #   metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log
-    #     step
     # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
     # metrics.jsonl and the progress bar: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed)
 
     while iter_num < args.max_iters:
-        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
         # TODO 14/21: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         #   uses sampler.set_epoch
@@ -279,8 +284,8 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 16/21: change the next 9 line(s) of code into 12:
-            #   this rank's mean loss over its share of the global batch
+            # TODO 16/21: change the next 10 line(s) of code into 13:
+            #   the mean loss of this rank's share
             #   DDP all-reduces the gradients inside backward(); before the last micro-step that
             #     traffic would be wasted, so no_sync() lets them add up on this rank
             #   (B, T) each, built in CPU memory
@@ -293,7 +298,8 @@ def main():
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
                 x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
                 with autocast:
                     # each replica returns its own mean loss: a vector of `replicas` losses on
                     # cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
@@ -312,9 +318,10 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            last_step = iter_num == args.max_iters
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.log_interval == 0 or last_step:
                 # TODO 17/21: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it
                 #   uses torch.distributed.all_reduce
@@ -323,39 +330,24 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            # TODO 18/21: change the next 4 line(s) of code into 9:
-            #   Each rank evaluates every world_size-th window (with raw_model: no gradients,
-            #     nothing for DDP to do); the loss sums and window counts are added over ranks, so
-            #     every rank gets the mean over all the windows.
-            #   the sum of my losses, their count
-            #   uses torch.tensor, torch.stack
-            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
+                # TODO 18/21: change the next 2 line(s) of code:
+                #     val_loss = evaluate(
+                #         raw_model, val_set, val_windows, args.batch_size, device, autocast
                 val_loss = evaluate(
                     eval_model, val_set, val_windows, whole_batch, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                if best_val_loss is None or val_loss < best_val_loss:
-                    best_val_loss = val_loss
-                # TODO 19/21: change the next 10 line(s) of code into 11:
+                # TODO 19/21: change the next 1 line(s) of code into 2:
                 #   one copy is enough: every rank holds the same model
-                save_checkpoint(
-                    out_dir,
-                    model_state=model.module.state_dict(),
-                    optimizer_state=optimizer.state_dict(),
-                    iter_num=iter_num,
-                    model_config=model_config,
-                    train_config=train_config,
-                    best_val_loss=best_val_loss,
-                    scaler_state=scaler.state_dict(),
-                )
+                save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     report.close()
     # TODO 20/21: change the next 8 line(s) of code into 5:
-    #   DDP's promise: the same start and the same averaged gradients keep every copy equal. Check
-    #     it bit for bit against rank 0's copy.
+    #   DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     #   uses common.distributed.ranks_unlike_rank0(model: torch.nn.Module) -> int: How many ranks
     #       hold parameters that differ from rank 0's, bit for bit (0 on every rank when ...
     if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
@@ -367,13 +359,12 @@ def main():
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
 
 
 # TODO 21/21: change the next 2 line(s) of code into 6:
-#   Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the connections
-#     to the other ranks cleanly; after main() has returned, so that the model that holds the group
-#     (DDP's, FSDP's) is freed first.
+#   every way out leaves the process group, after main() has freed the model that holds it
 #   uses torch.distributed.is_initialized, torch.distributed.destroy_process_group
 if __name__ == "__main__":
     run_main(main, resumable=True)

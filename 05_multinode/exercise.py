@@ -1,5 +1,5 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
-# the 14 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
+# the 13 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
 # solution there (or its code), the defs it adds and the helpers it first calls, with their
 # signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -20,9 +20,9 @@ One process alone is `torchrun --standalone --nproc_per_node=1 04_ddp/train.py`.
     torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4  # 01's run with 8
 """
 
-# TODO 1/14: the imports: remove (-) and add (+)
+# TODO 1/13: the imports: remove (-) and add (+)
 #     + from common.distributed import agree_on_restart, restart_store
-#     + from common.support.preempt import Preemption
+#     + from common.support.preempt import Preemption, stop_signal
 #     + from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 import contextlib
 import datetime
@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from common.config import gpt_config_from_args, parse_args
+from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
@@ -73,9 +73,21 @@ from common.training import (
 
 
 def main():
-    # TODO 2/14: change the next 1 line(s) of code:
-    #     args = parse_args(chapter=5, description=__doc__)
-    args = parse_args(chapter=4, description=__doc__)
+    # TODO 2/13: change the next 1 line(s) of code:
+    #     parser = CourseParser(chapter=5, description=__doc__)
+    parser = CourseParser(chapter=4, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
+    )
+    # TODO 3/13: add 3 line(s) of code here:
+    #     parser.add_argument("--shared-fs", action="store_true",
+    #         help="one file system on all nodes")
+    #     stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
+    #     parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
+    args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
     rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
@@ -83,67 +95,53 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
-    # TODO 3/14: add 3 line(s) of code here:
-    #   torchrun numbers the machines too: GROUP_RANK is this machine's place among the nodes (other
-    #     launchers call it NODE_RANK). Training does not depend on it, but every line names it:
-    #     "which machine?" is the first question when a job of many machines goes wrong.
-    #   How often torchrun (--max-restarts) has restarted this node's processes after a failure.
+    # TODO 4/13: add 2 line(s) of code here:
+    #   torchrun numbers the machines too: GROUP_RANK is this machine's place (its --node-rank).
+    #     Every line names it: "which machine?" comes first when a job of many machines fails.
+    #   how often torchrun (--max-restarts) has restarted this node's processes after a failure
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
-    # TODO 4/14: change the next 1 line(s) of code:
+    # TODO 5/13: change the next 1 line(s) of code:
     #     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     log = RankLog(f"[rank {rank}]", speaks=is_rank0)
-    # the same seed on every rank: the copies start equal even before DDP broadcasts rank 0's
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
 
     # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
     device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
-    # ranks on one CPU share its cores
-    cpu_threads = share_cpu_cores(local_world_size) if device.type == "cpu" else None
+    share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
     # ---- the process group: every rank joins it; collectives run in it ---------------------------
-    # NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # TODO 5/14: change the next 1 line(s) of code into 2:
-    #   its own meeting point for every attempt: torchrun's store outlives a restart
-    #     (--max-restarts)
-    #   every rank meets the others at that store, or at MASTER_ADDR:MASTER_PORT (store None)
+    # TODO 6/13: change the next 1 line(s) of code into 2:
+    #   a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
+    #   MASTER_ADDR:MASTER_PORT, as in chapter 04)
     #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
     #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet; None:
     #       init_process_group connects to MASTER_ADDR ...
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
-    # TODO 6/14: change the next 1 line(s) of code into 2:
-    #     place = f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size}"
-    #     place += f", node {node_rank} of {n_nodes}"
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 7/14: change the next 1 line(s) of code into 2:
-    #   One-time work: the token files. On node-local disks every machine needs its own copy, so
-    #     local rank 0 of EVERY node prepares. With --shared-fs all nodes see one --data-dir, where
-    #     several machines writing the same files at once would corrupt them: global rank 0 alone
-    #     prepares. The others wait for it (every rank calls one_rank_first), then find the files
-    #     ready.
+    # TODO 7/13: change the next 1 line(s) of code into 2:
+    #   On node-local disks every machine needs its own token files: local rank 0 of EVERY node
+    #     prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing
+    #     the same files would corrupt them: global rank 0 alone prepares. The others wait for it.
     # Local rank 0 of each machine prepares the token files once; the other ranks there wait for it
     # (every rank calls one_rank_first), then find the files ready and prepare() does no work.
     with one_rank_first(local_rank == 0):
         data_folder = prepare(
-            args.dataset,
-            args.data_dir,
-            num_proc=args.num_proc,
-            text_column=args.text_column,
-            log=log.every_rank,
+            args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
         )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
@@ -155,24 +153,23 @@ def main():
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # TODO 8/14: add 3 line(s) of code here:
-    #   torchrun --max-restarts: when a process fails, torchrun stops the group and starts all of
-    #     them again. A restarted run continues from the checkpoint written before the failure, if
-    #     there is one yet. The ranks agree on the restart count, and every rank says whether it
-    #     sees the checkpoint: across machines --out-dir must be on a file system all nodes see.
-    #   uses common.distributed.agree_on_restart(restart_count: int, checkpoint: Path, resume: bool)
-    #       -> tuple[int, bool]: What the ranks agree on after torchrun restarted them (a
-    #       collective: every rank calls it).
+    # TODO 8/13: add 1 line(s) of code here:
+    #   torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
+    #     continues from the last checkpoint, if any. The ranks agree on the restart count and on
+    #     whether all of them see the checkpoint (--out-dir on a file system every node sees).
+    #   uses common.distributed.agree_on_restart(restart_count: int, out_dir: Path, resume: bool) ->
+    #       tuple[int, bool]: What the ranks agree on after torchrun restarted them (a collective:
+    #       every rank calls it).
     # ---- model and optimizer ---------------------------------------------------------------------
-    # TODO 9/14: change the next 2 line(s) of code into 4:
-    #   The run folder: refused if it holds another run (unless this one continues it) or another
-    #     run is using it; then locked by rank 0 until it ends, so no second run writes into it.
-    # The run folder: refused if it holds another run (unless this one continues it) or another
-    # run is using it; then locked until this process ends, so no second run writes into it.
+    # the run folder: refused if another run holds it or is using it; then locked for this run
+    # TODO 9/13: change the next 1 line(s) of code:
+    #     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
     claim_out_dir(out_dir, resume=args.resume)
-    checkpoint = load_checkpoint(out_dir) if args.resume else None
-    if checkpoint is not None:
-        check_resume(checkpoint, global_batch, args.seed)
+    checkpoint = None
+    # TODO 10/13: change the next 1 line(s) of code:
+    #     if args.resume or (restarts > 0 and seen_by_all):
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -184,15 +181,14 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    best_val_loss = None
     if checkpoint is not None:
-        # resuming: the optimizer's averages, the loss scale and the random state continue
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-        best_val_loss = checkpoint.get("best_val_loss")
     # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
-    # into backward to average the gradients over ranks. Checkpoints save the real model inside,
-    # model.module, whose names have no "module." prefix, so that any chapter can load them.
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # into backward to average the gradients over ranks (no device_ids: the model is on this rank's
+    # device). Checkpoints save model.module, whose names any chapter loads (no "module." prefix).
+    model = DDP(model)
     raw_model = model.module
     if args.compile:
         model = torch.compile(model)
@@ -202,42 +198,33 @@ def main():
     per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step}")
-    threads = f"; {cpu_threads}" if cpu_threads else ""
-    ddp = f"DDP: {world_size} process(es), one model copy each, backend {backend}"
-    log(f"{ddp}; gradients are averaged over ranks in buckets during backward{threads}")
-    # TODO 10/14: add 1 line(s) of code here:
-    #     restarted = f"restarted by torchrun (restart {restarts}): " if restarts else ""
-    # TODO 11/14: change the next 2 line(s) of code into 4:
-    #     if iter_num:
-    #         log(f"{restarted}resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
-    #     elif restarted:
-    #         log(f"{restarted}no checkpoint was written yet, starting again from step 0")
+    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
+    # TODO 11/13: add 2 line(s) of code here:
+    #     if restarts:
+    #         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # Every rank draws that same permutation and takes the positions rank, rank + W, rank + 2W, ...
-    # (W = world_size): the ranks' micro-batches of one step together are the G consecutive
-    # positions chapter 01 takes for it. drop_last: an epoch's remainder is dropped, not padded.
+    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
+    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
+    # it. drop_last: an epoch's remainder is dropped, not padded.
     sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
-    model.train()
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
 
-    # TODO 12/14: add 17 line(s) of code here:
-    #   def save(step: int) -> None: The checkpoint, at every evaluation and when the run is asked
-    #       to stop (rank 0 writes).
-    #   ---- a scheduler's stop
-    #   SIGTERM (or --stop-signal) before a time limit or a preemption: the run saves the step it is
-    #     in and exits 75, for the job to be requeued and resumed. A rank that stopped alone would
-    #     leave the others waiting in their next collective ...
+    # TODO 12/13: add 4 line(s) of code here:
+    #   ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption
+    #   Save the step, exit 75. A rank that stopped alone would leave the others waiting in their
+    #     next collective, so every `stop_check_every` steps the ranks all-reduce their stop flags
+    #     over a CPU group of their own (bench/stop_check.py measures it) ...
     #   its handler only notes the signal
-    #   a worker torchrun restarted after a stop finds the stop's marker and stops too
+    #   a restart after a stop stops too
     #   uses common.support.preempt.Preemption(signal_name: str): Listens for SIGTERM and
     #       `signal_name`; chapter 05's ranks all-reduce signal_number() every ...
     #   uses common.support.preempt_ranks.stop_if_stopped_before(out_dir: str | Path, restarts: int,
@@ -245,7 +232,8 @@ def main():
     #       all ranks) after the run was stopped ...
     #   uses torch.distributed.new_group
     while iter_num < args.max_iters:
-        epoch, step_in_epoch = divmod(iter_num, steps_per_epoch)
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
         # the permutation of seed + epoch; without this every epoch repeats epoch 0
         sampler.set_epoch(epoch)
         # micro-batches of this epoch a resumed run trained on
@@ -261,8 +249,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # this rank's mean loss over its share of the global batch
-            loss = torch.zeros((), device=device)
+            loss = torch.zeros((), device=device)  # the mean loss of this rank's share
             for micro_step in range(args.grad_accum):
                 # DDP all-reduces the gradients inside backward(); before the last micro-step that
                 # traffic would be wasted, so no_sync() lets them add up on this rank
@@ -271,7 +258,8 @@ def main():
                     sync = model.no_sync()
                 with sync:
                     x, y = next(batches)  # (B, T) each, built in CPU memory
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
                     with autocast:
                         _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                         # backward() adds into .grad, so K micro-steps sum K gradients; each
@@ -289,9 +277,10 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
+            last_step = iter_num == args.max_iters
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
-            if iter_num % args.log_interval == 0 or iter_num == args.max_iters:
+            if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                 loss_value = loss.item() / world_size
@@ -299,64 +288,42 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            if iter_num % args.eval_interval == 0 or iter_num == args.max_iters:
-                # Each rank evaluates every world_size-th window (with raw_model: no gradients,
-                # nothing for DDP to do); the loss sums and window counts are added over ranks, so
-                # every rank gets the mean over all the windows.
-                my_windows = val_windows[rank::world_size]
-                my_loss = evaluate(
-                    raw_model, val_set, my_windows, args.batch_size, device, autocast
-                )
-                my_count = torch.tensor(float(len(my_windows)), device=device)
-                # the sum of my losses, their count
-                val_stats = torch.stack([my_loss * my_count, my_count])
-                dist.all_reduce(val_stats, op=dist.ReduceOp.SUM)
-                val_loss = (val_stats[0] / val_stats[1]).item()
+            if iter_num % args.eval_interval == 0 or last_step:
+                # the model uncompiled: eval mode and a shorter last batch would each be compiled
+                # anew, which takes longer than evaluating without compiling. Every rank evaluates
+                # the same windows with its own copy: all get the same loss, with no collective.
+                val_loss = evaluate(
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
+                ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                if best_val_loss is None or val_loss < best_val_loss:
-                    best_val_loss = val_loss
-                # TODO 13/14: change the next 11 line(s) of code into 1:
-                #     save(iter_num)
                 if is_rank0:  # one copy is enough: every rank holds the same model
-                    save_checkpoint(
-                        out_dir,
-                        model_state=model.module.state_dict(),
-                        optimizer_state=optimizer.state_dict(),
-                        iter_num=iter_num,
-                        model_config=model_config,
-                        train_config=train_config,
-                        best_val_loss=best_val_loss,
-                        scaler_state=scaler.state_dict(),
-                    )
+                    save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 14/14: add 8 line(s) of code here:
+    # TODO 13/13: add 8 line(s) of code here:
     #   ---- has any rank been asked to stop? (on the last step, the run just ends)
     #   0, or the number of the signal this rank received; the MAX over ranks stops all
-    #   an evaluation step saved it already
-    #   the stop's marker, then one line and exit status 75: continue with --resume
+    #   save the step (unless its evaluation just did), then the marker, a line, exit 75
     #   uses common.support.preempt_ranks.stop_after_saving(step: int, signal_number: int, out_dir:
     #       str | Path, group: dist.ProcessGroup) -> None: End the run after the checkpoint of
     #       `step` is written: rank 0 marks the run as stopped, ...
-    #   uses preemption.signal_number
+    #   uses torch.tensor, preemption.signal_number
     report.close()
-    # DDP's promise: the same start and the same averaged gradients keep every copy equal. Check it
-    # bit for bit against rank 0's copy.
+    # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-        print(sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed))
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
 
 
 if __name__ == "__main__":
     try:
         run_main(main, resumable=True)
     finally:
-        # Every way out (the end, an error, Ctrl-C) leaves the process group, which closes the
-        # connections to the other ranks cleanly; after main() has returned, so that the model
-        # that holds the group (DDP's, FSDP's) is freed first.
+        # every way out leaves the process group, after main() has freed the model that holds it
         if dist.is_initialized():
             dist.destroy_process_group()

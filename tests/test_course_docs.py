@@ -13,6 +13,7 @@ import pytest
 
 from common.chapters import CHAPTERS
 from layout import REPO
+from maintainer import publish_diffs
 
 FOLDERS = list(CHAPTERS.values())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -81,41 +82,14 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     assert "lacks the lines" in proc.stderr
 
 
-def test_a_readme_can_show_chosen_hunks_and_a_key_that_matches_nothing_fails(tmp_path):
-    root = copy_course(tmp_path)
-    readme = root / FOLDERS[3] / "README.md"
-    text = re.sub(
-        r"<!-- diff:begin[^>]*-->", '<!-- diff:begin keep="no_sync" -->', readme.read_text()
-    )
-    readme.write_text(text)
-    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
-    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode == 0
-    # chapter 04's README shows its diff against chapter 02
-    full = (root / "docs" / "diffs" / f"{FOLDERS[3]}_from_02.diff").read_text()
-    shown = readme.read_text().split("```diff\n")[1].split("```")[0]
-    hunks = re.split(r"(?m)^(?=@@ )", shown)[1:]
-    assert hunks
-    assert all(hunk in full for hunk in hunks)  # real hunks of the published diff ...
-    assert all("no_sync" in hunk for hunk in hunks)  # ... only the chosen ones
-    assert len(shown) < len(full)
-    # and a link to the whole diff
-    assert f"docs/diffs/{FOLDERS[3]}_from_02.diff" in readme.read_text()
-
-    # a key that no hunk changes (the code moved on) is reported, in --check and when publishing
-    readme.write_text(readme.read_text().replace('keep="no_sync"', 'keep="no_sync|no_such_line"'))
-    for args in (["--check"], []):
-        proc = tool("-m", "maintainer.publish_diffs", *args, "--root", root)
-        assert "no_such_line" in proc.stderr
-    assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode != 0
-
-    # and a chosen hunk that goes stale is caught like a whole diff
-    readme.write_text(readme.read_text().replace('keep="no_sync|no_such_line"', 'keep="no_sync"'))
-    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
-    script = root / FOLDERS[3] / "train.py"
-    script.write_text(script.read_text().replace("no_sync()", "no_sync( )", 1))
-    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
-    assert proc.returncode != 0
-    assert f"the diff in {FOLDERS[3]}/README.md is out of date" in proc.stderr
+def test_every_readme_shows_its_whole_diff():
+    """Each chapter's README shows the whole published diff it explains, every hunk of it."""
+    for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
+        earlier = publish_diffs.SHOWN_AGAINST.get(chapter, previous)
+        name = publish_diffs.diff_name(earlier, chapter)
+        published = (REPO / "docs" / "diffs" / name).read_text()
+        shown = (REPO / chapter / "README.md").read_text().split("```diff\n")[1].split("```")[0]
+        assert shown == published, chapter
 
 
 def test_diffs_are_unified_diffs_of_neighbouring_chapters():
