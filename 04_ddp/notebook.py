@@ -153,8 +153,8 @@ Image(filename="../docs/figures/ddp_step.png")
 #   every micro-step all-reduces: the same result, four times the communication.)
 # * The device is `cuda:LOCAL_RANK`. Why not `cuda:RANK`? (Chapter 05: on the second machine the
 #   ranks start at 8, but its GPUs are numbered from 0.)
-# * What happens if only rank 0 evaluates, and the evaluation contains an all-reduce? (Rank 0 waits
-#   for partners that never come: a hang until the process group's timeout.)
+# * What happens if only rank 0 all-reduces the logged loss? (Rank 0 waits in the all-reduce; rank
+#   1 goes on to the next step, whose forward waits for rank 0: a hang until the timeout.)
 
 # %%
 # Clean up: the runs above (checkpoints included) were only for this notebook

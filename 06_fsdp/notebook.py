@@ -100,7 +100,7 @@ assert compare(ref, ch06) < 1e-4
 # %% [markdown]
 # ## ckpt.pt holds whole tensors
 #
-# Before saving, the shards are gathered into rank 0's memory (`gather_full_state`:
+# Before saving, `gather_and_save` gathers the shards into rank 0's memory (`gather_full_state`:
 # `get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`), so the
 # file is the one chapter 01 writes: the same names and whole shapes, so chapter 01 resumes it.
 
