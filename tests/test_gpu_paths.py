@@ -18,7 +18,7 @@ import torch
 from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.dataparallel import choose_dataparallel_gpus, in_autocast
-from common.device import auto_dtype
+from common.device import auto_dtype, pick_dtype
 from common.metrics import model_flops_utilization
 from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts
@@ -161,12 +161,12 @@ def test_mfu_divides_by_the_peak_of_all_devices():
     ],
 )
 def test_auto_dtype_follows_bf16_tensor_cores(gpu, capability, expected):
-    assert auto_dtype("cuda", capability) == expected, gpu
+    assert auto_dtype(capability) == expected, gpu
 
 
 def test_auto_dtype_is_float32_off_cuda():
-    assert auto_dtype("cpu") == torch.float32
-    assert auto_dtype("mps") == torch.float32
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("auto", torch.device("mps")) == torch.float32
 
 
 # ---- 9. the peak-FLOPs table, looked up with the names torch.cuda.get_device_name returns -----
