@@ -23,7 +23,7 @@ from common.metrics import model_flops_utilization
 from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
-from common.support.gpus import peak_flops_of
+from common.support.gpus import peak_flops
 from layout import REPO
 from tools.launch import run_torchrun
 
@@ -190,15 +190,15 @@ DEVICE_NAMES = {  # name -> its bfloat16 peak: the variants and look-alike names
 
 @pytest.mark.parametrize("name", DEVICE_NAMES)
 def test_peak_flops_lookup_by_real_device_names(name):
-    assert peak_flops_of(name, torch.bfloat16) == DEVICE_NAMES[name]
+    assert peak_flops(name, torch.bfloat16) == DEVICE_NAMES[name]
 
 
 def test_float16_peaks_of_older_gpus_and_unknown_gpus():
-    assert peak_flops_of("Tesla T4", torch.float16) == 65e12
-    assert peak_flops_of("Tesla V100-SXM2-32GB", torch.float16) == 125e12
+    assert peak_flops("Tesla T4", torch.float16) == 65e12
+    assert peak_flops("Tesla V100-SXM2-32GB", torch.float16) == 125e12
     # the variant, not the bare name
-    assert peak_flops_of("Tesla V100-PCIE-16GB", torch.float16) == 112e12
-    assert peak_flops_of("NVIDIA RTX A6000", torch.bfloat16) is None  # not in the table: no guess
+    assert peak_flops("Tesla V100-PCIE-16GB", torch.float16) == 112e12
+    assert peak_flops("NVIDIA RTX A6000", torch.bfloat16) is None  # not in the table: no guess
 
 
 # ---- 8. a resumed GPU run continues exactly: loss scale and GPU random state in the checkpoint --

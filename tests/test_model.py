@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from common.metrics import Throughput
 from common.model import GPT, PRESETS, GPTConfig, load_hf_gpt2_state_dict, model_config
-from common.support.gpus import peak_flops
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
 
@@ -61,8 +61,8 @@ def test_flops_per_token():
 
 
 def test_no_peak_flops_claimed_on_cpu():
-    assert peak_flops(torch.device("cpu"), torch.float32) is None
-    assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+    for dtype in (torch.float32, torch.bfloat16):
+        assert Throughput(256, 1e6, torch.device("cpu"), dtype).peak is None
 
 
 @pytest.mark.quick
