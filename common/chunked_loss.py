@@ -58,19 +58,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
             del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
         ctx.positions = h.shape[0]
         return loss_sum / ctx.positions
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
         # d(mean)/d(sum); both gradients were summed in the same dtype
         scale = grad_loss.to(grad_h.dtype) / ctx.positions
-        grad_h = (grad_h * scale).to(h_dtype)
-        grad_w = (grad_w * scale).to(w_dtype)
-        return grad_h, grad_w, None, None, None, None
+        # autograd hands each gradient on in its input's dtype (it casts what backward returns)
+        return grad_h * scale, grad_w * scale, None, None, None, None
 
 
 def chunked_cross_entropy(
