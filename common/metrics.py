@@ -11,15 +11,6 @@ from .support.gpus import peak_flops
 from .support.progress import Progress
 
 
-def model_flops_utilization(
-    flops_per_token: float, tokens_per_sec: float, peak: float | None, devices: int = 1
-) -> float | None:
-    """MFU: the model's FLOP/s over the hardware's (all `devices`: their tokens, their peaks)."""
-    if not peak:  # a device whose peak the course does not know
-        return None
-    return flops_per_token * tokens_per_sec / (peak * devices)
-
-
 class Throughput:
     """Milliseconds per step, tokens/s and MFU between log lines; MFU against the peak of all
     `devices` (their tokens are in tokens_per_step; no MFU on a device the course does not know)."""
@@ -35,7 +26,7 @@ class Throughput:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.device = device
-        self.peak = None  # no MFU off CUDA
+        self.peak = None  # no MFU off CUDA, nor on a GPU the table does not know
         if device.type == "cuda":
             self.peak = peak_flops(torch.cuda.get_device_name(device), dtype)
         self.devices = devices
@@ -47,7 +38,10 @@ class Throughput:
         elapsed = time.perf_counter() - self.since
         steps = iter_num - self.since_iter
         tokens_per_sec = steps * self.tokens_per_step / elapsed
-        mfu = model_flops_utilization(self.flops_per_token, tokens_per_sec, self.peak, self.devices)
+        # MFU: the model's FLOP/s over the hardware's (all `devices`: their tokens, their peaks)
+        mfu = None
+        if self.peak:
+            mfu = self.flops_per_token * tokens_per_sec / (self.peak * self.devices)
         self.since_iter = iter_num
         self.since = time.perf_counter()
         return {
@@ -63,13 +57,6 @@ class Throughput:
         if iter_num is not None:
             self.since_iter = iter_num
         self.since = time.perf_counter()
-
-
-def max_memory_mb(device: torch.device) -> float | None:
-    """The most memory the run's tensors have held on a CUDA GPU, in MiB; None elsewhere."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -110,7 +97,10 @@ class RunLog:
         if not self.speaks:
             return
         figures = self.speed.measure(iter_num)
-        memory = max_memory_mb(self.speed.device)
+        # the most memory the run's tensors have held on a CUDA GPU, in MiB; None elsewhere
+        memory = None
+        if self.speed.device.type == "cuda":
+            memory = torch.cuda.max_memory_allocated(self.speed.device) / 2**20
         self.write(iter=iter_num, loss=loss, lr=lr, **figures, max_mem_mb=memory)
         self.progress.step(iter_num, loss, figures, lr)
 

@@ -19,7 +19,7 @@ from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from common.dataparallel import choose_dataparallel_gpus, in_autocast
 from common.device import auto_dtype, pick_dtype
-from common.metrics import model_flops_utilization
+from common.metrics import Throughput
 from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
@@ -124,10 +124,15 @@ def test_chapter03_gpu_choice_for_machines_this_cpu_is_not():
 
 
 def test_mfu_divides_by_the_peak_of_all_devices():
-    one = model_flops_utilization(1e9, 100_000, 1e15)
-    assert one == pytest.approx(0.1)
-    assert model_flops_utilization(1e9, 4 * 100_000, 1e15, devices=4) == pytest.approx(one)
-    assert model_flops_utilization(1e9, 100_000, None) is None  # unknown device: no MFU
+    # 4 devices, 1,000 tokens each per step
+    speed = Throughput(4 * 1000, 1e9, torch.device("cpu"), torch.float32, devices=4)
+    speed.peak = 1e15  # each device's, as if the table knew this one
+    speed.since -= 1.0  # 10 steps in about a second
+    figures = speed.measure(10)
+    assert figures["mfu"] == pytest.approx(1e9 * figures["tokens_per_sec"] / (4 * 1e15))
+    speed.peak = None  # unknown device: no MFU
+    speed.since -= 1.0
+    assert speed.measure(20)["mfu"] is None
     # and every chapter that spreads tokens over devices says over how many
     for script, devices in (
         ("03_dataparallel", "replicas"),
