@@ -9,7 +9,7 @@ from tqdm import tqdm
 class Progress:
     """enabled=False: no bar, for a rank that does not speak (its RunLog calls nothing else)."""
 
-    def __init__(self, total: int, initial: int, enabled: bool = True, prefix: str = ""):
+    def __init__(self, total: int, initial: int, enabled: bool, prefix: str):
         self.prefix = prefix
         # no bar in a file, nor on a pseudo-terminal without a size (`script`, some CI runners):
         # plain lines
