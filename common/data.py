@@ -88,12 +88,13 @@ class TokenWindows(Dataset):
     """Map-style dataset: item i is (x, y), window i of a token file, y shifted by one from x."""
 
     def __init__(self, bin_path: str | Path, block_size: int):
+        self.path = Path(bin_path)  # tools/check/probe.py tells the training file by its name
         self.block_size = block_size
-        self.tokens = np.memmap(bin_path, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
         self.n_windows = (len(self.tokens) - 1) // block_size
         if self.n_windows < 1:
             raise CourseError(
-                f"{bin_path} holds {len(self.tokens)} tokens, fewer than one window of "
+                f"{self.path} holds {len(self.tokens)} tokens, fewer than one window of "
                 f"block_size + 1 = {block_size + 1}; use a larger corpus or a smaller --block-size"
             )
 
