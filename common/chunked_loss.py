@@ -13,69 +13,61 @@ CPU_CHUNK = 128
 GPU_CHUNK = 1024
 
 
-def _loss_and_grads(h, weight, targets, chunk: int, dtype: torch.dtype, want_grads: bool):
-    """The summed loss and (if wanted) the gradients of that sum: grad_h (N, C) and grad_w (V, C).
-    h (N, C), weight (V, C), targets (N,); the products run in `dtype`, the softmax and the sums in
-    float32 (float64 in a float64 run)."""
-    acc = torch.promote_types(dtype, torch.float32)
-    h_lo = h.to(dtype)  # no copy when already in dtype (float32 on the CPU)
-    w_lo = weight.to(dtype)
-    # The gradient products carry no loss scale (it is known only in backward), so under float16 a
-    # sum over a chunk could pass 65,504 where the plain path's GradScaler would have lowered the
-    # scale. So they run in float32 there; bfloat16 has float32's range.
-    grad_dtype = torch.float32 if dtype == torch.float16 else dtype
-    h_g = h.to(grad_dtype)
-    w_g = weight.to(grad_dtype)
-    # every position counts: the course's targets are all token ids (no ignore_index)
-    targets_2d = targets.unsqueeze(1)  # (N, 1)
-    loss_sum = torch.zeros((), dtype=acc, device=h.device)
-    grad_h = None
-    grad_w = None
-    if want_grads:
-        grad_h = torch.empty(h.shape, dtype=acc, device=h.device)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
-    for start in range(0, h.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        h_c = h_lo[rows]  # (c, C)
-        y_c = targets_2d[rows]  # (c, 1)
-        # the chunk's logits, the one large tensor, in float32 for the softmax: the plain path
-        # does the same
-        log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
-        loss_sum -= log_probs.gather(1, y_c).sum()
-        if want_grads:
-            # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
-            minus_one = torch.full_like(y_c, -1, dtype=log_probs.dtype)
-            grad_logits = log_probs.exp_().scatter_add_(1, y_c, minus_one).to(grad_dtype)
-            grad_h[rows] = grad_logits @ w_g  # (c, C)
-            if grad_dtype == acc:  # the product adds itself into grad_w (V, C)
-                grad_w.addmm_(grad_logits.t(), h_g[rows])
-            else:  # bfloat16 products, summed in float32
-                grad_w += grad_logits.t() @ h_g[rows]
-            del grad_logits
-        del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
-    return loss_sum, grad_h, grad_w
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean cross-entropy of (h @ weight.T) against targets; gradients computed in forward."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, dtype, want_grads):
-        loss_sum, grad_h, grad_w = _loss_and_grads(h, weight, targets, chunk, dtype, want_grads)
+        """The mean loss; and, if wanted, the gradients of the summed loss, grad_h (N, C) and grad_w
+        (V, C), kept for backward. h (N, C), weight (V, C), targets (N,); the products run in
+        `dtype`, the softmax and the sums in float32 (float64 in a float64 run)."""
+        acc = torch.promote_types(dtype, torch.float32)
+        h_lo = h.to(dtype)  # no copy when already in dtype (float32 on the CPU)
+        w_lo = weight.to(dtype)
+        # The gradient products carry no loss scale (it is known only in backward), so under
+        # float16 a sum over a chunk could pass 65,504 where the plain path's GradScaler would have
+        # lowered the scale. So they run in float32 there; bfloat16 has float32's range.
+        grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+        h_g = h.to(grad_dtype)
+        w_g = weight.to(grad_dtype)
+        # every position counts: the course's targets are all token ids (no ignore_index)
+        targets_2d = targets.unsqueeze(1)  # (N, 1)
+        loss_sum = torch.zeros((), dtype=acc, device=h.device)
+        grad_h = None
+        grad_w = None
+        if want_grads:
+            grad_h = torch.empty(h.shape, dtype=acc, device=h.device)
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            h_c = h_lo[rows]  # (c, C)
+            y_c = targets_2d[rows]  # (c, 1)
+            # the chunk's logits, the one large tensor, in float32 for the softmax: the plain path
+            # does the same
+            log_probs = torch.log_softmax((h_c @ w_lo.t()).to(acc), dim=1)  # (c, V)
+            loss_sum -= log_probs.gather(1, y_c).sum()
+            if want_grads:
+                # d(loss_i)/d(logits_i) = softmax(logits_i) - one_hot(y_i), made in the same buffer
+                minus_one = torch.full_like(y_c, -1, dtype=log_probs.dtype)
+                grad_logits = log_probs.exp_().scatter_add_(1, y_c, minus_one).to(grad_dtype)
+                grad_h[rows] = grad_logits @ w_g  # (c, C)
+                if grad_dtype == acc:  # the product adds itself into grad_w (V, C)
+                    grad_w.addmm_(grad_logits.t(), h_g[rows])
+                else:  # bfloat16 products, summed in float32
+                    grad_w += grad_logits.t() @ h_g[rows]
+                del grad_logits
+            del log_probs  # free this chunk's (c, V) buffers before the next chunk's are made
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (h.dtype, weight.dtype)  # the gradients go back in these
         ctx.positions = h.shape[0]
         return loss_sum / ctx.positions
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
         # d(mean)/d(sum); both gradients were summed in the same dtype
         scale = grad_loss.to(grad_h.dtype) / ctx.positions
-        grad_h = (grad_h * scale).to(h_dtype)
-        grad_w = (grad_w * scale).to(w_dtype)
-        return grad_h, grad_w, None, None, None, None
+        # autograd hands each gradient on in its input's dtype (it casts what backward returns)
+        return grad_h * scale, grad_w * scale, None, None, None, None
 
 
 def chunked_cross_entropy(

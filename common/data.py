@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .support.corpus import corpus_source, read_corpus
 from .support.errors import CourseError
-from .tokenizer import eot_id, get_tokenizer
+from .tokenizer import get_tokenizer
 
 FORMAT_VERSION = 1  # bump when the way files are written changes, so old folders are redone
 VAL_FRACTION = 0.1  # the last tenth of the token stream is held out for validation
@@ -44,7 +44,8 @@ def prepare(
         # no fingerprint, no source to compare with: a folder prepared elsewhere is used as it is
         and (fingerprint is None or meta.get("fingerprint") == fingerprint)
     )
-    if up_to_date and (folder / "train.bin").exists() and (folder / "val.bin").exists():
+    # meta.json is written last, so the token files beside it are complete
+    if up_to_date:
         return folder
 
     log(f"preparing corpus {corpus!r} into {folder} (once; later runs reuse it)")
@@ -52,9 +53,10 @@ def prepare(
     if not any(texts):  # no documents, or only empty ones
         raise CourseError(f"corpus {corpus!r} contains no text")
     threads = num_proc or min(os.cpu_count() or 1, 8)
-    docs = get_tokenizer().encode_ordinary_batch(texts, num_threads=threads)
+    tokenizer = get_tokenizer()
+    docs = tokenizer.encode_ordinary_batch(texts, num_threads=threads)
     # every document ends with <|endoftext|>, so the model sees where one text stops
-    eot = eot_id()
+    eot = tokenizer.eot_token
     ids = np.concatenate([np.array(doc + [eot], dtype=np.uint16) for doc in docs])
     split = int(len(ids) * (1 - VAL_FRACTION))
     folder.mkdir(parents=True, exist_ok=True)
@@ -86,7 +88,7 @@ class TokenWindows(Dataset):
     """Map-style dataset: item i is (x, y), window i of a token file, y shifted by one from x."""
 
     def __init__(self, bin_path: str | Path, block_size: int):
-        self.path = Path(bin_path)
+        self.path = Path(bin_path)  # tools/check/probe.py tells the training file by its name
         self.block_size = block_size
         self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
         self.n_windows = (len(self.tokens) - 1) // block_size

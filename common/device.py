@@ -47,11 +47,9 @@ def parse_device(requested: str, cuda_gpus: int) -> torch.device:
     return device
 
 
-def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
-    """--dtype auto: bfloat16 where GPUs have its tensor cores (8.0 on); older ones
-    emulate it, slowly."""
-    if device_type != "cuda" or capability is None:
-        return torch.float32
+def auto_dtype(capability: tuple[int, int]) -> torch.dtype:
+    """--dtype auto on a CUDA GPU of this compute capability: bfloat16 where GPUs have its tensor
+    cores (8.0 on); older ones emulate it, slowly."""
     if capability >= (8, 0):
         return torch.bfloat16
     return torch.float16
@@ -67,10 +65,9 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
                 "--dtype float64: Apple's mps has no float64; use --device cpu for it"
             )
         return dtype
-    capability = None
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-    return auto_dtype(device.type, capability)
+    if device.type != "cuda":
+        return torch.float32  # auto off CUDA
+    return auto_dtype(torch.cuda.get_device_capability(device))
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype):
@@ -86,8 +83,8 @@ def setup_math(device: torch.device, dtype: torch.dtype | None = None) -> None:
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)
     elif device.type == "cuda":
+        # cuDNN's TF32 is on by default, and the GPT has no convolution for it anyway
         torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
 
 
 def describe(device: torch.device) -> str:

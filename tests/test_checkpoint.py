@@ -186,12 +186,13 @@ def test_killed_from_outside_keeps_a_loadable_checkpoint(tmp_path):
 
 
 def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
-    from common.metrics import MetricsLog, read_metrics
+    from common.metrics import RunLog, Throughput, read_metrics
 
     path = tmp_path / "metrics.jsonl"
     # the last line was cut short when the run was killed
     path.write_text('{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo')
-    MetricsLog(path, resume_from=2)
+    speed = Throughput(256, 1e6, torch.device("cpu"), torch.float32)
+    RunLog(tmp_path, max_iters=10, start=2, speed=speed).close()  # resumed from step 2
     assert read_metrics(path) == [{"iter": 1, "loss": 10.8}, {"iter": 2, "loss": 10.7}]
 
 

@@ -149,6 +149,17 @@ def test_no_grad_does_no_gradient_work():
     assert rel_diff(loss, chunked_cross_entropy(h, weight, targets)) == 0
 
 
+def test_gradients_come_back_in_the_inputs_dtypes():
+    """Chapter 06's FSDP casts the weights to bfloat16 itself, without autocast: the gradients of
+    bfloat16 inputs, summed in float32, reach them as bfloat16 (autograd casts them)."""
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(40, 16, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(64, 16, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, 64, (40,), generator=gen)
+    chunked_cross_entropy(h, weight, targets, chunk=16).backward()
+    assert h.grad.dtype == weight.grad.dtype == torch.bfloat16
+
+
 def test_bfloat16_autocast_on_the_cpu():
     chunked, plain_model = tiny_pair()
     x, y = batch()

@@ -22,7 +22,7 @@ from common.data import (
 )
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
-from common.tokenizer import encode, eot_id
+from common.tokenizer import encode, get_tokenizer
 from layout import REPO
 
 DOCS = [
@@ -50,7 +50,8 @@ def all_tokens(folder: Path) -> np.ndarray:
 
 
 def expected_tokens(docs: list[str]) -> list[int]:
-    return [t for doc in docs for t in encode(doc) + [eot_id()]]
+    eot = get_tokenizer().eot_token
+    return [t for doc in docs for t in encode(doc) + [eot]]
 
 
 # ---- the default corpus --------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def test_shakespeare_prepared_files(data_dir):
     assert train.max() < 50257
     assert val.max() < 50257
     # one <|endoftext|> after each play
-    assert (np.concatenate([train, val]) == eot_id()).sum() == 38
+    assert (np.concatenate([train, val]) == get_tokenizer().eot_token).sum() == 38
 
 
 def test_prepare_is_idempotent(data_dir):

@@ -18,12 +18,12 @@ import torch
 from common.chapters import CHAPTERS
 from common.checkpoint import load_checkpoint, restore_training_state, write_checkpoint
 from common.dataparallel import choose_dataparallel_gpus, in_autocast
-from common.device import auto_dtype
-from common.metrics import model_flops_utilization
+from common.device import auto_dtype, pick_dtype
+from common.metrics import Throughput
 from common.model import GPT, model_config
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
-from common.support.gpus import peak_flops_of
+from common.support.gpus import peak_flops
 from layout import REPO
 from tools.launch import run_torchrun
 
@@ -124,10 +124,15 @@ def test_chapter03_gpu_choice_for_machines_this_cpu_is_not():
 
 
 def test_mfu_divides_by_the_peak_of_all_devices():
-    one = model_flops_utilization(1e9, 100_000, 1e15)
-    assert one == pytest.approx(0.1)
-    assert model_flops_utilization(1e9, 4 * 100_000, 1e15, devices=4) == pytest.approx(one)
-    assert model_flops_utilization(1e9, 100_000, None) is None  # unknown device: no MFU
+    # 4 devices, 1,000 tokens each per step
+    speed = Throughput(4 * 1000, 1e9, torch.device("cpu"), torch.float32, devices=4)
+    speed.peak = 1e15  # each device's, as if the table knew this one
+    speed.since -= 1.0  # 10 steps in about a second
+    figures = speed.measure(10)
+    assert figures["mfu"] == pytest.approx(1e9 * figures["tokens_per_sec"] / (4 * 1e15))
+    speed.peak = None  # unknown device: no MFU
+    speed.since -= 1.0
+    assert speed.measure(20)["mfu"] is None
     # and every chapter that spreads tokens over devices says over how many
     for script, devices in (
         ("03_dataparallel", "replicas"),
@@ -161,12 +166,12 @@ def test_mfu_divides_by_the_peak_of_all_devices():
     ],
 )
 def test_auto_dtype_follows_bf16_tensor_cores(gpu, capability, expected):
-    assert auto_dtype("cuda", capability) == expected, gpu
+    assert auto_dtype(capability) == expected, gpu
 
 
 def test_auto_dtype_is_float32_off_cuda():
-    assert auto_dtype("cpu") == torch.float32
-    assert auto_dtype("mps") == torch.float32
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("auto", torch.device("mps")) == torch.float32
 
 
 # ---- 9. the peak-FLOPs table, looked up with the names torch.cuda.get_device_name returns -----
@@ -190,15 +195,15 @@ DEVICE_NAMES = {  # name -> its bfloat16 peak: the variants and look-alike names
 
 @pytest.mark.parametrize("name", DEVICE_NAMES)
 def test_peak_flops_lookup_by_real_device_names(name):
-    assert peak_flops_of(name, torch.bfloat16) == DEVICE_NAMES[name]
+    assert peak_flops(name, torch.bfloat16) == DEVICE_NAMES[name]
 
 
 def test_float16_peaks_of_older_gpus_and_unknown_gpus():
-    assert peak_flops_of("Tesla T4", torch.float16) == 65e12
-    assert peak_flops_of("Tesla V100-SXM2-32GB", torch.float16) == 125e12
+    assert peak_flops("Tesla T4", torch.float16) == 65e12
+    assert peak_flops("Tesla V100-SXM2-32GB", torch.float16) == 125e12
     # the variant, not the bare name
-    assert peak_flops_of("Tesla V100-PCIE-16GB", torch.float16) == 112e12
-    assert peak_flops_of("NVIDIA RTX A6000", torch.bfloat16) is None  # not in the table: no guess
+    assert peak_flops("Tesla V100-PCIE-16GB", torch.float16) == 112e12
+    assert peak_flops("NVIDIA RTX A6000", torch.bfloat16) is None  # not in the table: no guess
 
 
 # ---- 8. a resumed GPU run continues exactly: loss scale and GPU random state in the checkpoint --

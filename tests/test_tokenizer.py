@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common.tokenizer import decode, encode, eot_id, get_tokenizer, gpt2_files
+from common.tokenizer import decode, encode, get_tokenizer, gpt2_files
 
 # The URLs tiktoken_ext.openai_public.gpt2() downloads; tiktoken caches each under sha1(url).
 VOCAB_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
@@ -43,7 +43,7 @@ def test_hello_world():
 
 
 def test_eot_and_vocab_size():
-    assert eot_id() == 50256
+    assert get_tokenizer().eot_token == 50256
     assert get_tokenizer().n_vocab == 50257
     # special-token text inside a corpus is ordinary text, never the marker itself
     assert 50256 not in encode("<|endoftext|>")
@@ -80,7 +80,7 @@ def test_same_ids_as_genuine_tiktoken(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     genuine = json.loads(proc.stdout)
-    assert genuine["eot"] == eot_id()
+    assert genuine["eot"] == get_tokenizer().eot_token
     assert genuine["n_vocab"] == get_tokenizer().n_vocab
     ours = encode(SAMPLE)
     assert len(ours) > 100

@@ -23,14 +23,9 @@ PEAK_FLOPS = {
 }
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak FLOP/s in `dtype`; None on a CPU, or on a GPU the table does not know."""
-    if device.type != "cuda":
-        return None
-    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
-
-
-def peak_flops_of(name: str, dtype: torch.dtype) -> float | None:
+def peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """The peak FLOP/s in `dtype` of the GPU torch.cuda.get_device_name calls `name`; None for a
+    GPU the table does not know."""
     # "NVIDIA A100-SXM4-80GB" -> " NVIDIA A100 SXM4 80GB "
     name = f" {name.upper().replace('-', ' ')} "
     for gpus, peaks in PEAK_FLOPS.items():  # whole words: "NVIDIA L40" is not an "L4"

@@ -7,9 +7,10 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, total: int, initial: int, enabled: bool = True, prefix: str = ""):
+    """enabled=False: no bar, for a rank that does not speak (its RunLog calls nothing else)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, prefix: str):
         self.prefix = prefix
-        self.enabled = enabled
         # no bar in a file, nor on a pseudo-terminal without a size (`script`, some CI runners):
         # plain lines
         self.tty = (
@@ -22,15 +23,13 @@ class Progress:
             initial=initial,
             disable=not self.tty,
             dynamic_ncols=True,
-            desc=prefix.strip() or None,
+            desc=prefix.strip(),
         )
 
     def step(self, iter_num: int, loss: float, figures: dict, lr: float) -> None:
         """A log step: the bar reaches `iter_num` and shows its loss and Throughput's figures, or,
         in a file, a plain line says them."""
         self.bar.update(iter_num - self.bar.n)  # nothing where the bar is off
-        if not self.enabled:
-            return
         tokens_per_sec = figures["tokens_per_sec"]
         if self.tty:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
@@ -41,8 +40,6 @@ class Progress:
 
     def print(self, message: str) -> None:
         """A line that does not tear the bar."""
-        if not self.enabled:
-            return
         if self.tty:
             self.bar.write(f"{self.prefix}{message}")
         else:

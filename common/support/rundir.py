@@ -42,7 +42,8 @@ def _claim(out_dir: Path, resume: bool) -> str | None:
         if os.environ.get(NO_LOCK) != "1":
             fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # another process has it
+        # another process has it (POSIX's two codes for that; EWOULDBLOCK is EAGAIN)
+        if err.errno in (errno.EAGAIN, errno.EACCES):
             holder = os.pread(lock, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(lock)
             return (
