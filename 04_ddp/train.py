@@ -30,7 +30,6 @@ from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
-    describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
@@ -38,6 +37,7 @@ from common.data import (
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
+    claim_out_dir_on_rank0,
     one_rank_first,
     rank_device,
     ranks_unlike_rank0,
@@ -47,7 +47,6 @@ from common.distributed import (
 )
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
-from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
     check_finite,
@@ -117,8 +116,8 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # the run folder: refused if another run holds it or is using it; then locked for this run
-    claim_out_dir(out_dir, resume=args.resume)
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
     if args.resume:
         checkpoint = load_checkpoint(out_dir)
@@ -147,9 +146,9 @@ def main():
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
-    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
-    log(f"global batch: {split} = {per_step}")
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -164,8 +163,8 @@ def main():
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
-    # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
-    report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -174,9 +173,7 @@ def main():
         sampler.set_epoch(epoch)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        loader = batch_loader(
-            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
-        )
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -236,7 +233,6 @@ def main():
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    report.close()
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

@@ -31,7 +31,6 @@ from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
-    describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
@@ -40,6 +39,7 @@ from common.device import describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
     agree_on_restart,
+    claim_out_dir_on_rank0,
     one_rank_first,
     rank_device,
     refuse_shared_gpus,
@@ -59,7 +59,6 @@ from common.sharding import (
 from common.support.errors import run_main
 from common.support.preempt import Preemption, stop_signal
 from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
-from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
     check_finite,
@@ -144,8 +143,8 @@ def main():
     # continues from the last checkpoint, if any. The ranks agree on the restart count and on
     # whether all of them see the checkpoint (--out-dir on a file system every node sees).
     restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
-    # the run folder: refused if another run holds it or is using it; then locked for this run
-    claim_out_dir(out_dir, resume=args.resume or restarts > 0)
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
     if args.resume or (restarts > 0 and seen_by_all):
         # rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
@@ -200,9 +199,9 @@ def main():
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
-    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
-    log(f"global batch: {split} = {per_step}")
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend {backend}")
     if restarts:
         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
@@ -219,8 +218,8 @@ def main():
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
-    # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
-    report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
 
     # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
     # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
@@ -238,9 +237,7 @@ def main():
         sampler.set_epoch(epoch)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        loader = batch_loader(
-            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
-        )
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -308,7 +305,6 @@ def main():
                     gather_and_save(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 if agreed_signal:
                     stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
-    report.close()
     # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state.
     # A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
     log.every_rank(describe_held_bytes(raw_model, optimizer))

@@ -147,7 +147,8 @@ def gpu_rng_plan(checkpoint: dict, gpus: int, current: int) -> list[tuple[int, t
 
 
 def check_same_shape(checkpoint: dict, config: GPTConfig) -> None:
-    """Refuse to resume a checkpoint into a model of another shape, naming what differs."""
+    """Refuse a checkpoint (to resume or to start from) for a model of another shape, naming what
+    differs."""
     saved = checkpoint["model_config"]
     now = asdict(config)
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
@@ -155,5 +156,5 @@ def check_same_shape(checkpoint: dict, config: GPTConfig) -> None:
     if differs:
         raise CourseError(
             f"the checkpoint is for another model shape: {', '.join(differs)}; "
-            "resume with the same --preset and overrides, or use a new --out-dir"
+            "use the --preset and size overrides it was made with (a new run: a new --out-dir)"
         )

@@ -25,7 +25,6 @@ INTRODUCED_IN = {
     "--shared-fs": 5,
     "--stop-signal": 5,
 }
-DATAPARALLEL_FLAGS = {"--gpus"}  # chapter 03's alone: from 04 on, torchrun starts the processes
 
 
 class CourseParser(OneLineParser):
@@ -110,7 +109,10 @@ def add_shared_flags(parser: argparse.ArgumentParser, out_dir: str) -> None:
         "--no-chunked-loss: the plain logits + cross-entropy, same numbers, more memory",
     )
     group.add_argument(
-        "--init-from", choices=["scratch", "gpt2"], default="scratch", help="gpt2: OpenAI's weights"
+        "--init-from",
+        default="scratch",
+        help="a run's folder (or ckpt.pt) whose weights to start from (GPT-2's: "
+        "python -m common.gpt2)",
     )
 
     group = parser.add_argument_group("data")
@@ -169,7 +171,8 @@ def refuse_other_chapters_flag(flag: str, chapter: int) -> None:
             f"{flag} is introduced in chapter {first:02d} ({CHAPTERS[first]}); "
             f"this is chapter {chapter:02d}: run {CHAPTERS[first]}/train.py to use it"
         )
-    if flag in DATAPARALLEL_FLAGS and chapter > first:
+    # DataParallel's flag, chapter 03's alone: from 04 on, torchrun starts the processes
+    if flag == "--gpus" and chapter > first:
         raise CourseError(
             f"{flag} is chapter 03's DataParallel flag; here each process drives one GPU and "
             f"torchrun starts them: torchrun --standalone --nproc_per_node=N {CHAPTERS[chapter]}"
@@ -196,16 +199,4 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
     cfg = model_config(args.preset, **sizes, chunked_loss=args.chunked_loss)
     if cfg.n_embd % cfg.n_head:
         raise CourseError(f"--n-embd {cfg.n_embd} must be a multiple of --n-head {cfg.n_head}")
-    if args.init_from == "gpt2":
-        gpt2 = PRESETS["gpt2"]
-        if cfg.block_size > gpt2.block_size:
-            raise CourseError(
-                f"--block-size {cfg.block_size} is larger than GPT-2's 1024 positions; "
-                "use at most that"
-            )
-        shape = (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias)
-        if shape != (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, True):
-            raise CourseError(
-                "--init-from gpt2 loads GPT-2's weights: use --preset gpt2 without size overrides"
-            )
     return cfg

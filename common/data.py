@@ -44,8 +44,9 @@ def prepare(
         # no fingerprint, no source to compare with: a folder prepared elsewhere is used as it is
         and (fingerprint is None or meta.get("fingerprint") == fingerprint)
     )
-    # meta.json is written last, so the token files beside it are complete
-    if up_to_date:
+    # meta.json is written last, so the token files beside it are complete, unless someone has
+    # deleted one since: then the folder is prepared again
+    if up_to_date and (folder / "train.bin").exists() and (folder / "val.bin").exists():
         return folder
 
     log(f"preparing corpus {corpus!r} into {folder} (once; later runs reuse it)")
@@ -118,12 +119,14 @@ def batch_loader(
     sampler: Sampler,
     batch_size: int,
     skip_batches: int = 0,
-    pin_memory: bool = False,
+    device: torch.device | None = None,
 ) -> DataLoader:
-    """Batches in the sampler's order, starting `skip_batches` in. An incomplete last batch
-    is dropped."""
+    """Batches in the sampler's order, starting `skip_batches` in, for `device`. An incomplete
+    last batch is dropped."""
     # the sampler's window indices for this epoch, from where a resumed run starts
     windows = list(sampler)[skip_batches * batch_size :]
+    # batches in pinned (page-locked) memory: their copy to a CUDA GPU need not wait
+    pin_memory = device is not None and device.type == "cuda"
     return DataLoader(
         dataset,
         batch_size,
@@ -152,10 +155,3 @@ def count_steps_per_epoch(train_set: TokenWindows, global_batch: int) -> int:
             f"{global_batch}; lower --batch-size or use a larger corpus"
         )
     return steps
-
-
-def describe_global_batch(global_batch: int, block_size: int, steps_per_epoch: int) -> str:
-    """What one optimizer step reads, for the line every chapter prints before training."""
-    tokens = global_batch * block_size
-    sequences = f"{global_batch} sequences x {block_size} tokens = {tokens:,} tokens per step"
-    return f"{sequences}; {steps_per_epoch} steps per epoch"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .device import parse_device
 from .support.errors import CourseError
-from .support.rundir import CKPT_NAME
+from .support.rundir import CKPT_NAME, folder_problem
 
 # Tokenizing a large data set can take hours, far longer than a training collective may wait.
 PREPARATION_TIMEOUT = datetime.timedelta(hours=6)
@@ -110,6 +110,18 @@ def refuse_shared_gpus(device: torch.device, timeout: datetime.timedelta) -> Non
             "GPU on each machine (--nproc_per_node, over all the torchruns there), and give "
             "processes that choose their GPUs (CUDA_VISIBLE_DEVICES) different ones"
         )
+
+
+def claim_out_dir_on_rank0(out_dir: Path, resume: bool) -> None:
+    """The run folder claimed for every rank (a collective): rank 0 checks it and locks it for as
+    long as it lives (common/support/rundir.py), then tells the others whether the run may use it,
+    so that a refusal is every rank's one line, not rank 0's alone."""
+    verdict: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        verdict = [folder_problem(out_dir, resume)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CourseError(verdict[0])
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""What a run reports: metrics.jsonl for plots and notebooks, the speed and MFU of each interval."""
+"""What a run reports: metrics.jsonl for plots and notebooks, a line per log step, the speed and MFU
+of each interval."""
 
 import contextlib
 import json
@@ -8,7 +9,6 @@ from pathlib import Path
 import torch
 
 from .support.gpus import peak_flops
-from .support.progress import Progress
 
 
 class Throughput:
@@ -70,16 +70,13 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 class RunLog:
     """What a run reports, one call per log step and one per evaluation: a line of metrics.jsonl,
-    the progress bar (or a plain line in a file) and the speed and MFU since the last log step.
-    Under torchrun `log` (common/distributed.RankLog) says who speaks: only rank 0 writes, and its
-    lines carry its prefix; on the other ranks every call does nothing."""
+    a printed line, and the speed and MFU since the last log step. Under torchrun `log`
+    (common/distributed.RankLog) says who speaks: only rank 0 writes and prints, its lines carry
+    its prefix; on the other ranks every call does nothing."""
 
-    def __init__(self, out_dir: Path, max_iters: int, start: int, speed: Throughput, log=None):
+    def __init__(self, out_dir: Path, start: int, speed: Throughput, log=None):
+        self.log = log
         self.speaks = log is None or log.speaks
-        prefix = ""
-        if log is not None:
-            prefix = f"{log.prefix} "
-        self.progress = Progress(max_iters, start, enabled=self.speaks, prefix=prefix)
         self.speed = speed
         self.speed.restart_clock(start)
         self.metrics = out_dir / "metrics.jsonl"
@@ -102,7 +99,8 @@ class RunLog:
         if self.speed.device.type == "cuda":
             memory = torch.cuda.max_memory_allocated(self.speed.device) / 2**20
         self.write(iter=iter_num, loss=loss, lr=lr, **figures, max_mem_mb=memory)
-        self.progress.step(iter_num, loss, figures, lr)
+        speed = f"{figures['tokens_per_sec']:,.0f} tokens/s"
+        self.say(f"iter {iter_num:>6} | loss {loss:.4f} | lr {lr:.2e} | {speed}")
 
     def evaluation(self, iter_num: int, val_loss: float, checkpoint: Path) -> None:
         """An evaluation's loss and the checkpoint saved after it, in a line; the time they took is
@@ -110,9 +108,7 @@ class RunLog:
         if not self.speaks:
             return
         self.write(iter=iter_num, val_loss=val_loss)
-        self.progress.print(
-            f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {checkpoint}"
-        )
+        self.say(f"step {iter_num}: val loss {val_loss:.4f}, checkpoint saved to {checkpoint}")
         self.speed.restart_clock()
 
     def write(self, **fields) -> None:
@@ -122,5 +118,9 @@ class RunLog:
         with open(self.metrics, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def close(self) -> None:
-        self.progress.close()
+    def say(self, line: str) -> None:
+        """A printed line, at once: whoever reads the output (a log file, a test) sees it now."""
+        if self.log is None:
+            print(line, flush=True)
+        else:
+            self.log(line)

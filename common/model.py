@@ -200,35 +200,3 @@ class GPT(nn.Module):
             )
             idx = torch.cat((idx, next_id), dim=1)
         return idx
-
-
-# Hugging Face's GPT-2 names its tensors as this model does, but stores these four as Conv1D, whose
-# weight is the transpose of a Linear's.
-_HF_TRANSPOSED = (
-    "attn.c_attn.weight",
-    "attn.c_proj.weight",
-    "mlp.c_fc.weight",
-    "mlp.c_proj.weight",
-)
-_HF_VOCAB = ("transformer.wte.weight", "lm_head.weight")
-
-
-def load_hf_gpt2_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face `GPT2LMHeadModel` state dict into `model` (GPT-2's shape)."""
-    ours = model.state_dict()  # detached: copying into it needs no no_grad()
-    for name, value in hf_state.items():
-        target = ours[name]
-        if name.endswith(_HF_TRANSPOSED):
-            value = value.t()
-        # a smaller block_size keeps the first positions; a larger one (which --init-from gpt2
-        # refuses first) fails the shape check below
-        if name == "transformer.wpe.weight":
-            value = value[: target.shape[0]]
-        part = target
-        if name in _HF_VOCAB:  # a padded vocabulary keeps its extra rows
-            part = target[: value.shape[0]]
-        if part.shape != value.shape:
-            raise ValueError(
-                f"{name}: pretrained shape {tuple(value.shape)} does not fit {tuple(target.shape)}"
-            )
-        part.copy_(value)

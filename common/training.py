@@ -8,31 +8,21 @@ import math
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from .checkpoint import check_same_shape
-from .model import GPT, GPTConfig, load_hf_gpt2_state_dict
+from .checkpoint import check_same_shape, load_checkpoint
+from .model import GPT, GPTConfig
 from .support.errors import CourseError
 from .tokenizer import decode, encode
 
 
 def build_model(config: GPTConfig, init_from: str, checkpoint: dict | None) -> GPT:
-    """A fresh model, GPT-2's weights, or a checkpoint's weights (same shape required)."""
+    """A fresh model, a checkpoint's to resume, or the weights of another run's (or GPT-2's, which
+    `python -m common.gpt2` writes as a checkpoint) to start from; the same shape in both cases."""
     model = GPT(config)
+    if checkpoint is None and init_from != "scratch":
+        checkpoint = load_checkpoint(init_from)
     if checkpoint is not None:
         check_same_shape(checkpoint, config)
         model.load_state_dict(checkpoint["model"])
-    elif init_from == "gpt2":
-        # OpenAI's GPT-2 small (124M), fetched by `transformers` (needs the network once); imported
-        # here: only this path needs it
-        from transformers import GPT2LMHeadModel
-
-        try:
-            gpt2 = GPT2LMHeadModel.from_pretrained("gpt2")
-        except OSError as err:  # transformers raises OSError when it cannot download
-            reason = str(err).splitlines()[0][:100]
-            raise CourseError(
-                f"could not fetch GPT-2's weights ({reason}); offline, use --init-from scratch"
-            ) from None
-        load_hf_gpt2_state_dict(model, gpt2.state_dict())
     return model
 
 
@@ -92,7 +82,7 @@ def evaluate(
         # mean(): DataParallel returns one loss per GPU
         total += loss.mean().to(total.dtype) * len(x)
     model.train()  # every caller goes on training
-    return total / max(len(windows), 1)
+    return total / len(windows)
 
 
 def sample_text(

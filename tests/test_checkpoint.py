@@ -21,6 +21,7 @@ from common.checkpoint import (
 )
 from common.model import GPT, PRESETS, GPTConfig, model_config
 from common.support.errors import CourseError
+from common.training import build_model
 from tools.launch import run_python
 
 
@@ -192,7 +193,7 @@ def test_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
     # the last line was cut short when the run was killed
     path.write_text('{"iter": 1, "loss": 10.8}\n{"iter": 2, "loss": 10.7}\n{"iter": 3, "lo')
     speed = Throughput(256, 1e6, torch.device("cpu"), torch.float32)
-    RunLog(tmp_path, max_iters=10, start=2, speed=speed).close()  # resumed from step 2
+    RunLog(tmp_path, start=2, speed=speed)  # resumed from step 2
     assert read_metrics(path) == [{"iter": 1, "loss": 10.8}, {"iter": 2, "loss": 10.7}]
 
 
@@ -212,3 +213,15 @@ def test_every_gpus_random_state_goes_back_to_its_gpu():
     # a checkpoint from before every GPU's state was kept, and one of a CPU run
     assert effective({"rng_cuda": states[0]}, 4, 0) == {0: 0}
     assert effective({"rng_cuda": None, "rng_cuda_all": None}, 4, 0) == {}
+
+
+def test_a_run_starts_from_another_runs_weights(tmp_path):
+    """--init-from: a fresh run takes another run's weights (its folder or its ckpt.pt), nothing
+    else of it; a model of another shape is refused."""
+    earlier = save_tiny(tmp_path / "earlier", 7)
+    for source in (tmp_path / "earlier", tmp_path / "earlier" / "ckpt.pt"):
+        started = build_model(PRESETS["tiny"], str(source), None)
+        for name, tensor in earlier.state_dict().items():
+            assert torch.equal(started.state_dict()[name], tensor), name
+    with pytest.raises(CourseError, match="another model shape: block_size 32 \\(now 128\\)"):
+        build_model(PRESETS["small"], str(tmp_path / "earlier"), None)

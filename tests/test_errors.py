@@ -92,10 +92,6 @@ CASES = {
         ],
         "9 windows, fewer than one batch of 16",
     ),
-    "block size beyond GPT-2": (
-        ["--preset", "gpt2", "--init-from", "gpt2", "--block-size", 2048],
-        "--block-size 2048 is larger than GPT-2's 1024 positions",
-    ),
     "zero batch size": (
         ["--batch-size", 0],
         "--batch-size: must be a positive whole number, got 0",
@@ -148,6 +144,12 @@ def test_unreadable_file(tmp_path, data_dir):
         )
     finally:
         path.chmod(0o600)
+
+
+def test_starting_from_weights_of_another_shape(earlier_run, data_dir, tmp_path):
+    """--init-from: the earlier run's tiny model into the small one is refused in one line."""
+    args = tiny_run_args(data_dir, tmp_path / "run", 5) + ["--init-from", earlier_run]
+    fails_cleanly([*args, "--preset", "small"], "the checkpoint is for another model shape")
 
 
 def test_resume_without_checkpoint(data_dir, tmp_path):

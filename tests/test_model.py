@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+from common.gpt2 import load_hf_gpt2_state_dict
 from common.metrics import Throughput
-from common.model import GPT, PRESETS, GPTConfig, load_hf_gpt2_state_dict, model_config
+from common.model import GPT, PRESETS, GPTConfig, model_config
+from tools.launch import run_python
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
 
@@ -191,12 +193,24 @@ def test_hugging_face_shorter_block_and_wrong_shapes():
         torch.testing.assert_close(
             short(idx, idx)[0][..., :50257], hf(idx).logits, atol=1e-5, rtol=1e-5
         )
-    # more positions than the pretrained model has (--init-from gpt2 refuses it first, config.py)
-    with pytest.raises(ValueError, match=r"wpe.weight: pretrained shape \(64, 32\) does not fit"):
-        load_hf_gpt2_state_dict(
-            GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32)), hf.state_dict()
-        )
-    with pytest.raises(ValueError):
+    # another width does not fit
+    with pytest.raises(RuntimeError):
         load_hf_gpt2_state_dict(
             GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)), hf.state_dict()
         )
+
+
+def test_the_gpt2_command_fails_in_one_line(tmp_path):
+    """python -m common.gpt2: more positions than GPT-2 has, or no network, are one line each, and
+    nothing is written."""
+    too_long = ["-m", "common.gpt2", "--block-size", 2048, "--out-dir", tmp_path]
+    proc = run_python(too_long, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        "error: --block-size 2048 is larger than GPT-2's 1024 positions; use at most that\n"
+    )
+    proc = run_python(["-m", "common.gpt2", "--out-dir", tmp_path], check=False, HF_HUB_OFFLINE="1")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: could not fetch GPT-2's weights ("), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "ckpt.pt").exists()

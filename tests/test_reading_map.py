@@ -33,6 +33,6 @@ def test_every_common_module_serves_a_chapter():
     chapters = sorted(p.parent.name for p in REPO.glob("0*/train.py"))
     used = set().union(*(reading_map.closure(f"{c}/train.py") for c in chapters))
     modules = {p for p in (REPO / "common").rglob("*.py") if p.name != "__init__.py"}
-    # python -m common.sample: the learner's own command
-    learner_commands = {REPO / "common/sample.py"}
+    # python -m common.sample and python -m common.gpt2: the learner's own commands
+    learner_commands = {REPO / "common/sample.py", REPO / "common/gpt2.py"}
     assert modules - used - learner_commands == set()

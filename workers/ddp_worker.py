@@ -111,9 +111,7 @@ def run(args, rank: int, world: int, device: torch.device) -> dict:
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
-            yield from batch_loader(
-                train_set, sampler, args.batch_size, pin_memory=device.type == "cuda"
-            )
+            yield from batch_loader(train_set, sampler, args.batch_size, device=device)
             epoch += 1
 
     data = batches()

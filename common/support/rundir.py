@@ -6,8 +6,6 @@ import os
 import socket
 from pathlib import Path
 
-import torch.distributed as dist
-
 from .errors import CourseError
 
 # The files of a run folder (common/checkpoint.py and common/metrics.py write the first two).
@@ -24,16 +22,14 @@ NO_LOCK = "COURSE_NO_LOCK"
 def claim_out_dir(out_dir: str | Path, resume: bool) -> None:
     """Refuse a folder in use, or one holding a run without --resume; then lock it for as long as
     this process lives."""
-    distributed = dist.is_available() and dist.is_initialized()
-    verdict = [_claim(Path(out_dir), resume) if not distributed or dist.get_rank() == 0 else None]
-    if distributed:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise CourseError(verdict[0])
+    problem = folder_problem(Path(out_dir), resume)
+    if problem is not None:
+        raise CourseError(problem)
 
 
-def _claim(out_dir: Path, resume: bool) -> str | None:
-    """What is wrong with the folder, if anything (None: it is this run's now)."""
+def folder_problem(out_dir: Path, resume: bool) -> str | None:
+    """Claim the folder: what is wrong with it, if anything, or None once this process has locked
+    it (it is this run's now)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # a descriptor never closed: the lock goes however the process ends (even kill -9), and closing
     # any descriptor of the file in this process would drop it

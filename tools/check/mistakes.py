@@ -475,7 +475,7 @@ MISTAKES = [
         chapter=5,
         right=(P(assigns="checkpoint", call="load_checkpoint"),),
         look_for=(P(call="load_checkpoint"),),
-        near=P(call="claim_out_dir"),
+        near=P(call="claim_out_dir_on_rank0"),
         kind="resume",
     ),
     Mistake(
