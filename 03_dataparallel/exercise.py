@@ -34,7 +34,6 @@ from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
-    describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
@@ -151,11 +150,11 @@ def main():
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
-    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     # TODO 8/14: change the next 1 line(s) of code:
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
-    print(f"global batch: {split} = {per_step}")
+    print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     # TODO 9/14: add 11 line(s) of code here:
     #     if replicas > 1:
     #         print(
@@ -174,10 +173,10 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch}
     # TODO 10/14: change the next 1 line(s) of code:
     #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
-    #   metrics.jsonl and the progress bar: one call per log step
-    # tokens/s and MFU between log lines; metrics.jsonl and the progress bar: one call per log step
+    #   metrics.jsonl and the printed lines: one call per log step
+    # tokens/s and MFU between log lines; metrics.jsonl and the printed lines: one call per log step
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
-    report = RunLog(out_dir, args.max_iters, iter_num, speed)
+    report = RunLog(out_dir, iter_num, speed)
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -187,12 +186,9 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 11/14: change the next 2 line(s) of code:
-        #     loader = batch_loader(
-        #         train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
-        loader = batch_loader(
-            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
-        )
+        # TODO 11/14: change the next 1 line(s) of code:
+        #     loader = batch_loader(train_set, sampler, whole_batch, skip, device)
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -247,7 +243,6 @@ def main():
                 check_finite(iter_num, val_loss, "validation loss")
                 save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    report.close()
 
     # TODO 14/14: add 6 line(s) of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss

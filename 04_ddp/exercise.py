@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 21
+# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
 # TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
 # there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
 # a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
@@ -19,16 +19,17 @@ run is chapter 02's.
     python 03_dataparallel/train.py --gpus 2
 """
 
-# TODO 1/21: the imports: remove (-) and add (+)
+# TODO 1/22: the imports: remove (-) and add (+)
 #     - from torch import nn
 #     - from torch.utils.data import RandomSampler
 #     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
 #     - from common.device import pick_device
+#     - from common.support.rundir import claim_out_dir
 #     + import contextlib, datetime, os, platform, torch.distributed as dist
 #     + from torch.nn.parallel import DistributedDataParallel as DDP
 #     + from torch.utils.data.distributed import DistributedSampler
-#     + from common.distributed import RankLog, one_rank_first, rank_device, ranks_unlike_rank0,
-#         refuse_shared_gpus, require_torchrun, share_cpu_cores
+#     + from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first, rank_device,
+#         ranks_unlike_rank0, refuse_shared_gpus, require_torchrun, share_cpu_cores
 import sys
 from pathlib import Path
 
@@ -44,7 +45,6 @@ from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
-    describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
@@ -64,7 +64,7 @@ from common.training import (
 )
 
 
-# TODO 2/21: remove the next 23 line(s) of code:
+# TODO 2/22: remove the next 23 line(s) of code:
 #   gone from the solution: AutocastDataParallel, row_weights
 class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
@@ -101,20 +101,20 @@ def row_weights(rows: list[int]) -> list[float]:
 
 
 def main():
-    # TODO 3/21: change the next 1 line(s) of code:
+    # TODO 3/22: change the next 1 line(s) of code:
     #     parser = CourseParser(chapter=4, description=__doc__)
     parser = CourseParser(chapter=3, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
-    # TODO 4/21: change the next 2 line(s) of code:
+    # TODO 4/22: change the next 2 line(s) of code:
     #     parser.add_argument(
     #         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     parser.add_argument(
         "--gpus", type=positive_int, help="GPUs DataParallel splits over (default: all visible)"
     )
     args = parser.parse_args()
-    # TODO 5/21: change the next 2 line(s) of code into 12:
+    # TODO 5/22: change the next 2 line(s) of code into 12:
     #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
@@ -139,7 +139,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 6/21: change the next 3 line(s) of code into 6:
+    # TODO 6/22: change the next 3 line(s) of code into 6:
     #   ---- the process group: every rank joins it; collectives run in it
     #   NCCL: GPU to GPU; gloo: CPU over TCP
     #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
@@ -159,7 +159,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 7/21: change the next 3 line(s) of code into 4:
+    # TODO 7/22: change the next 3 line(s) of code into 4:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
     #     work.
@@ -170,7 +170,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 8/21: change the next 1 line(s) of code:
+    # TODO 8/22: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, on each of world_size ranks at the same time, each of `batch_size` sequences.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
@@ -181,6 +181,10 @@ def main():
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
+    # TODO 9/22: change the next 1 line(s) of code:
+    #   the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    #   uses common.distributed.claim_out_dir_on_rank0(out_dir: Path, resume: bool) -> None: The run
+    #       folder claimed for every rank (a collective): rank 0 checks it and locks it for as ...
     # ---- model and optimizer ---------------------------------------------------------------------
     # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
@@ -202,7 +206,7 @@ def main():
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-    # TODO 9/21: change the next 1 line(s) of code:
+    # TODO 10/22: change the next 1 line(s) of code:
     #   DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     #     into backward to average the gradients over ranks (no device_ids: the model is on this
     #     rank's device). Checkpoints save model.module, whose names any chapter loads (no "module."
@@ -214,23 +218,23 @@ def main():
     # The wrapper keeps the real model in model.module. Its state dict would prefix every name
     # with "module.", so checkpoints save model.module's, which any chapter can load.
     raw_model = model.module
-    # TODO 10/21: remove the next 1 line(s) of code:
+    # TODO 11/22: remove the next 1 line(s) of code:
     #   gone from the solution: eval_model
     eval_model = model  # DataParallel, not compiled: see the evaluation below
     if args.compile:
         model = torch.compile(model)
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    # TODO 11/21: change the next 1 line(s) of code:
+    # TODO 12/22: change the next 1 line(s) of code:
     #     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
-    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
-    # TODO 12/21: change the next 13 line(s) of code into 3:
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
+    # TODO 13/22: change the next 13 line(s) of code into 3:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
-    #     log(f"global batch: {split} = {per_step}")
+    #     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per ...
     #     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
-    print(f"global batch: {split} = {per_step}")
+    print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     if replicas > 1:
         print(
             f"DataParallel: 1 process, {replicas} threads, "
@@ -242,13 +246,12 @@ def main():
             f"DataParallel has nothing to split on one {device.type} device: "
             "the run is chapter 02's"
         )
-    # TODO 13/21: change the next 5 line(s) of code into 8:
+    # TODO 14/22: change the next 5 line(s) of code into 8:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
     #   Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W
     #     = world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes
     #     for it. drop_last: an epoch's remainder is dropped, not padded.
-    #   metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log
-    #     step
+    #   metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     #   uses torch.utils.data.distributed.DistributedSampler
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -256,13 +259,13 @@ def main():
     train_config = vars(args) | {"global_batch": global_batch}
     # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
-    # metrics.jsonl and the progress bar: one call per log step
-    report = RunLog(out_dir, args.max_iters, iter_num, speed)
+    # metrics.jsonl and the printed lines: one call per log step
+    report = RunLog(out_dir, iter_num, speed)
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
-        # TODO 14/21: change the next 2 line(s) of code into 1:
+        # TODO 15/22: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         #   uses sampler.set_epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
@@ -270,12 +273,9 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 15/21: change the next 2 line(s) of code:
-        #     loader = batch_loader(
-        #         train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
-        loader = batch_loader(
-            train_set, sampler, whole_batch, skip, pin_memory=device.type == "cuda"
-        )
+        # TODO 16/22: change the next 1 line(s) of code:
+        #     loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
+        loader = batch_loader(train_set, sampler, whole_batch, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -284,7 +284,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 16/21: change the next 10 line(s) of code into 13:
+            # TODO 17/22: change the next 10 line(s) of code into 13:
             #   the mean loss of this rank's share
             #   DDP all-reduces the gradients inside backward(); before the last micro-step that
             #     traffic would be wasted, so no_sync() lets them add up on this rank
@@ -322,7 +322,7 @@ def main():
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
-                # TODO 17/21: change the next 1 line(s) of code into 2:
+                # TODO 18/22: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it
                 #   uses torch.distributed.all_reduce
                 loss_value = loss.item()
@@ -333,7 +333,7 @@ def main():
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 18/21: change the next 2 line(s) of code:
+                # TODO 19/22: change the next 2 line(s) of code:
                 #     val_loss = evaluate(
                 #         raw_model, val_set, val_windows, args.batch_size, device, autocast
                 val_loss = evaluate(
@@ -341,12 +341,11 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 19/21: change the next 1 line(s) of code into 2:
+                # TODO 20/22: change the next 1 line(s) of code into 2:
                 #   one copy is enough: every rank holds the same model
                 save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    report.close()
-    # TODO 20/21: change the next 8 line(s) of code into 5:
+    # TODO 21/22: change the next 8 line(s) of code into 5:
     #   DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     #   uses common.distributed.ranks_unlike_rank0(model: torch.nn.Module) -> int: How many ranks
     #       hold parameters that differ from rank 0's, bit for bit (0 on every rank when ...
@@ -363,7 +362,7 @@ def main():
         print(text)
 
 
-# TODO 21/21: change the next 2 line(s) of code into 6:
+# TODO 22/22: change the next 2 line(s) of code into 6:
 #   every way out leaves the process group, after main() has freed the model that holds it
 #   uses torch.distributed.is_initialized, torch.distributed.destroy_process_group
 if __name__ == "__main__":

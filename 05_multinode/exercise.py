@@ -44,7 +44,6 @@ from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
-    describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
@@ -52,6 +51,7 @@ from common.data import (
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
+    claim_out_dir_on_rank0,
     one_rank_first,
     rank_device,
     ranks_unlike_rank0,
@@ -61,7 +61,6 @@ from common.distributed import (
 )
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
-from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
     check_finite,
@@ -161,10 +160,10 @@ def main():
     #       tuple[int, bool]: What the ranks agree on after torchrun restarted them (a collective:
     #       every rank calls it).
     # ---- model and optimizer ---------------------------------------------------------------------
-    # the run folder: refused if another run holds it or is using it; then locked for this run
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     # TODO 9/13: change the next 1 line(s) of code:
-    #     claim_out_dir(out_dir, resume=args.resume or restarts > 0)
-    claim_out_dir(out_dir, resume=args.resume)
+    #     claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
     # TODO 10/13: change the next 1 line(s) of code:
     #     if args.resume or (restarts > 0 and seen_by_all):
@@ -195,9 +194,9 @@ def main():
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
-    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
-    log(f"global batch: {split} = {per_step}")
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     # TODO 11/13: add 2 line(s) of code here:
     #     if restarts:
@@ -215,8 +214,8 @@ def main():
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
-    # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
-    report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
 
     # TODO 12/13: add 4 line(s) of code here:
     #   ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption
@@ -238,9 +237,7 @@ def main():
         sampler.set_epoch(epoch)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        loader = batch_loader(
-            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
-        )
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -308,7 +305,6 @@ def main():
     #       str | Path, group: dist.ProcessGroup) -> None: End the run after the checkpoint of
     #       `step` is written: rank 0 marks the run as stopped, ...
     #   uses torch.tensor, preemption.signal_number
-    report.close()
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

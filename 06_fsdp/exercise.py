@@ -51,7 +51,6 @@ from common.config import CourseParser, gpt_config_from_args, positive_int
 from common.data import (
     batch_loader,
     count_steps_per_epoch,
-    describe_global_batch,
     load_splits,
     prepare,
     validation_windows,
@@ -60,6 +59,7 @@ from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
     agree_on_restart,
+    claim_out_dir_on_rank0,
     one_rank_first,
     rank_device,
     ranks_unlike_rank0,
@@ -72,7 +72,6 @@ from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.preempt import Preemption, stop_signal
 from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
-from common.support.rundir import claim_out_dir
 from common.training import (
     build_model,
     check_finite,
@@ -162,8 +161,8 @@ def main():
     # continues from the last checkpoint, if any. The ranks agree on the restart count and on
     # whether all of them see the checkpoint (--out-dir on a file system every node sees).
     restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
-    # the run folder: refused if another run holds it or is using it; then locked for this run
-    claim_out_dir(out_dir, resume=args.resume or restarts > 0)
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
     # TODO 4/15: change the next 3 line(s) of code into 12:
     #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
@@ -222,9 +221,9 @@ def main():
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
-    per_step = describe_global_batch(global_batch, model_config.block_size, steps_per_epoch)
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
-    log(f"global batch: {split} = {per_step}")
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     # TODO 8/15: change the next 1 line(s) of code:
     #     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend ...
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
@@ -243,8 +242,8 @@ def main():
 
     train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
-    # metrics.jsonl and the progress bar from rank 0 (log), MFU of all ranks: one call per log step
-    report = RunLog(out_dir, args.max_iters, iter_num, speed, log)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
 
     # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
     # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
@@ -262,9 +261,7 @@ def main():
         sampler.set_epoch(epoch)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        loader = batch_loader(
-            train_set, sampler, args.batch_size, skip, pin_memory=device.type == "cuda"
-        )
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -362,7 +359,6 @@ def main():
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 if agreed_signal:
                     stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
-    report.close()
     # TODO 14/15: change the next 4 line(s) of code into 2:
     #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
     #     state.
