@@ -50,8 +50,6 @@ class Preemption:
         if self.received is not None:
             return  # a copy passed on by a launcher, or a repeat while saving: the same stop
         self.received = signal.Signals(signum).name
-        # from now on an error that ends the run was met while stopping: its last line says so
-        sys.excepthook = self._error_while_stopping
 
     def _error_while_stopping(self, kind, error, trace) -> None:
         """Python's last word on an error that ends the run after the stop signal: a file system's
@@ -62,15 +60,15 @@ class Preemption:
         intact = f"the last checkpoint written is intact; {RESUME}"
         print(f"{rank_prefix()}error {during}: {error}: {intact}", file=sys.stderr)
 
-    def requested(self) -> bool:
-        """Whether the run should save this step and stop."""
-        return self.received is not None
-
     def signal_number(self) -> int:
         """The stop signal's number, or 0 when none came: the ranks all-reduce it (MAX), so one
         rank's signal stops every rank, and every rank knows which signal it was."""
         if self.received is None:
             return 0
+        # The run stops from this check on, so an error that ends it now was met while stopping:
+        # its last line says so. (Not from the signal on: torchrun's SIGTERM to the survivors of a
+        # failed rank finds them failing in a collective, which is that failure, not a stop's.)
+        sys.excepthook = self._error_while_stopping
         return signal.Signals[self.received].value
 
 
