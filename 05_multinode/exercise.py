@@ -95,8 +95,9 @@ def main():
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
     # TODO 4/13: add 2 line(s) of code here:
-    #   torchrun numbers the machines too: GROUP_RANK is this machine's place (its --node-rank).
-    #     Every line names it: "which machine?" comes first when a job of many machines fails.
+    #   torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or
+    #     c10d's choice). Every line names it: "which machine?" comes first when a job of many
+    #     machines fails.
     #   how often torchrun (--max-restarts) has restarted this node's processes after a failure
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     # TODO 5/13: change the next 1 line(s) of code:

@@ -103,8 +103,8 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
-    # torchrun numbers the machines too: GROUP_RANK is this machine's place (its --node-rank). Every
-    # line names it: "which machine?" comes first when a job of many machines fails.
+    # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
+    # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
     # how often torchrun (--max-restarts) has restarted this node's processes after a failure
     restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
