@@ -168,11 +168,12 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
     # rank 0 was not signalled: it names the signal rank 1 received, as the ranks agreed on it
     assert "[rank 0] " + STOP_LINE.format(step=step) in output, output
     assert (out["one_rank"] / STOP_MARKER).read_text() == f"{step} SIGTERM\n"
-    # rank 0 spoke after the stop's barrier, so both had saved and stopped after that step; rank 1
-    # ended with the stop's status (torchrun's summary; it then ends rank 0 itself, which may be
-    # exiting still, so rank 0's status there is 75 or its SIGTERM)
-    ended = rf"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: {EXIT_STOPPED} "
-    assert re.search(ended, output), output
+    # rank 0 spoke after the stop's barrier, so both had saved and stopped after that step. The
+    # first rank out ended with the stop's status (torchrun's summary); torchrun then ends the
+    # other itself, which may be exiting still, so its status there is 75 or SIGTERM's
+    statuses = re.findall(r"rank\s+: \d \(local_rank: \d\)\s+exitcode\s+: (-?\d+) ", output)
+    assert str(EXIT_STOPPED) in statuses, output
+    assert set(statuses) <= {str(EXIT_STOPPED), "-15"}, output
 
 
 # ---- in-process: the signal handling -------------------------------------------------------------
