@@ -147,8 +147,8 @@ def gpu_rng_plan(checkpoint: dict, gpus: int, current: int) -> list[tuple[int, t
 
 
 def check_same_shape(checkpoint: dict, config: GPTConfig) -> None:
-    """Refuse a checkpoint (to resume or to start from) for a model of another shape, naming what
-    differs."""
+    """Refuse a checkpoint (to resume or to start from) made by a model of another shape: one line
+    names what differs."""
     saved = checkpoint["model_config"]
     now = asdict(config)
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
