@@ -1,7 +1,8 @@
 """What the DDP chapters need but do not teach: the refusal of a start without torchrun, lines that
 say which rank wrote them, each rank's device and CPU threads, the check that no two ranks share a
-GPU, one rank first, the copies check, and what chapter 05 adds for torchrun's restarts: a meeting
-point that survives them and the ranks' agreement on where to continue.
+GPU, rank 0's claim of the run folder for all, one rank first, the copies check, and what chapter
+05 adds for torchrun's restarts: a meeting point that survives them and the ranks' agreement on
+where to continue.
 
 Every function here that takes no device facts is a collective or joins one: every rank of the
 group must call it, in the same order, or the ranks that did wait for the others until the timeout.
