@@ -24,12 +24,17 @@ class StopNow:
         raise KeyboardInterrupt
 
 
+def rank_prefix() -> str:
+    """Under torchrun, "[rank N] " before a line that ends a run: which rank says it."""
+    if "RANK" in os.environ:
+        return f"[rank {os.environ['RANK']}] "
+    return ""
+
+
 def run_main(main: Callable[[], int | None], resumable: bool = False) -> None:
     """Run a script's main(): a CourseError is one line and status 2, SIGTERM or Ctrl-C one line
     and status 130. `resumable`: the line says to continue with --resume."""
-    prefix = ""
-    if "RANK" in os.environ:  # under torchrun: who speaks
-        prefix = f"[rank {os.environ['RANK']}] "
+    prefix = rank_prefix()
     stop_now = StopNow()
     signal.signal(signal.SIGINT, stop_now)
     signal.signal(signal.SIGTERM, stop_now)

@@ -9,10 +9,11 @@ stays final when torchrun restarts a worker: support/preempt_ranks.py. In chapte
 ends the run at once (run_main), and the last checkpoint stays intact."""
 
 import argparse
-import os
 import signal
 import sys
 from typing import NoReturn
+
+from .errors import rank_prefix
 
 EXIT_STOPPED = 75  # os.EX_TEMPFAIL, "try again later": what a run stopped to be resumed asks for
 RESUME = "continue with --resume"
@@ -28,13 +29,6 @@ def stop_signal(name: str) -> str:
         )
         raise argparse.ArgumentTypeError(message)
     return full
-
-
-def rank_prefix() -> str:
-    """Under torchrun, "[rank N] ", as run_main writes it."""
-    if "RANK" in os.environ:
-        return f"[rank {os.environ['RANK']}] "
-    return ""
 
 
 class Preemption:
