@@ -1,4 +1,4 @@
-# Exercise: chapter 04 (04_ddp). This is chapter 03's train.py; add chapter 04's idea where the 22
+# Exercise: chapter 04 (04_ddp). This is chapter 02's train.py; add chapter 04's idea where the 18
 # TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
 # there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
 # a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
@@ -8,21 +8,17 @@
 # The solution is 04_ddp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
 # start again, copy this file under another name. This file is made by maintainer/make_exercises.py
 # from the two scripts.
-"""Chapter 03: nn.DataParallel, one process driving several GPUs.
+"""Chapter 02: gradient accumulation, a bigger batch than memory holds.
 
-Chapter 02's program, with the model wrapped in nn.DataParallel: every step, one Python process
-splits the batch across the GPUs, copies the model onto each, runs the replicas in threads and
-gathers their outputs back on GPU 0, where the gradients are summed and the optimizer steps.
-Each GPU gets --batch-size sequences. On a CPU or a single GPU there is nothing to split, and the
-run is chapter 02's.
+Chapter 01's program, with one change: an optimizer step now adds up the gradients of
+--grad-accum micro-batches of --batch-size sequences before it moves the parameters. Only one
+micro-batch's activations are in memory at a time, yet the step is the step of the whole batch.
 
-    python 03_dataparallel/train.py --gpus 2
+    python 02_grad_accumulation/train.py --batch-size 2 --grad-accum 4   # the same run as 01 with 8
 """
 
-# TODO 1/22: the imports: remove (-) and add (+)
-#     - from torch import nn
+# TODO 1/18: the imports: remove (-) and add (+)
 #     - from torch.utils.data import RandomSampler
-#     - from common.dataparallel import choose_dataparallel_gpus, in_autocast
 #     - from common.device import pick_device
 #     - from common.support.rundir import claim_out_dir
 #     + import contextlib, datetime, os, platform, torch.distributed as dist
@@ -37,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from torch import nn
 from torch.utils.data import RandomSampler
 
 from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
@@ -49,7 +44,6 @@ from common.data import (
     prepare,
     validation_windows,
 )
-from common.dataparallel import choose_dataparallel_gpus, in_autocast
 from common.device import autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
@@ -64,57 +58,19 @@ from common.training import (
 )
 
 
-# TODO 2/22: remove the next 23 line(s) of code:
-#   gone from the solution: AutocastDataParallel, row_weights
-class AutocastDataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
-    and whose loss counts every row once, however the batch splits (see parallel_apply).
-
-    DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
-    there without saying which format. The format belongs to the thread, and a new thread has the
-    default, float16: a bfloat16 run would silently compute in float16, with no loss scaling. So
-    each replica enters autocast itself, inside its thread, with the format this run chose.
-    """
-
-    def __init__(
-        self, module, autocast_device: torch.device, autocast_dtype: torch.dtype, **kwargs
-    ):
-        super().__init__(module, **kwargs)
-        self.autocast_device = autocast_device
-        self.autocast_dtype = autocast_dtype
-
-    def parallel_apply(self, replicas, inputs, kwargs):
-        replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
-        outputs = super().parallel_apply(replicas, inputs, kwargs)
-        # A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
-        # replicas different shares, and the plain mean of their mean losses would count each row
-        # of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
-        # all rows. An even split, as every training batch is, gets weights of exactly 1.
-        weights = row_weights([len(args[0]) for args in inputs])
-        return [(logits, loss * w) for (logits, loss), w in zip(outputs, weights)]
-
-
-def row_weights(rows: list[int]) -> list[float]:
-    """Factors for each replica's mean loss, so that the mean of the weighted losses is the mean
-    over all rows: replica i holds rows[i] of them."""
-    return [r * len(rows) / sum(rows) for r in rows]
-
-
 def main():
-    # TODO 3/22: change the next 1 line(s) of code:
+    # TODO 2/18: change the next 1 line(s) of code:
     #     parser = CourseParser(chapter=4, description=__doc__)
-    parser = CourseParser(chapter=3, description=__doc__)
+    parser = CourseParser(chapter=2, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
-    # TODO 4/22: change the next 2 line(s) of code:
+    # TODO 3/18: add 3 line(s) of code here:
     #     parser.add_argument(
     #         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
-    parser.add_argument(
-        "--gpus", type=positive_int, help="GPUs DataParallel splits over (default: all visible)"
-    )
+    #     )
     args = parser.parse_args()
-    # TODO 5/22: change the next 2 line(s) of code into 12:
+    # TODO 4/18: change the next 2 line(s) of code into 12:
     #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
@@ -131,7 +87,7 @@ def main():
     #   uses common.distributed.share_cpu_cores(device: torch.device, local_world_size: int) ->
     #       None: On the CPU, give this rank its share of the cores (a GPU rank keeps torch's
     #       default).
-    #   uses torch.cuda.set_device
+    #   uses torch.cuda.device_count, torch.cuda.set_device
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -139,7 +95,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 6/22: change the next 3 line(s) of code into 6:
+    # TODO 5/18: add 6 line(s) of code here:
     #   ---- the process group: every rank joins it; collectives run in it
     #   NCCL: GPU to GPU; gloo: CPU over TCP
     #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
@@ -149,17 +105,9 @@ def main():
     #       datetime.timedelta) -> None: Refuse, with one line, a job in which two ranks drive the
     #       same GPU (a collective: every rank ...
     #   uses torch.distributed.init_process_group, log.every_rank
-    # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
-    # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
-    gpu_ids = choose_dataparallel_gpus(device, args.gpus, args.compile, torch.cuda.device_count())
-    replicas = max(len(gpu_ids), 1)  # on a CPU: one, the model itself
-    # DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
-    whole_batch = args.batch_size * replicas
-
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 7/22: change the next 3 line(s) of code into 4:
+    # TODO 6/18: change the next 3 line(s) of code into 4:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
     #     work.
@@ -170,18 +118,17 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 8/22: change the next 1 line(s) of code:
+    # TODO 7/18: change the next 1 line(s) of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, on each of world_size ranks at the same time, each of `batch_size` sequences.
-    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
-    # each of `batch_size` sequences per replica, which DataParallel cuts out of one big batch.
-    global_batch = args.batch_size * args.grad_accum * replicas
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
+    global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # TODO 9/22: change the next 1 line(s) of code:
+    # TODO 8/18: change the next 1 line(s) of code:
     #   the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     #   uses common.distributed.claim_out_dir_on_rank0(out_dir: Path, resume: bool) -> None: The run
     #       folder claimed for every rank (a collective): rank 0 checks it and locks it for as ...
@@ -206,47 +153,28 @@ def main():
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-    # TODO 10/22: change the next 1 line(s) of code:
+    # TODO 9/18: change the next 1 line(s) of code into 2:
     #   DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     #     into backward to average the gradients over ranks (no device_ids: the model is on this
     #     rank's device). Checkpoints save model.module, whose names any chapter loads (no "module."
     #     prefix).
     #   uses torch.nn.parallel.DistributedDataParallel
-    # nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
-    # it calls the model as it is
-    model = AutocastDataParallel(model, device, dtype, device_ids=gpu_ids)
-    # The wrapper keeps the real model in model.module. Its state dict would prefix every name
-    # with "module.", so checkpoints save model.module's, which any chapter can load.
-    raw_model = model.module
-    # TODO 11/22: remove the next 1 line(s) of code:
-    #   gone from the solution: eval_model
-    eval_model = model  # DataParallel, not compiled: see the evaluation below
+    raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
         model = torch.compile(model)
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    # TODO 12/22: change the next 1 line(s) of code:
+    # TODO 10/18: change the next 1 line(s) of code:
     #     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
-    # TODO 13/22: change the next 13 line(s) of code into 3:
+    # TODO 11/18: change the next 2 line(s) of code into 3:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     #     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per ...
     #     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
-    split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
+    split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    if replicas > 1:
-        print(
-            f"DataParallel: 1 process, {replicas} threads, "
-            f"one replica per GPU on cuda:0..{replicas - 1}; "
-            f"each step scatters the batch, replicates the model and gathers the outputs on cuda:0"
-        )
-    else:
-        print(
-            f"DataParallel has nothing to split on one {device.type} device: "
-            "the run is chapter 02's"
-        )
-    # TODO 14/22: change the next 5 line(s) of code into 8:
+    # TODO 12/18: change the next 5 line(s) of code into 8:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
     #   Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W
     #     = world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes
@@ -257,15 +185,14 @@ def main():
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    # tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
-    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, replicas)
-    # metrics.jsonl and the printed lines: one call per log step
+    # tokens/s and MFU between log lines; metrics.jsonl and the printed lines: one call per log step
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
     report = RunLog(out_dir, iter_num, speed)
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
-        # TODO 15/22: change the next 2 line(s) of code into 1:
+        # TODO 13/18: change the next 2 line(s) of code into 1:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         #   uses sampler.set_epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
@@ -273,9 +200,7 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 16/22: change the next 1 line(s) of code:
-        #     loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
-        loader = batch_loader(train_set, sampler, whole_batch, skip, device)
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             if iter_num >= args.max_iters:
@@ -284,12 +209,10 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 17/22: change the next 10 line(s) of code into 13:
+            # TODO 14/18: change the next 9 line(s) of code into 13:
             #   the mean loss of this rank's share
             #   DDP all-reduces the gradients inside backward(); before the last micro-step that
             #     traffic would be wasted, so no_sync() lets them add up on this rank
-            #   (B, T) each, built in CPU memory
-            #   mean cross-entropy over B * T predictions
             #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
             #     makes that sum the gradient of the mean over K * B
             #   the last backward all-reduces bucket after bucket of gradients while it still
@@ -297,14 +220,11 @@ def main():
             #   uses model.no_sync
             loss = torch.zeros((), device=device)  # the mean loss over the whole global batch
             for _ in range(args.grad_accum):
-                x, y = next(batches)  # (replicas * B, T) each, built in CPU memory
+                x, y = next(batches)  # (B, T) each, built in CPU memory
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
                 with autocast:
-                    # each replica returns its own mean loss: a vector of `replicas` losses on
-                    # cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
-                    _, micro_loss = model(x, y)
-                    micro_loss = micro_loss.mean()
+                    _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                     # backward() adds into .grad, so K micro-steps sum K gradients; each loss
                     # divided by K makes that sum the gradient of the mean over all K * B sequences
                     micro_loss = micro_loss / args.grad_accum
@@ -322,7 +242,7 @@ def main():
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
-                # TODO 18/22: change the next 1 line(s) of code into 2:
+                # TODO 15/18: change the next 1 line(s) of code into 2:
                 #   the mean over all ranks: a collective, so every rank calls it
                 #   uses torch.distributed.all_reduce
                 loss_value = loss.item()
@@ -333,28 +253,19 @@ def main():
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling
-                # TODO 19/22: change the next 2 line(s) of code:
-                #     val_loss = evaluate(
-                #         raw_model, val_set, val_windows, args.batch_size, device, autocast
                 val_loss = evaluate(
-                    eval_model, val_set, val_windows, whole_batch, device, autocast
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 20/22: change the next 1 line(s) of code into 2:
+                # TODO 16/18: change the next 1 line(s) of code into 2:
                 #   one copy is enough: every rank holds the same model
                 save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 21/22: change the next 8 line(s) of code into 5:
+    # TODO 17/18: change the next 2 line(s) of code into 5:
     #   DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     #   uses common.distributed.ranks_unlike_rank0(model: torch.nn.Module) -> int: How many ranks
     #       hold parameters that differ from rank 0's, bit for bit (0 on every rank when ...
-    if replicas > 1:  # cuda:0 also holds the optimizer state, the gathered outputs and the loss
-        peaks = [
-            f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**20:,.0f} MiB"
-            for i in range(replicas)
-        ]
-        print("peak memory per GPU: " + ", ".join(peaks))
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
@@ -362,7 +273,7 @@ def main():
         print(text)
 
 
-# TODO 22/22: change the next 2 line(s) of code into 6:
+# TODO 18/18: change the next 2 line(s) of code into 6:
 #   every way out leaves the process group, after main() has freed the model that holds it
 #   uses torch.distributed.is_initialized, torch.distributed.destroy_process_group
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 # Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
-# the 13 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
+# the 5 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
 # solution there (or its code), the defs it adds and the helpers it first calls, with their
 # signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -20,10 +20,6 @@ One process alone is `torchrun --standalone --nproc_per_node=1 04_ddp/train.py`.
     torchrun --standalone --nproc_per_node=2 04_ddp/train.py --batch-size 4  # 01's run with 8
 """
 
-# TODO 1/13: the imports: remove (-) and add (+)
-#     + from common.distributed import agree_on_restart, restart_store
-#     + from common.support.preempt import Preemption, stop_signal
-#     + from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 import contextlib
 import datetime
 import os
@@ -72,7 +68,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/13: change the next 1 line(s) of code:
+    # TODO 1/5: change the next 1 line(s) of code:
     #     parser = CourseParser(chapter=5, description=__doc__)
     parser = CourseParser(chapter=4, description=__doc__)
     parser.add_argument(
@@ -81,11 +77,9 @@ def main():
     parser.add_argument(
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
-    # TODO 3/13: add 3 line(s) of code here:
+    # TODO 2/5: add 1 line(s) of code here:
     #     parser.add_argument("--shared-fs", action="store_true",
     #         help="one file system on all nodes")
-    #     stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
-    #     parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -94,13 +88,12 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
-    # TODO 4/13: add 2 line(s) of code here:
+    # TODO 3/5: add 1 line(s) of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or
     #     c10d's choice). Every line names it: "which machine?" comes first when a job of many
     #     machines fails.
-    #   how often torchrun (--max-restarts) has restarted this node's processes after a failure
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
-    # TODO 5/13: change the next 1 line(s) of code:
+    # TODO 4/5: change the next 1 line(s) of code:
     #     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     log = RankLog(f"[rank {rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -119,12 +112,6 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # TODO 6/13: change the next 1 line(s) of code into 2:
-    #   a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
-    #   MASTER_ADDR:MASTER_PORT, as in chapter 04)
-    #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
-    #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet; None:
-    #       init_process_group connects to MASTER_ADDR ...
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
@@ -133,7 +120,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 7/13: change the next 1 line(s) of code into 2:
+    # TODO 5/5: change the next 1 line(s) of code into 4:
     #   On node-local disks every machine needs its own token files: local rank 0 of EVERY node
     #     prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing
     #     the same files would corrupt them: global rank 0 alone prepares. The others wait for it.
@@ -153,21 +140,10 @@ def main():
     # the same in every chapter
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # TODO 8/13: add 1 line(s) of code here:
-    #   torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
-    #     continues from the last checkpoint, if any. The ranks agree on the restart count and on
-    #     whether all of them see the checkpoint (--out-dir on a file system every node sees).
-    #   uses common.distributed.agree_on_restart(restart_count: int, out_dir: Path, resume: bool) ->
-    #       tuple[int, bool]: What the ranks agree on after torchrun restarted them (a collective:
-    #       every rank calls it).
     # ---- model and optimizer ---------------------------------------------------------------------
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    # TODO 9/13: change the next 1 line(s) of code:
-    #     claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    # TODO 10/13: change the next 1 line(s) of code:
-    #     if args.resume or (restarts > 0 and seen_by_all):
     if args.resume:
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
@@ -199,9 +175,6 @@ def main():
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
-    # TODO 11/13: add 2 line(s) of code here:
-    #     if restarts:
-    #         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -218,19 +191,6 @@ def main():
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
 
-    # TODO 12/13: add 4 line(s) of code here:
-    #   ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption
-    #   Save the step, exit 75. A rank that stopped alone would leave the others waiting in their
-    #     next collective, so every `stop_check_every` steps the ranks all-reduce their stop flags
-    #     over a CPU group of their own (bench/stop_check.py measures it) ...
-    #   its handler only notes the signal
-    #   a restart after a stop stops too
-    #   uses common.support.preempt.Preemption(signal_name: str): Listens for SIGTERM and
-    #       `signal_name`; chapter 05's ranks all-reduce signal_number() every ...
-    #   uses common.support.preempt_ranks.stop_if_stopped_before(out_dir: str | Path, restarts: int,
-    #       group: dist.ProcessGroup) -> None: A worker torchrun restarted (`restarts`, agreed by
-    #       all ranks) after the run was stopped ...
-    #   uses torch.distributed.new_group
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
@@ -298,14 +258,6 @@ def main():
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 13/13: add 8 line(s) of code here:
-    #   ---- has any rank been asked to stop? (on the last step, the run just ends)
-    #   0, or the number of the signal this rank received; the MAX over ranks stops all
-    #   save the step (unless its evaluation just did), then the marker, a line, exit 75
-    #   uses common.support.preempt_ranks.stop_after_saving(step: int, signal_number: int, out_dir:
-    #       str | Path, group: dist.ProcessGroup) -> None: End the run after the checkpoint of
-    #       `step` is written: rank 0 marks the run as stopped, ...
-    #   uses torch.tensor, preemption.signal_number
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

@@ -12,14 +12,13 @@
 #   MASTER_PORT      a free TCP port on node 0, open to the other nodes (29500)
 #   NNODES           number of nodes (2)
 #   NPROC_PER_NODE   processes per node, one per GPU (the GPUs nvidia-smi lists, else 1)
-#   MAX_RESTARTS     how often torchrun restarts this node's processes after a failure (0)
-#   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to check)
+#   MAX_RESTARTS     how often torchrun restarts this node's processes after a failure (0;
+#                    chapter 06)
+#   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to
+#                    check the nodes first; 06_fault_tolerance/train.py for chapter 06)
 #
-# To stop a training run so that it can continue later, send SIGTERM to torchrun on every node (a
-# scheduler does): torchrun passes it on, the ranks stop after the same step (they check every
-# 10 steps), rank 0 saves it, and the training processes exit with status 75 (torchrun itself with 1). Run the same line again
-# with --resume to continue. exec: torchrun takes this script's place, so a signal sent to it (as
-# Kubernetes sends SIGTERM to a container's first process) reaches torchrun.
+# exec: torchrun takes this script's place, so a signal sent to it (as Kubernetes sends SIGTERM to a
+# container's first process) reaches torchrun, which passes it on to the training processes.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root, so the paths below work from anywhere
 

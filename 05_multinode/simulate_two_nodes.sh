@@ -7,7 +7,8 @@
 #   NPROC_PER_NODE=1 bash 05_multinode/simulate_two_nodes.sh --max-iters 300
 #   RDZV=c10d bash 05_multinode/simulate_two_nodes.sh              # elastic rendezvous instead of static
 #   SHARED_FS=1 bash 05_multinode/simulate_two_nodes.sh            # both nodes share one data folder
-#   MAX_RESTARTS=1 bash 05_multinode/simulate_two_nodes.sh         # then kill -9 a training process
+#   SCRIPT=06_fault_tolerance/train.py MAX_RESTARTS=1 bash 05_multinode/simulate_two_nodes.sh
+#                                                                  # chapter 06: then kill -9 a rank
 #
 # Each node runs the chapter's own recipe (launch_static.sh or launch_c10d.sh). Arguments go to
 # train.py after these defaults, so they override them.
@@ -16,11 +17,12 @@
 #   NPROC_PER_NODE   processes per simulated node (2)
 #   RDZV             static or c10d (static)
 #   PORT             the meeting port on 127.0.0.1 (a free one)
+#   SCRIPT           the program every node starts (05_multinode/train.py)
 #   RUN_DIR          where logs, metrics.jsonl, ckpt.pt and the nodes' data folders go
-#                    (out/05_multinode/two_nodes)
+#                    (out/<the script's chapter>/two_nodes)
 #   SHARED_FS        1: one data folder for both nodes and --shared-fs (0: a folder per node,
 #                    as node-local disks would be)
-#   MAX_RESTARTS     how often torchrun restarts the processes after one fails (0)
+#   MAX_RESTARTS     how often torchrun restarts the processes after one fails (0; chapter 06)
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 
@@ -28,7 +30,8 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
 RDZV="${RDZV:-static}"
 PYTHON="${PYTHON:-python}"
 PORT="${PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-RUN_DIR="${RUN_DIR:-out/05_multinode/two_nodes}"
+SCRIPT="${SCRIPT:-05_multinode/train.py}"
+RUN_DIR="${RUN_DIR:-out/$(basename "$(dirname "$SCRIPT")")/two_nodes}"
 SHARED_FS="${SHARED_FS:-0}"
 # a short CPU run of the tiny model; the processes share this machine's cores, one thread each
 DEFAULTS=(--preset tiny --max-iters 200 --eval-interval 50 --log-interval 10 --device cpu --dtype float32)
@@ -65,10 +68,10 @@ for NODE in 0 1; do
     args=("${DEFAULTS[@]}" --out-dir "$RUN_DIR" "${data[@]}" "$@")
     if [[ "$RDZV" == c10d ]]; then
         NNODES=2 NPROC_PER_NODE="$NPROC_PER_NODE" RDZV_ENDPOINT="127.0.0.1:$PORT" RDZV_ID="two-nodes-$PORT" \
-            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_c10d.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" SCRIPT="$SCRIPT" bash 05_multinode/launch_c10d.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
     elif [[ "$RDZV" == static ]]; then
         NNODES=2 NODE_RANK="$NODE" NPROC_PER_NODE="$NPROC_PER_NODE" MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT" \
-            MAX_RESTARTS="${MAX_RESTARTS:-0}" bash 05_multinode/launch_static.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" SCRIPT="$SCRIPT" bash 05_multinode/launch_static.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
     else
         echo "error: RDZV must be static or c10d, not '$RDZV'" >&2
         exit 2

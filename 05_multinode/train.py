@@ -1,10 +1,9 @@
-"""Chapter 05: one training job on several machines, which must survive failures and stops.
+"""Chapter 05: the same job on several machines ("nodes"), one torchrun on each.
 
-Chapter 04's program on several machines ("nodes"), with the same step. Around it: every line
-names its node; the token files are prepared once per node (or once, --shared-fs); a group that
-torchrun restarts after a failure continues from the last checkpoint; and a scheduler's stop
-(SIGTERM, --stop-signal) saves the step the ranks agree on and exits 75, to be requeued. Launch
-recipes: README.md in this folder.
+Chapter 04's program with the same step: DDP averages the gradients over every process, wherever
+it runs. Several machines are mostly a launch problem: each node's torchrun is told the number of
+nodes, this node's rank and where node 0 listens (README.md in this folder). In the code, every
+line names its node, and the token files are prepared once per node's disk (or once, --shared-fs).
 
     bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
@@ -37,20 +36,16 @@ from common.data import (
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
-    agree_on_restart,
     claim_out_dir_on_rank0,
     one_rank_first,
     rank_device,
     ranks_unlike_rank0,
     refuse_shared_gpus,
     require_torchrun,
-    restart_store,
     share_cpu_cores,
 )
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
-from common.support.preempt import Preemption, stop_signal
-from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.training import (
     build_model,
     check_finite,
@@ -70,8 +65,6 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
-    parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -83,8 +76,6 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
-    # how often torchrun (--max-restarts) has restarted this node's processes after a failure
-    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -103,10 +94,8 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
-    # MASTER_ADDR:MASTER_PORT, as in chapter 04)
-    store = restart_store(world_size, restart_count, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
@@ -116,7 +105,9 @@ def main():
     # On node-local disks every machine needs its own token files: local rank 0 of EVERY node
     # prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing the
     # same files would corrupt them: global rank 0 alone prepares. The others wait for it.
-    preparer = is_rank0 if args.shared_fs else local_rank == 0
+    preparer = local_rank == 0
+    if args.shared_fs:
+        preparer = is_rank0
     with one_rank_first(preparer):
         data_folder = prepare(
             args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
@@ -132,14 +123,10 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
-    # continues from the last checkpoint, if any. The ranks agree on the restart count and on
-    # whether all of them see the checkpoint (--out-dir on a file system every node sees).
-    restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    if args.resume or (restarts > 0 and seen_by_all):
+    if args.resume:
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
@@ -170,8 +157,6 @@ def main():
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
-    if restarts:
-        log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -187,15 +172,6 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
-
-    # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
-    # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
-    # collective, so every `stop_check_every` steps the ranks all-reduce their stop flags over a CPU
-    # group of their own (bench/stop_check.py measures it): one rank's signal stops all of them.
-    preemption = Preemption(args.stop_signal)  # its handler only notes the signal
-    stop_group = dist.new_group(backend="gloo", timeout=timeout)
-    stop_check_every = 10
-    stop_if_stopped_before(out_dir, restarts, stop_group)  # a restart after a stop stops too
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -264,18 +240,6 @@ def main():
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-
-            # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
-            if iter_num % stop_check_every == 0 and not last_step:
-                # 0, or the number of the signal this rank received; the MAX over ranks stops all
-                stop_flag = torch.tensor(preemption.signal_number())
-                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
-                agreed_signal = stop_flag.item()
-                # save the step (unless its evaluation just did), then the marker, a line, exit 75
-                if agreed_signal and is_rank0 and iter_num % args.eval_interval != 0:
-                    save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
-                if agreed_signal:
-                    stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

@@ -54,7 +54,7 @@ from tools.launch import (
 
 BENCH = REPO / "bench"
 # the setups, as --setups names them, in the table's order
-SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "06x1")
+SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "07x1")
 
 
 @dataclass
@@ -108,10 +108,8 @@ def setups(args) -> list[Setup]:
             ranks=2,
             flags=["--batch-size", g // 2, "--shared-fs"],
         ),
-        # FSDP2 with one rank: the flags of 04's one-rank row (chapter 06 takes chapter 05's)
-        Setup(
-            "06x1", "06 FSDP2, 1 rank", "06_fsdp/train.py", "torchrun", flags=["--batch-size", g]
-        ),
+        # FSDP2 with one rank: the flags of 04's one-rank row (chapter 07 takes chapter 06's)
+        Setup("07x1", "07 FSDP2, 1 rank", script[7], "torchrun", flags=["--batch-size", g]),
     ]
 
 
@@ -223,7 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--setups",
         default=",".join(SETUP_KEYS[:-1]),
-        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks; 06x1, chapter 06 on one "
+        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks; 07x1, chapter 07 on one "
         "rank, only when named)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")

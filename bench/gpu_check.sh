@@ -12,7 +12,7 @@
 #   gpu_vs_cpu        60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
 #   preflight         45s   ~15s  chapter 05's preflight, 1 rank on NCCL
 #   by_hand           60s   ~20s  bench/by_hand_vs_ddp.py --impl all, 1 rank on CUDA
-#   fsdp              60s   ~30s  chapter 06, FSDP2 with 1 NCCL rank, the flags of 04's row
+#   fsdp              60s   ~30s  chapter 07, FSDP2 with 1 NCCL rank, the flags of 04's row
 #   loss_chunked 2*COMPILE+90  ~180s  plain vs chunked loss (bench/loss_bench.py check): bare steps
 #                                 eager and compiled, tokens/s, peak memory, the loss by chunk size
 #
@@ -180,12 +180,12 @@ step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "
     --iters 10
 step by_hand 60 -- "${torchrun_one[@]}" -m bench.by_hand_vs_ddp --impl all \
     --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
-# chapter 06: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 06x1)
-if [[ -f 06_fsdp/train.py ]]; then
-    step fsdp 60 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 06x1 --no-bare \
+# chapter 07: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 07x1)
+if [[ -f 07_fsdp/train.py ]]; then
+    step fsdp 60 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 07x1 --no-bare \
         --timeout $((50 * STRETCH)) --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
 else
-    absent fsdp 06_fsdp/train.py
+    absent fsdp 07_fsdp/train.py
 fi
 # chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): two eager
 # bare steps, two compiled ones (COMPILE seconds each, as every run), then the loss alone; at

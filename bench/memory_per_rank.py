@@ -2,7 +2,7 @@
 
     python -m bench.memory_per_rank                # tiny and small measured, gpt2 counted, 2 ranks
 
-`tiny` and `small` are measured: chapter 06 trains each for 2 steps on 2 ranks (CPU, float32) and
+`tiny` and `small` are measured: chapter 07 trains each for 2 steps on 2 ranks (CPU, float32) and
 every rank prints the bytes it holds and a DDP rank's (common/sharding.py). `gpt2` is counted from
 the parameters' shapes, as FSDP2 cuts them: each tensor's rows in W pieces of ceil(rows / W), the
 last ones shorter. ZeRO-1 holds DDP's parameters and gradients and FSDP's optimizer-state shard.
@@ -44,7 +44,7 @@ def measured(preset: str, data_dir: Path, out_dir: Path) -> dict[str, list[float
         data_dir=data_dir,
         out_dir=out_dir,
     )
-    proc = run_torchrun(REPO / "06_fsdp" / "train.py", WORLD, args, timeout=900)
+    proc = run_torchrun(REPO / "07_fsdp" / "train.py", WORLD, args, timeout=900)
     rank0 = next(m for m in HOLDS.finditer(proc.stdout) if m.group(1) == "0")
     numbers = [float(x) for x in rank0.groups()[1:]]
     return {

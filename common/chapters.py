@@ -1,4 +1,26 @@
-"""The six chapters, in order: the one list that the scripts, tests, tools and notebooks use."""
+"""The chapters, in order: the one list that the scripts, tests, tools and notebooks use.
 
-FOLDERS = "01_single_gpu 02_grad_accumulation 03_dataparallel 04_ddp 05_multinode 06_fsdp".split()
+To insert a chapter, add its folder here (and renumber the folders after it): every other file
+asks this list for a chapter's folder, number and base. tests/test_chapters.py fails while any
+file still names a folder or a chapter number that the list does not hold."""
+
+FOLDERS = [
+    "01_single_gpu",
+    "02_grad_accumulation",
+    "03_dataparallel",
+    "04_ddp",
+    "05_multinode",
+    "06_fault_tolerance",
+    "07_fsdp",
+]
 CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (train.py, README.md)
+
+# The chapter whose train.py a chapter's page and exercise start from, where it is not the one
+# before it: chapter 04's DDP replaces chapter 03's DataParallel, so its diff against 02 is DDP
+# alone.
+BASES = {4: 2}
+
+
+def base(chapter: int) -> int:
+    """The chapter that `chapter` is shown as a change of: its page's diff, its exercise's start."""
+    return BASES.get(chapter, chapter - 1)

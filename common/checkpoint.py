@@ -113,7 +113,7 @@ def load_checkpoint(out_dir_or_file: str | Path) -> dict:
 
 
 def restore_training_state(checkpoint: dict, optimizer: Optimizer | None, scaler) -> int:
-    """Put the optimizer (None: restored already, as chapter 06's shards are), the loss scaler and
+    """Put the optimizer (None: restored already, as chapter 07's shards are), the loss scaler and
     the random generators back; return the step to go on from."""
     if optimizer is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])

@@ -23,7 +23,7 @@ INTRODUCED_IN = {
     "--gpus": 3,
     "--dist-timeout": 4,
     "--shared-fs": 5,
-    "--stop-signal": 5,
+    "--stop-signal": 6,
 }
 
 

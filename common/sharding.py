@@ -1,4 +1,4 @@
-"""Chapter 06's ckpt.pt from and into a sharded model (load_checkpoint_on_rank0, shard_full_state,
+"""Chapter 07's ckpt.pt from and into a sharded model (load_checkpoint_on_rank0, shard_full_state,
 gather_and_save: collectives, every rank calls them), and what the chapter measures but does not
 teach: the bytes of state each rank holds, and the most memory a rank held while it built its
 shards and took a step (these read only this rank's tensors or this process's figures).

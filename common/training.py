@@ -70,7 +70,7 @@ def evaluate(
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> torch.Tensor:
     """Mean loss over the given windows, as a 0-dim tensor on `device` (no host sync here)."""
-    if autocast is None:  # chapter 06: FSDP casts the parameters itself (MixedPrecisionPolicy)
+    if autocast is None:  # chapter 07: FSDP casts the parameters itself (MixedPrecisionPolicy)
         autocast = contextlib.nullcontext()
     model.eval()
     total = torch.zeros((), device=device)

@@ -1,7 +1,7 @@
-"""Make the exercises: each is the previous chapter's train.py with the chapter's changes
-marked TODO.
+"""Make the exercises: each is the train.py of the chapter it builds on (the previous one, or the
+one common/chapters.py names as its base) with the chapter's changes marked TODO.
 
-    python -m maintainer.make_exercises          # write 0N_<chapter>/exercise.py, chapters 02 to 06
+    python -m maintainer.make_exercises          # write 0N_<chapter>/exercise.py, chapter 02 on
     python -m maintainer.make_exercises --check  # exit 1 if one no longer matches the scripts
 
 The changes are difflib's, from chapter N-1's train.py to chapter N's, within each top-level
@@ -45,7 +45,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.chapters import CHAPTERS
+from common.chapters import CHAPTERS, base
 from layout import REPO
 from maintainer import REGENERATE
 from tools.statements import (
@@ -871,14 +871,14 @@ def opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, in
 
 def exercise(chapter: int) -> str:
     """Chapter N's exercise, made from the scripts as they are now."""
-    previous = (REPO / CHAPTERS[chapter - 1] / "train.py").read_text()
+    previous = (REPO / CHAPTERS[base(chapter)] / "train.py").read_text()
     solution = (REPO / CHAPTERS[chapter] / "train.py").read_text()
     return exercise_of(chapter, previous, solution)
 
 
 def exercise_of(chapter: int, previous: str, solution: str) -> str:
-    """The exercise of chapter N: its previous chapter's script (`previous`) with TODOs that lead
-    to its own (`solution`)."""
+    """The exercise of chapter N: the script of the chapter it builds on (`previous`) with TODOs
+    that lead to its own (`solution`)."""
     folder = CHAPTERS[chapter]
     old = previous.splitlines(keepends=True)
     new = solution.splitlines(keepends=True)
@@ -976,7 +976,7 @@ def exercise_of(chapter: int, previous: str, solution: str) -> str:
         first_block = blocks[min(blocks)]
         first_block.extend(line + "\n" for text in left for line in wrapped(text, "#   ", "    "))
     about = (
-        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {chapter - 1:02d}'s "
+        f"Exercise: chapter {chapter:02d} ({folder}). This is chapter {base(chapter):02d}'s "
         f"train.py; add chapter {chapter:02d}'s idea where the {total} TODOs say. A TODO says how "
         "the lines below it change, and hints: the new comments of the solution there (or its "
         "code), the defs it adds and the helpers it first calls, with their signatures. Solve a "
@@ -1045,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
     for chapter in list(CHAPTERS)[1:]:
         path = REPO / CHAPTERS[chapter] / "exercise.py"
         text = exercise(chapter)
-        previous = (REPO / CHAPTERS[chapter - 1] / "train.py").read_text()
+        previous = (REPO / CHAPTERS[base(chapter)] / "train.py").read_text()
         # the TODOs are comments: the exercise is the previous chapter's program, token for token
         assert ast.dump(ast.parse(text)) == ast.dump(ast.parse(previous)), (
             f"{path}: a TODO broke the code"

@@ -13,7 +13,7 @@ optimizer step, launched the way it teaches:
     04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
     05  two torchrun "nodes" on 127.0.0.1, W/2 processes each:
         05_multinode/train.py --batch-size G/W
-    06  torchrun --standalone --nproc-per-node W 06_fsdp/train.py --batch-size G/W
+    06  torchrun --standalone --nproc-per-node W 07_fsdp/train.py --batch-size G/W
 
 and writes <out-root>/<chapter>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
 chapters 01 and 04 once more in float64 (--float64-chapters; <out-root>/<chapter>-float64): the

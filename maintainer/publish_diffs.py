@@ -30,7 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-from common.chapters import CHAPTERS
+from common.chapters import CHAPTERS, base
 from layout import REPO
 from maintainer import REGENERATE
 
@@ -41,10 +41,10 @@ GENERATED_NOTE = (
     "edit the code, then rerun it -->"
 )
 FOLDERS = list(CHAPTERS.values())
-# Chapters whose README shows the diff against an earlier chapter than the previous one. Against
-# 03, chapter 04's diff is mostly the removal of DataParallel; against 02 it is DDP alone. The diff
-# against the previous chapter is published as well.
-SHOWN_AGAINST = {"04_ddp": "02_grad_accumulation"}
+# Chapters whose README shows the diff against an earlier chapter than the previous one, their base
+# (common/chapters.py). Against 03, chapter 04's diff is mostly the removal of DataParallel; against
+# 02 it is DDP alone. The diff against the previous chapter is published as well.
+SHOWN_AGAINST = {CHAPTERS[n]: CHAPTERS[base(n)] for n in list(CHAPTERS)[1:] if base(n) != n - 1}
 
 
 def diff_name(earlier: str, chapter: str) -> str:

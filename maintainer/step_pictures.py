@@ -11,11 +11,11 @@ gloo, and draws into docs/figures/ (or --figures):
                               no_sync() sends nothing, the last one's backward all-reduces bucket
                               after bucket while it is still computing
     ddp_step_trace.json.gz    its trace, both ranks in one file (Perfetto opens it)
-    fsdp_step.png             chapter 06: one FSDP2 step: the all-gather of every block before
+    fsdp_step.png             chapter 07: one FSDP2 step: the all-gather of every block before
                               its forward and again before its backward, the reduce-scatter of
                               its gradient after it; the root unit's, gathered once
     fsdp_step_trace.json.gz   its trace
-    memory_per_rank.png       chapter 06: what one rank of 2 holds under DDP, ZeRO-1 and FSDP:
+    memory_per_rank.png       chapter 07: what one rank of 2 holds under DDP, ZeRO-1 and FSDP:
                               parameters, gradients, AdamW's state, and the root unit that FSDP2
                               holds whole from the end of forward to its backward; tiny and small
                               measured, GPT-2 124M counted from its shapes
@@ -63,8 +63,8 @@ TRACE_FILES = {"ddp": "ddp_step_trace.json.gz", "fsdp": "fsdp_step_trace.json.gz
 FIGURES = {"ddp": "ddp_step.png", "fsdp": "fsdp_step.png", "memory": "memory_per_rank.png"}
 ENTRY_NAMES = {
     "ddp": "Chapter 04's step, traced: DDP buckets during backward",
-    "fsdp": "Chapter 06's step, traced: FSDP2's all-gathers and reduce-scatters",
-    "memory": "Chapter 06's memory per rank, with the root unit FSDP2 holds whole",
+    "fsdp": "Chapter 07's step, traced: FSDP2's all-gathers and reduce-scatters",
+    "memory": "Chapter 07's memory per rank, with the root unit FSDP2 holds whole",
 }
 
 
@@ -591,7 +591,7 @@ def draw_fsdp(trace: dict, path: Path, subtitle: str) -> None:
         ("reduce-scatter (gloo: an all-reduce)", COLOURS["reduce-scatter"]),
     ]
     title = (
-        "Chapter 06, one FSDP2 step, 2 ranks: every block gathered before its forward and again "
+        "Chapter 07, one FSDP2 step, 2 ranks: every block gathered before its forward and again "
         f"before its backward, its gradient reduce-scattered after\n{subtitle}"
     )
     draw_step("fsdp", trace, path, title, zooms, entries, fsdp_extras, texts)
@@ -640,7 +640,7 @@ def draw_memory(rows: list[dict], path: Path, subtitle: str) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle(
-        f"Chapter 06: what one rank of 2 holds during a step, float32 with AdamW\n{subtitle}",
+        f"Chapter 07: what one rank of 2 holds during a step, float32 with AdamW\n{subtitle}",
         fontsize=9,
     )
     fig.subplots_adjust(left=0.07, right=0.99, top=0.85, bottom=0.16, wspace=0.35)
@@ -762,8 +762,8 @@ CAPTIONS = {
         "nothing during `no_sync()`."
     ),
     "fsdp": (
-        "Chapter 06's step, traced the same way (FSDP2's `fully_shard` on every block, then on the "
-        "whole model, as chapter 06 shards it; one micro-step). In forward the root unit (the "
+        "Chapter 07's step, traced the same way (FSDP2's `fully_shard` on every block, then on the "
+        "whole model, as chapter 07 shards it; one micro-step). In forward the root unit (the "
         "embeddings, the last LayerNorm, the output layer) is gathered first, then each block's "
         "parameters just before it runs (h.0 to h.3); in backward each block is gathered again, "
         "the next one early (FSDP's prefetch), and right after its backward its gradient is "
@@ -780,7 +780,7 @@ CAPTIONS = {
         "What rank 0 of 2 holds, float32 with AdamW: parameters, gradients (as large as the "
         "parameters during the step; freed between steps by `zero_grad`) and AdamW's two averages. "
         "`tiny` and `small` measured in 2-rank FSDP2 runs (workers/step_trace.py: the bytes of "
-        "each rank's tensors, as chapter 06 prints them, DDP's being the whole tensors), GPT-2 "
+        "each rank's tensors, as chapter 07 prints them, DDP's being the whole tensors), GPT-2 "
         "124M counted from its shapes (bench/memory_per_rank.py). ZeRO-1 is DDP's parameters and "
         "gradients with FSDP's optimizer-state shard. The hatched part is what FSDP2 holds whole "
         "on top of its shards from the end of forward until its backward: the root unit's "
@@ -872,7 +872,7 @@ def draw_all(out: Path, figures: Path, record: bool) -> None:
             ENTRY_NAMES["fsdp"],
             f"{len(blocks)} blocks, each gathered before its forward and before its backward and "
             "reduce-scattered after it; the root unit gathered once and reduce-scattered last",
-            "one step of chapter 06's FSDP2 (fully_shard per block and on the model), `small`, "
+            "one step of chapter 07's FSDP2 (fully_shard per block and on the model), `small`, "
             "2 ranks, gloo on the CPU, traced by torch.profiler: each unit's collectives in the "
             "order they ran; the facts of docs/figures/fsdp_step.png, read from its trace.",
             run,

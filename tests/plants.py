@@ -44,11 +44,11 @@ PLANTS = {
     ),
     "no DataParallel": Plant(3, ()),
     "the optimizer built before fully_shard": Plant(
-        6,
+        7,
         ((move, P(assigns="optimizer"), P(kind="for", uses="block")),),
         ranks=2,
     ),
-    "no FSDP": Plant(6, ()),
+    "no FSDP": Plant(7, ()),
     "optimizer.step() inside the micro-loop": Plant(
         2,
         ((insert, P(call="backward"), "scaler.step(optimizer)\nscaler.update()", True),),
@@ -139,9 +139,9 @@ PLANTS = {
         ),
         ranks=2,
     ),
-    # chapter 05's saves kept in chapter 06 (and 05's import of save_checkpoint)
+    # chapter 06's saves kept in chapter 07 (and 06's import of save_checkpoint)
     "a checkpoint of rank 0's shards only": Plant(
-        6,
+        7,
         (
             (
                 replace_each,
@@ -172,7 +172,7 @@ PLANTS = {
         ),
     ),
     "a restart that does not continue the run": Plant(
-        5,
+        6,
         (
             (
                 rewrite,

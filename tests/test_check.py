@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from plants import PLANTS
 
-from common.chapters import CHAPTERS
+from common.chapters import CHAPTERS, base
 from layout import REPO
 from maintainer import REGENERATE, make_exercises
 from tools.check import runner
@@ -151,7 +151,7 @@ PLANT_FACTS = {
         first_grad_diff=1,
     ),
     "no DataParallel": dict(chapter=3, world_size=1, grad_accum=4, replicas=0),
-    "no FSDP": dict(chapter=6, sharded=False, first_data_diff=1),
+    "no FSDP": dict(chapter=7, sharded=False, first_data_diff=1),
     "optimizer.step() inside the micro-loop": trained(
         chapter=2, world_size=1, grad_accum=4, optimizer_steps=32, grad_ratio_at_1=0.25
     ),
@@ -162,7 +162,7 @@ PLANT_FACTS = {
         chapter=2, world_size=1, grad_accum=4, first_lr_diff=2, lr_speed=4
     ),
     "the gradient-sync switch off on the last micro-step": trained(
-        chapter=6,
+        chapter=7,
         sharded=True,
         last_micro_step_unsynced=True,
         first_grad_diff=1,
@@ -193,7 +193,7 @@ PLANT_FACTS = {
     "your evaluation differs; training is the same": dict(first_val_diff=8, val_ratio=0.998),
     # the resumed run fails: rank 0's shards do not load into the whole model
     "a checkpoint of rank 0's shards only": dict(
-        chapter=6,
+        chapter=7,
         sharded=True,
         params_equal=False,
         failure="RuntimeError: Error(s) in loading state_dict for GPT: (line 185 of copy/train.py)",
@@ -220,11 +220,11 @@ PLANT_FACTS = {
         resume_first_grad_diff=7,
     ),
     "a restart that does not continue the run": dict(
-        chapter=5, restart="after the restart: error: out/run holds another run"
+        chapter=6, restart="after the restart: error: out/run holds another run"
     ),
     # the optimizer holds the meta-device tensors the model was built with: its first step fails
     "the optimizer built before fully_shard": dict(
-        chapter=6,
+        chapter=7,
         fsdp_forwards=True,
         params_equal=False,
         failure="RuntimeError: Tensor.item() cannot be called on meta tensors "
@@ -309,7 +309,7 @@ def test_every_check_gets_a_folder_of_its_own(tmp_path):
 # ---- real runs -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chapter", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("chapter", [2, 3, 4, 5, 6, 7])
 def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter):
     exercise = REPO / CHAPTERS[chapter] / "exercise.py"
     assert "TODO" in exercise.read_text()
@@ -322,14 +322,14 @@ def test_each_exercise_as_given_is_not_chapter_01s_run(capsys, out_root, chapter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chapter", [3, 5])
+@pytest.mark.parametrize("chapter", [3, 6])
 def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     capsys, out_root, tmp_path, chapter
 ):
-    """03: no DataParallel splits a batch; 05: a killed rank's restart does not continue. (06's,
+    """03: no DataParallel splits a batch; 06: a killed rank's restart does not continue. (07's,
     "no FSDP", is named from its facts above: a real run of it would add half a minute.)"""
     source = (REPO / CHAPTERS[chapter] / "exercise.py").read_text()
-    given = f"CourseParser(chapter={chapter - 1},"
+    given = f"CourseParser(chapter={base(chapter)},"
     source = source.replace(given, f"CourseParser(chapter={chapter},")
     (tmp_path / "exercise.py").write_text(source)
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
@@ -339,16 +339,23 @@ def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
     assert f"diagnosis: {name}: " in out, out
 
 
-# 05's check (two nodes, a killed rank, the restart) and 06's (a stop and a resume on shards)
-# run in the slow stage
+# 05's check (two nodes, a stop and a resume), 06's (two nodes, a killed rank, the restart) and
+# 07's (a stop and a resume on shards) run in the slow stage
 @pytest.mark.parametrize(
     "chapter",
-    [2, 3, pytest.param(5, marks=pytest.mark.slow), pytest.param(6, marks=pytest.mark.slow)],
+    [
+        2,
+        3,
+        pytest.param(5, marks=pytest.mark.slow),
+        pytest.param(6, marks=pytest.mark.slow),
+        pytest.param(7, marks=pytest.mark.slow),
+    ],
 )
 def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
-    """02 and 03 without the resume phase (chapter 04's test below runs it); 05 as two nodes, with
-    a killed rank and torchrun's restart; 06 with its shards gathered whole, and resumed from its
-    ckpt.pt (where "a checkpoint of rank 0's shards only" must not fire)."""
+    """02 and 03 without the resume phase (chapter 04's test below runs it); 05 as two nodes,
+    stopped and resumed; 06 as two nodes, with a killed rank and torchrun's restart; 07 with its
+    shards gathered whole, and resumed from its ckpt.pt (where "a checkpoint of rank 0's shards
+    only" must not fire)."""
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
     resume = ["--no-resume"] if chapter < 5 else []
     script = REPO / CHAPTERS[chapter] / "train.py"
@@ -358,8 +365,11 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     if chapter == 3:
         assert "split over 2 replicas" in out, out
     if chapter == 5:
-        assert "torchrun restarted the group, and it continued" in out, out
+        assert "as 2 nodes" in out, out
+        assert "stopped at step 5 and resumed: the same end" in out, out
     if chapter == 6:
+        assert "torchrun restarted the group, and it continued" in out, out
+    if chapter == 7:
         assert "gathered whole from the shards of all 2 ranks" in out, out
         assert "stopped at step 5 and resumed: the same end" in out, out
 

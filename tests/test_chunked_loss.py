@@ -150,7 +150,7 @@ def test_no_grad_does_no_gradient_work():
 
 
 def test_gradients_come_back_in_the_inputs_dtypes():
-    """Chapter 06's FSDP casts the weights to bfloat16 itself, without autocast: the gradients of
+    """Chapter 07's FSDP casts the weights to bfloat16 itself, without autocast: the gradients of
     bfloat16 inputs, summed in float32, reach them as bfloat16 (autograd casts them)."""
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(40, 16, generator=gen).bfloat16().requires_grad_()

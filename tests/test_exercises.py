@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.chapters import CHAPTERS
+from common.chapters import CHAPTERS, base
 from layout import REPO
 from maintainer.make_exercises import (
     BODY_LINES,
@@ -171,7 +171,7 @@ def called(tree: ast.Module) -> set[str]:
 
 def newly_called(chapter: int, package: str) -> list[str]:
     """What chapter N's script calls from `package` ("common", "torch") that N-1's never uses."""
-    old = used(ast.parse(source_of(chapter - 1)))
+    old = used(ast.parse(source_of(base(chapter))))
     new = called(ast.parse(source_of(chapter)))
     return sorted(p for p in new - old if p.split(".")[0] == package)
 
@@ -212,7 +212,7 @@ def test_the_exercise_is_the_previous_chapters_program_token_for_token(chapter):
         tokens = tokenize.generate_tokens(io.StringIO(text).readline)
         return [(t.type, t.string) for t in tokens if t.type not in skipped]
 
-    assert code_tokens(exercise(chapter)) == code_tokens(source_of(chapter - 1))
+    assert code_tokens(exercise(chapter)) == code_tokens(source_of(base(chapter)))
 
 
 def named_lines(hint: list[str]) -> int:
@@ -274,7 +274,7 @@ def test_every_new_class_names_what_it_overrides(chapter):
     """A class new in the chapter: each method that hands on to its base's (super().name(...)) is
     an override, named in a TODO with its signature as written."""
     source = source_of(chapter)
-    old = {n.name for n in ast.parse(source_of(chapter - 1)).body if isinstance(n, ast.ClassDef)}
+    old = {n.name for n in ast.parse(source_of(base(chapter))).body if isinstance(n, ast.ClassDef)}
     todos = [todo.text() for todo in todos_of(exercise(chapter))]
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef) or node.name in old or not node.bases:

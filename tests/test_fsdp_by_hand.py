@@ -1,4 +1,4 @@
-"""06_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2.
+"""07_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2.
 
 Two real torchrun launches, 2 ranks and 3 ranks (gloo on 127.0.0.1), started together, each run
 workers/fsdp_by_hand_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the

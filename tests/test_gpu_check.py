@@ -63,8 +63,8 @@ STEPS = [
     "fsdp",
     "loss_chunked",
 ]
-# chapter 06 is run when this copy of the course has it, and named as absent when not
-FSDP_STATUS = "passed" if (REPO / "06_fsdp" / "train.py").exists() else "absent"
+# chapter 07 is run when this copy of the course has it, and named as absent when not
+FSDP_STATUS = "passed" if (REPO / "07_fsdp" / "train.py").exists() else "absent"
 # the limits are an H200's: a CPU shared with other work starts each process slower, hence STRETCH
 TINY = dict(
     PRESET="tiny",
@@ -198,7 +198,7 @@ def test_rows_and_summary_hold_the_figures(rehearsal):
         status = summary.split(f"| {row} |")[1].splitlines()[0] if f"| {row} |" in summary else ""
         assert "| ok |" in status, summary
     if FSDP_STATUS == "passed":
-        fsdp = summary.split("| 06 FSDP2, 1 rank (eager) |")[1].splitlines()[0]
+        fsdp = summary.split("| 07 FSDP2, 1 rank (eager) |")[1].splitlines()[0]
         assert "| ok |" in fsdp, summary
     assert "| loss_chunked | passed |" in summary
     assert "Not passed" not in summary

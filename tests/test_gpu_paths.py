@@ -138,6 +138,7 @@ def test_mfu_divides_by_the_peak_of_all_devices():
         ("03_dataparallel", "replicas"),
         ("04_ddp", "world_size"),
         ("05_multinode", "world_size"),
+        ("06_fault_tolerance", "world_size"),
     ):
         calls = [
             node
@@ -265,7 +266,7 @@ def test_every_chapter_saves_the_scaler_and_restores_through_one_function():
         tree = ast.parse((REPO / chapter / "train.py").read_text())
         calls = {getattr(n.func, "id", None): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
         assert "restore_training_state" in calls, chapter
-        # chapter 06 gathers its shards first; every other chapter saves its own copy
+        # chapter 07 gathers its shards first; every other chapter saves its own copy
         save = calls.get("save_checkpoint") or calls["gather_and_save"]
         assert "scaler" in [getattr(a, "id", None) for a in save.args], chapter
 

@@ -31,9 +31,9 @@ def help_entries(text: str) -> dict[str, str]:
 
 @pytest.mark.quick
 def test_help_shows_every_default_once():
-    """Chapter 05's --help: chapter 01's flags and the ones chapters 02-05 add in their scripts.
+    """Chapter 06's --help: chapter 01's flags and the ones chapters 02-06 add in their scripts.
     --stop-signal's value is checked as it is read (usr1 is SIGUSR1)."""
-    proc = run_python(["05_multinode/train.py", "--stop-signal", "usr1", "--help"])
+    proc = run_python(["06_fault_tolerance/train.py", "--stop-signal", "usr1", "--help"])
     shown = {flag: text for flag, text in help_entries(proc.stdout).items() if flag != "--help"}
     assert len(shown) > 30
     for flag, text in shown.items():
@@ -69,12 +69,12 @@ def test_divergence_is_one_line_that_names_the_fix():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("chapter", [1, 2, 3, 4])
-def test_the_stop_signal_is_chapter_05s(chapter):
-    """Chapters 01-04 end at a signal; --stop-signal (save the step, then stop) is chapter 05's."""
+@pytest.mark.parametrize("chapter", [1, 2, 3, 4, 5])
+def test_the_stop_signal_is_chapter_06s(chapter):
+    """Chapters 01-05 end at a signal; --stop-signal (save the step, then stop) is chapter 06's."""
     parser = CourseParser(chapter=chapter, description="")
     for words in (["--stop-signal", "USR1"], ["--stop-signal=USR1"]):
-        with pytest.raises(CourseError, match=r"^--stop-signal is introduced in chapter 05"):
+        with pytest.raises(CourseError, match=r"^--stop-signal is introduced in chapter 06"):
             parser.parse_args(words)
 
 

@@ -1,23 +1,23 @@
 """A scheduler's stop signal. Chapters 01-04: it ends the run at once, and the last checkpoint
-stays intact for --resume. Chapter 05 (and 06): the run saves the step every rank has reached,
+stays intact for --resume. Chapter 06 (and 07): the run saves the step every rank has reached,
 stops with one line and status 75, and resumes exactly.
 
 - Chapter 01, SIGTERM mid-run: one line, status 130, the checkpoint of the last evaluation intact,
   and `--resume` ends with the parameters of the run that was never stopped.
-- Chapter 05 under torchrun (2 ranks), SIGTERM to the whole process group (as a scheduler signals
+- Chapter 06 under torchrun (2 ranks), SIGTERM to the whole process group (as a scheduler signals
   every process of a job): one line from rank 0, a checkpoint of the step the ranks stopped after,
   and `--resume` ends with the parameters of chapter 01's run that was never stopped (float64:
   equal up to rounding).
-- Chapter 05, the signal to one rank only: every rank stops after the same step (the all-reduced
+- Chapter 06, the signal to one rank only: every rank stops after the same step (the all-reduced
   flag), that step saved, and rank 0 names the signal the other rank received.
 - In-process: the signal handling itself (every copy after the first is the same stop, however
   late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
   it; an error while stopping is an error, with its own status), --stop-signal's names, and a
   stop's finality (a restarted worker finds the stop's marker and stops), the ranks' part in a real
   gloo world of one process.
-- Chapter 05 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
+- Chapter 06 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
   and they stop at once, without a step more (the stop's marker).
-- 05_multinode/slurm.sbatch on a real Slurm: tests/test_slurm.py.
+- 06_fault_tolerance/slurm.sbatch on a real Slurm: tests/test_slurm.py.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from common.support.preempt import EXIT_STOPPED, Preemption, exit_stopped, stop_
 from common.support.preempt_ranks import STOP_MARKER, stop_after_saving, stop_if_stopped_before
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
-# chapter 05's ranks check for a stop every 10 steps: a stop asked for after step 2 is taken after
+# chapter 06's ranks check for a stop every 10 steps: a stop asked for after step 2 is taken after
 # step 10 (or 20, on a slow machine), before the end
 ITERS = 24
 # float64: a resumed run repeats the uninterrupted one's numbers (exactly in the same world of
@@ -90,7 +90,7 @@ def stopped_after_step(cmd: list, step: int, ranks: str = "all") -> tuple[int | 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory):
     """Chapter 01 never stopped (the reference); chapter 01 stopped after step 5 (an evaluation
-    every 2 steps); chapter 05 (two ranks) stopped after step 2, its whole group and one rank
+    every 2 steps); chapter 06 (two ranks) stopped after step 2, its whole group and one rank
     alone: what each stop left, and its exit status and output."""
     root = tmp_path_factory.mktemp("preempt")
     names = ("reference", "single", "ranks", "one_rank")
@@ -100,8 +100,12 @@ def runs(data_dir, tmp_path_factory):
         "01_single_gpu/train.py",
         *run_args(data_dir, out["single"], 1, eval_interval=2),
     ]
-    ranks_cmd = torchrun_command("05_multinode/train.py", 2, run_args(data_dir, out["ranks"], 5))
-    one_cmd = torchrun_command("05_multinode/train.py", 2, run_args(data_dir, out["one_rank"], 5))
+    ranks_cmd = torchrun_command(
+        "06_fault_tolerance/train.py", 2, run_args(data_dir, out["ranks"], 5)
+    )
+    one_cmd = torchrun_command(
+        "06_fault_tolerance/train.py", 2, run_args(data_dir, out["one_rank"], 5)
+    )
     with ThreadPoolExecutor(max_workers=2) as pool:
         reference = pool.submit(
             run_python, ["01_single_gpu/train.py", *run_args(data_dir, out["reference"], 1)]
@@ -155,7 +159,9 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     assert "[rank 0] Traceback" not in output
     assert "[rank 1] Traceback" not in output
 
-    run_torchrun("05_multinode/train.py", 2, [*run_args(data_dir, out["ranks"], 5), "--resume"])
+    run_torchrun(
+        "06_fault_tolerance/train.py", 2, [*run_args(data_dir, out["ranks"], 5), "--resume"]
+    )
     assert_resumes_to_the_reference(out["ranks"], out["reference"])
 
 
@@ -314,7 +320,7 @@ def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):
     marker and stop at once, without a step more."""
     out = tmp_path / "run"
     args = tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
-    cmd = torchrun_command("05_multinode/train.py", 2, args, extra=["--max-restarts=1"])
+    cmd = torchrun_command("06_fault_tolerance/train.py", 2, args, extra=["--max-restarts=1"])
     proc = start(cmd)
     try:
         seen = read_until(proc, "iter      2 |")

@@ -103,7 +103,7 @@ def test_ranks_on_one_cpu_share_its_cores(ranks, cores, omp, expected):
 
 
 def test_a_retired_flag_is_refused_after_its_last_chapter():
-    for chapter, script in ((4, "04_ddp/train.py"), (5, "05_multinode/train.py")):
+    for chapter, script in ((4, "04_ddp/train.py"), (6, "06_fault_tolerance/train.py")):
         with pytest.raises(CourseError) as refused:
             CourseParser(chapter=chapter, description="").parse_args(["--gpus", "2"])
         message = str(refused.value)

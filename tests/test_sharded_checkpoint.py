@@ -1,4 +1,4 @@
-"""06_fsdp/sharded_checkpoint.py: 2 ranks write their shards with torch.distributed.checkpoint, and
+"""07_fsdp/sharded_checkpoint.py: 2 ranks write their shards with torch.distributed.checkpoint, and
 3 ranks, cut another way, read back exactly what the 2 ranks held (real torchrun, gloo, the CPU)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tools.launch import REPO, run_torchrun
 
-SCRIPT = REPO / "06_fsdp" / "sharded_checkpoint.py"
+SCRIPT = REPO / "07_fsdp" / "sharded_checkpoint.py"
 
 
 def test_three_ranks_read_two_ranks_shards(tmp_path):

@@ -1,5 +1,5 @@
-"""05_multinode/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves the step,
-the job is requeued under its id, and the requeued job resumes from that step and completes.
+"""06_fault_tolerance/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves the
+step, the job is requeued under its id, and the requeued job resumes from that step and completes.
 
 The cluster is .ci/slurm/start.sh's (CI brings it up and exports SLURM_CONF). The
 script is submitted as it is, with a tiny CPU run: what differs is given on sbatch's command line
@@ -75,7 +75,7 @@ def submit(data_dir: Path, out_dir: Path, log: Path, sbatch_options: list, train
         *ONE_SMALL_NODE,
         f"--output={log}",
         *sbatch_options,
-        "05_multinode/slurm.sbatch",
+        "06_fault_tolerance/slurm.sbatch",
         *map(str, train_args),
     ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

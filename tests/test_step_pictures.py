@@ -84,7 +84,7 @@ def test_the_results_say_what_the_traces_say(traces):
         assert entry(key)["source"] == f"docs/figures/{pictures.TRACE_FILES[key]}"
 
 
-def test_the_memory_bars_agree_with_the_shapes_and_with_chapter_06():
+def test_the_memory_bars_agree_with_the_shapes_and_with_chapter_07():
     table = entry("memory")["table"]
     rows = {}
     for line in table.splitlines()[2:]:
@@ -97,7 +97,7 @@ def test_the_memory_bars_agree_with_the_shapes_and_with_chapter_06():
     for preset in ("tiny", "small"):
         root = pictures.root_bytes_counted(preset) / 1e6
         assert rows[(preset, "root unit held whole from forward to backward")][2] == f"{root:,.2f}"
-    # the totals are what chapter 06 itself printed (bench/memory_per_rank.py's entry)
+    # the totals are what chapter 07 itself printed (bench/memory_per_rank.py's entry)
     printed = next(e for e in registry.load()["entries"] if e["name"].startswith("06 memory"))
     for preset in ("tiny", "small", "gpt2"):
         ddp, _, fsdp = rows[(preset, "parameters + gradients + AdamW state")]

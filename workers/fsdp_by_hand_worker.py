@@ -1,5 +1,5 @@
 """Run under torchrun by tests/test_fsdp_by_hand.py: train small models with
-06_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write
+07_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write
 how far apart they are.
 
     torchrun --nproc_per_node=W -m workers.fsdp_by_hand_worker [OUT_DIR]
@@ -37,7 +37,7 @@ from common.model import GPT, model_config
 from layout import chapter_module
 from workers.worker_shared import gloo_group, write_results
 
-FullyShardedDataParallel = chapter_module("06_fsdp", "fsdp_by_hand").FullyShardedDataParallel
+FullyShardedDataParallel = chapter_module("07_fsdp", "fsdp_by_hand").FullyShardedDataParallel
 
 STEPS = 3
 SEED = 1234

@@ -1,4 +1,4 @@
-"""One training step under torch.profiler, as chapter 04 (DDP) or chapter 06 (FSDP2) takes it.
+"""One training step under torch.profiler, as chapter 04 (DDP) or chapter 07 (FSDP2) takes it.
 
     torchrun --standalone --nproc-per-node=2 -m workers.step_trace --mode ddp --out out/trace
     torchrun --standalone --nproc-per-node=2 -m workers.step_trace --mode fsdp --out out/trace
@@ -11,7 +11,7 @@ batches from `DistributedSampler`, AdamW, on the CPU with gloo:
           cap, so that a small model still has several buckets); --grad-accum micro-steps, all
           but the last under no_sync(), as chapter 04 takes them
     fsdp  fully_shard on every transformer block, then on the whole model (the root unit), as
-          chapter 06 shards it; one micro-step
+          chapter 07 shards it; one micro-step
 
 --warmup steps run first (DDP rebuilds its buckets in the order backward makes the gradients
 after its first synced step; FSDP initialises itself lazily), then one step is profiled. Every

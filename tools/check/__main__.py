@@ -11,10 +11,10 @@ boundaries. Equal runs then agree to the last digit. Compared: every row the scr
 learning rate, validation loss), the optimizer steps per logged step, the windows every rank read,
 every step's gradient norm and parameters, every rank's copy of them, the GPU index each rank asks
 for, and a run stopped at step 5 and resumed. What a CPU cannot show is stood in for: chapter 03's
-DataParallel splits each batch over 2 replicas; chapter 05 runs as two nodes of one process each
-(so LOCAL_RANK is not RANK), and instead of a plain resume, one rank is killed after step 6 and
-torchrun restarts the group. Chapter 06's ranks hold shards of the parameters (FSDP): they are
-gathered whole to be compared. A hang (ranks waiting in collectives that do not match) is named
+DataParallel splits each batch over 2 replicas; chapters 05 and 06 run as two nodes of one process
+each (so LOCAL_RANK is not RANK), and in chapter 06, instead of a plain resume, one rank is killed
+after step 6 and torchrun restarts the group. Chapter 07's ranks hold shards of the parameters
+(FSDP): they are gathered whole to be compared. A hang (ranks waiting in collectives that do not match) is named
 with each rank's line within seconds. The verdict: "same run" (exit 0), with what the check could
 not observe; "not the same run" (exit 1) with what differs first and a diagnosis from
 tools/check/mistakes.py (or, where no entry fits, what the facts show); or "could not run" (exit
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out-root", default=str(REPO / "out" / "check"), help="where the runs go")
     p.add_argument(
-        "--no-resume", action="store_true", help="skip the stop-and-resume (05: restart) check"
+        "--no-resume", action="store_true", help="skip the stop-and-resume (06: restart) check"
     )
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument(

@@ -184,7 +184,7 @@ MISTAKES = [
         "meta device, which have no storage and get no gradient, not the shards the model trains, "
         "so its first step fails",
         signature=FailsWith(r"on meta tensors"),
-        chapter=6,
+        chapter=7,
         right=(P(assigns="optimizer"),),
         look_for=(P(assigns="optimizer"),),
         near=P(call="fully_shard", arg="model"),
@@ -193,7 +193,7 @@ MISTAKES = [
     Mistake(
         name="no FSDP",
         did="the model is never sharded with fully_shard: every rank still holds the whole model "
-        "(the script is still chapter 05's); under FSDP each rank's parameters are shards "
+        "(the script is still chapter 06's); under FSDP each rank's parameters are shards "
         "(DTensors), and the check found none",
         signature=lambda f: (
             f.plan.shards
@@ -201,7 +201,7 @@ MISTAKES = [
             and not f.ranks.fsdp_forwards
             and f.grads.optimizer_steps > 0
         ),
-        chapter=6,
+        chapter=7,
         right=(P(call="fully_shard", arg="model"),),
         look_for=(P(call="fully_shard"),),
         near=P(assigns="raw_model"),
@@ -244,7 +244,7 @@ MISTAKES = [
         "unsharded gradient and never reaches the shards the optimizer steps on: the gradient "
         "is not the batch's from step 1",
         signature=lambda f: f.plan.shards and f.grads.last_micro_step_unsynced,
-        chapter=6,
+        chapter=7,
         right=(P(call="set_requires_gradient_sync"),),
         look_for=(P(call="set_requires_gradient_sync"),),
         near=MICRO_LOOP,
@@ -405,12 +405,12 @@ MISTAKES = [
     Mistake(
         name="a checkpoint of rank 0's shards only",
         did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
-        "rank 0's shards, not the model. Saved as ckpt.pt (chapter 05's save_checkpoint), it does "
+        "rank 0's shards, not the model. Saved as ckpt.pt (chapter 06's save_checkpoint), it does "
         "not load into the whole model, so the resume fails; the whole tensors must be gathered "
         "from every rank first, on every rank (gather_and_save: get_model_state_dict with "
         "full_state_dict=True, then rank 0 writes)",
         signature=FailsWith(r"Error\(s\) in loading state_dict"),
-        chapter=6,
+        chapter=7,
         right=(P(call="gather_and_save"),),
         look_for=(P(call="save_checkpoint"), P(call="state_dict")),
         near=P(call="evaluation"),
@@ -470,9 +470,9 @@ MISTAKES = [
         name="a restart that does not continue the run",
         did="torchrun restarted the group after a rank was killed, and the run did not continue "
         "from its checkpoint to chapter 01's end: a restarted process must find the checkpoint "
-        "and resume as --resume would (chapter 05)",
+        "and resume as --resume would (chapter 06)",
         signature=lambda f: f.resume.restart is not None,
-        chapter=5,
+        chapter=6,
         right=(P(assigns="checkpoint", call="load_checkpoint"),),
         look_for=(P(call="load_checkpoint"),),
         near=P(call="claim_out_dir_on_rank0"),

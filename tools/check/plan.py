@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 8, 5, 8
 REPLICAS = 2  # chapter 03: the stand-in replicas DataParallel splits each batch over
-# chapter 05: the restart check checkpoints at step 4, kills rank 1 after step 6; torchrun restarts
+# chapter 06: the restart check checkpoints at step 4, kills rank 1 after step 6; torchrun restarts
 RESTART_EVAL, RESTART_KILL = 4, 6
 
 
@@ -98,6 +98,7 @@ PLANS = {
     2: Plan(2),
     3: Plan(3, replicas=REPLICAS),
     4: Plan(4, distributed=True, picks_gpu=True),
-    5: Plan(5, distributed=True, nodes=2, restart=True, picks_gpu=True),
-    6: Plan(6, distributed=True, shards=True, picks_gpu=True),
+    5: Plan(5, distributed=True, nodes=2, picks_gpu=True),
+    6: Plan(6, distributed=True, nodes=2, restart=True, picks_gpu=True),
+    7: Plan(7, distributed=True, shards=True, picks_gpu=True),
 }

@@ -1,36 +1,15 @@
-# Exercise: chapter 06 (06_fsdp). This is chapter 05's train.py; add chapter 06's idea where the 15
-# TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
-# there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
-# a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
-# this one). Then check your copy:
-#     cp -n 06_fsdp/exercise.py 06_fsdp/my_exercise.py
-#     python -m tools.check 06_fsdp/my_exercise.py --nproc-per-node 2
-# The solution is 06_fsdp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
-# start again, copy this file under another name. This file is made by maintainer/make_exercises.py
-# from the two scripts.
-"""Chapter 05: one training job on several machines, which must survive failures and stops.
+"""Chapter 06: a training job that survives a failed process and a scheduler's stop.
 
-Chapter 04's program on several machines ("nodes"), with the same step. Around it: every line
-names its node; the token files are prepared once per node (or once, --shared-fs); a group that
-torchrun restarts after a failure continues from the last checkpoint; and a scheduler's stop
-(SIGTERM, --stop-signal) saves the step the ranks agree on and exits 75, to be requeued. Launch
-recipes: README.md in this folder.
+Chapter 05's program, with the same step. A job of many machines for many hours meets both: a
+process dies (torchrun --max-restarts starts the group again, which continues from the last
+checkpoint), and a scheduler stops the job (SIGTERM, or --stop-signal, before a time limit or a
+preemption: the ranks agree on a step, rank 0 saves it, and every rank exits with status 75, to be
+requeued and resumed). Slurm's recipe: slurm.sbatch in this folder.
 
-    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
-    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
+    MAX_RESTARTS=1 SCRIPT=06_fault_tolerance/train.py bash 05_multinode/simulate_two_nodes.sh
+    sbatch 06_fault_tolerance/slurm.sbatch                               # on a Slurm cluster
 """
 
-# TODO 1/15: the imports: remove (-) and add (+)
-#     - import contextlib
-#     - from torch.nn.parallel import DistributedDataParallel as DDP
-#     - from common.checkpoint import load_checkpoint, save_checkpoint
-#     - from common.device import autocast_context
-#     - from common.distributed import ranks_unlike_rank0
-#     + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-#     + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-#     + from common.model import GPT
-#     + from common.sharding import PeakMemory, describe_held_bytes, gather_and_save,
-#         load_checkpoint_on_rank0, shard_full_state
 import contextlib
 import datetime
 import os
@@ -83,9 +62,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/15: change the next 1 line(s) of code:
-    #     parser = CourseParser(chapter=6, description=__doc__)
-    parser = CourseParser(chapter=5, description=__doc__)
+    parser = CourseParser(chapter=6, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
@@ -119,8 +96,6 @@ def main():
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/15: remove the next 1 line(s) of code:
-    #   gone from the solution: autocast, autocast_context
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -141,7 +116,9 @@ def main():
     # On node-local disks every machine needs its own token files: local rank 0 of EVERY node
     # prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing the
     # same files would corrupt them: global rank 0 alone prepares. The others wait for it.
-    preparer = is_rank0 if args.shared_fs else local_rank == 0
+    preparer = local_rank == 0
+    if args.shared_fs:
+        preparer = is_rank0
     with one_rank_first(preparer):
         data_folder = prepare(
             args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
@@ -164,21 +141,6 @@ def main():
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
-    # TODO 4/15: change the next 3 line(s) of code into 12:
-    #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
-    #   the most memory this rank holds from here on
-    #   The chapter is for a model too large for one device, so no rank builds it whole. ...
-    #   On GPUs FSDP computes in bfloat16 (float16 on older ones) ...
-    #   Each transformer block becomes one FSDP unit ...
-    #   (2 more comment(s) in the solution)
-    #   uses common.sharding.load_checkpoint_on_rank0(out_dir: str | Path, config: GPTConfig) ->
-    #       dict: ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the
-    #       settings, ...
-    #   uses common.sharding.PeakMemory(device: torch.device): The most memory this rank held since
-    #       it was made, above what it held then, in MB: on a GPU ...
-    #   uses common.model.GPT(config: GPTConfig)
-    #   uses torch.device, torch.distributed.fsdp.MixedPrecisionPolicy,
-    #       torch.distributed.fsdp.fully_shard, model.to_empty
     if args.resume or (restarts > 0 and seen_by_all):
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
@@ -189,24 +151,9 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 5/15: add 4 line(s) of code here:
-    #   Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
-    #     seed, chapter 01's. Every rank takes its rows of it (and of AdamW's), one tensor at a
-    #     time.
-    #   uses common.sharding.shard_full_state(model: torch.nn.Module, optimizer: Optimizer,
-    #       model_state: dict, checkpoint: dict | None) -> None: Fill this rank's shards from rank
-    #       0's whole tensors (a fresh model's, or ckpt.pt's and its ...
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 6/15: change the next 1 line(s) of code:
-    #   The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
-    #   uses torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    # TODO 7/15: change the next 5 line(s) of code into 7:
-    #   None: AdamW is sharded
-    #   rank 0's whole tensors are freed
-    #   fully_shard wraps nothing: the state dict's names are unchanged
-    #   uses memory.since_start
     if checkpoint is not None:
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
@@ -224,8 +171,6 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 8/15: change the next 1 line(s) of code:
-    #     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend ...
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     if restarts:
         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
@@ -271,15 +216,6 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
-            # TODO 9/15: change the next 12 line(s) of code into 8:
-            #   FSDP reduce-scatters the gradients inside backward(); before the last micro-step
-            #     that traffic would be wasted, so without sync they add up on this rank, whole and
-            #     unsharded (more memory than no_sync() in chapter 04, which adds none)
-            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
-            #     makes that sum the gradient of the mean over all K * B sequences
-            #   the last backward reduce-scatters block after block of gradients while it still
-            #     computes the rest; this micro-batch's activations are freed here
-            #   uses model.set_requires_gradient_sync
             for micro_step in range(args.grad_accum):
                 # DDP all-reduces the gradients inside backward(); before the last micro-step that
                 # traffic would be wasted, so no_sync() lets them add up on this rank
@@ -309,9 +245,6 @@ def main():
             iter_num += 1
             last_step = iter_num == args.max_iters
 
-            # TODO 10/15: add 2 line(s) of code here:
-            #     if iter_num == first_step:
-            #         log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
@@ -321,9 +254,7 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            # TODO 11/15: change the next 4 line(s) of code into 2:
-            #   the model uncompiled (see chapter 01); every rank evaluates the same windows, and
-            #     every forward gathers each block's parameters from all ranks
+            saved = False  # whether this step's checkpoint is written (the stop below asks)
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode and a shorter last batch would each be compiled
                 # anew, which takes longer than evaluating without compiling. Every rank evaluates
@@ -333,15 +264,9 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 12/15: change the next 2 line(s) of code into 1:
-                #   every rank holds a shard of every tensor, so every rank takes part; rank 0
-                #     writes
-                #   uses common.sharding.gather_and_save(out_dir: str | Path, iter_num: int, model:
-                #       torch.nn.Module, optimizer: Optimizer, scaler, train_config: dict) -> None:
-                #       ckpt.pt from a sharded model, as every chapter writes it: the whole tensors,
-                #       gathered into ...
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
+                saved = True
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
 
             # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
@@ -350,34 +275,18 @@ def main():
                 stop_flag = torch.tensor(preemption.signal_number())
                 dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
                 agreed_signal = stop_flag.item()
-                # save the step (unless its evaluation just did), then the marker, a line, exit 75
-                # TODO 13/15: change the next 2 line(s) of code:
-                #     if agreed_signal and iter_num % args.eval_interval != 0:
-                #         gather_and_save(out_dir, iter_num, raw_model, optimizer, scaler,
-                #             train_config)
-                if agreed_signal and is_rank0 and iter_num % args.eval_interval != 0:
-                    save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 if agreed_signal:
+                    # save the step (unless its evaluation just did), then the marker, a line, 75
+                    if is_rank0 and not saved:
+                        save_checkpoint(
+                            out_dir, iter_num, raw_model, optimizer, scaler, train_config
+                        )
                     stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
-    # TODO 14/15: change the next 4 line(s) of code into 2:
-    #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
-    #     state.
-    #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
-    #   every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
-    #   uses common.sharding.describe_held_bytes(model: torch.nn.Module, optimizer:
-    #       torch.optim.Optimizer) -> str: One line: what this rank holds, against what a DDP rank
-    #       holds, in MB (10^6 bytes).
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 15/15: change the next 4 line(s) of code into 5:
-    #     if args.sample_tokens:
-    #         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-    #         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
-    #         if is_rank0:
-    #             print(text)
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)

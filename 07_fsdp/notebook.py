@@ -7,7 +7,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 06 — shard the state (FSDP)
+# # Chapter 07 — shard the state (FSDP)
 #
 # Under DDP every rank holds the whole model, its gradients and AdamW's two averages. FSDP cuts
 # each of them in W pieces, one per rank, and gathers a block's parameters from all ranks just
@@ -64,7 +64,7 @@ three_steps = list(TINY)
 three_steps[three_steps.index("--max-iters") + 1] = "3"  # 3 steps, not the notebooks' usual run
 for world, batch in ((2, "6"), (3, "4")):  # a global batch of 12 either way
     out = torchrun(
-        "06_fsdp/train.py",
+        "07_fsdp/train.py",
         world,
         *three_steps,
         "--batch-size",
@@ -88,14 +88,14 @@ for world, batch in ((2, "6"), (3, "4")):  # a global batch of 12 either way
 from common.metrics import read_metrics
 
 ref = train("01_single_gpu", "ch01", "--batch-size", "8")
-torchrun("06_fsdp/train.py", 2, *TINY, "--batch-size", "4", "--out-dir", RUNS / "ch06", show=3)
-ch06 = read_metrics(RUNS / "ch06" / "metrics.jsonl")
+torchrun("07_fsdp/train.py", 2, *TINY, "--batch-size", "4", "--out-dir", RUNS / "ch07", show=3)
+ch07 = read_metrics(RUNS / "ch07" / "metrics.jsonl")
 plot_losses(
-    {"01: 1 process, batch 8": ref, "06: FSDP, 2 ranks x batch 4": ch06},
-    "Chapter 06 matches chapter 01",
+    {"01: 1 process, batch 8": ref, "07: FSDP, 2 ranks x batch 4": ch07},
+    "Chapter 07 matches chapter 01",
 )
-print(f"largest per-step loss difference: {compare(ref, ch06):.2e}")
-assert compare(ref, ch06) < 1e-4
+print(f"largest per-step loss difference: {compare(ref, ch07):.2e}")
+assert compare(ref, ch07) < 1e-4
 
 # %% [markdown]
 # ## ckpt.pt holds whole tensors
@@ -105,7 +105,7 @@ assert compare(ref, ch06) < 1e-4
 # file is the one chapter 01 writes: the same names and whole shapes, so chapter 01 resumes it.
 
 # %%
-saved = torch.load(RUNS / "ch06" / "ckpt.pt", weights_only=True)
+saved = torch.load(RUNS / "ch07" / "ckpt.pt", weights_only=True)
 reference = torch.load(RUNS / "ch01" / "ckpt.pt", weights_only=True)
 for name in ("lm_head.weight", "transformer.wpe.weight"):
     print(f"{name}: {tuple(saved['model'][name].shape)} in ckpt.pt, as in chapter 01's")

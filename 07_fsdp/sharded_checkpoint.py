@@ -1,14 +1,14 @@
 """Sharded checkpoints: every rank writes its own shards, and another number of ranks reads them.
 
-Chapter 06's ckpt.pt gathers the whole model into rank 0's memory. For a model too large for
+Chapter 07's ckpt.pt gathers the whole model into rank 0's memory. For a model too large for
 that, torch.distributed.checkpoint (DCP) has every rank write only its own shards, all at once,
 and records which rows of which tensor each file holds; ranks cut another way read back the
 pieces they need. See docs/deep/SHARDED_CHECKPOINT.md.
 
-    torchrun --standalone --nproc_per_node=2 06_fsdp/sharded_checkpoint.py save --out-dir out/dcp
-    torchrun --standalone --nproc_per_node=3 06_fsdp/sharded_checkpoint.py load --out-dir out/dcp
+    torchrun --standalone --nproc_per_node=2 07_fsdp/sharded_checkpoint.py save --out-dir out/dcp
+    torchrun --standalone --nproc_per_node=3 07_fsdp/sharded_checkpoint.py load --out-dir out/dcp
 
-save: the model, sharded as chapter 06 shards it, takes two AdamW steps on random tokens; every
+save: the model, sharded as chapter 07 shards it, takes two AdamW steps on random tokens; every
 rank writes its shards of the model and of the optimizer state into <out-dir>/ckpt_sharded/, and
 rank 0 writes the same state whole to <out-dir>/whole.pt, to compare with. load: the model,
 sharded over this run's ranks, reads its shards back, and rank 0 gathers them whole and compares
@@ -73,7 +73,7 @@ def sharded_checkpoint_folder(out_dir: Path):
 
 
 def sharded_model(preset: str, device: torch.device) -> tuple[GPT, torch.optim.Optimizer]:
-    """Chapter 06's construction: the model on the meta device, sharded, filled from rank 0's
+    """Chapter 07's construction: the model on the meta device, sharded, filled from rank 0's
     fresh copy; and AdamW on the shards."""
     with torch.device("meta"):
         model = GPT(PRESETS[preset])

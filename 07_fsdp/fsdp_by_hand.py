@@ -34,7 +34,7 @@ Between steps the modules hold no whole parameters at all: `gpt.lm_head.weight` 
 AttributeError, and full_state_dict() gathers them. Every rank must run every unit, in the same
 order: each gather is a collective that waits for all ranks. One flat shard per unit means one
 optimizer group per unit: the GPT's optimizer_groups (no weight decay on biases) cannot apply.
-Run it: torchrun --standalone --nproc_per_node=2 06_fsdp/fsdp_by_hand.py
+Run it: torchrun --standalone --nproc_per_node=2 07_fsdp/fsdp_by_hand.py
 """
 
 from __future__ import annotations

@@ -1,0 +1,326 @@
+# Exercise: chapter 06 (06_fault_tolerance). This is chapter 05's train.py; add chapter 06's idea
+# where the 13 TODOs say. A TODO says how the lines below it change, and hints: the new comments of
+# the solution there (or its code), the defs it adds and the helpers it first calls, with their
+# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
+#     cp -n 06_fault_tolerance/exercise.py 06_fault_tolerance/my_exercise.py
+#     python -m tools.check 06_fault_tolerance/my_exercise.py --nproc-per-node 2
+# The solution is 06_fault_tolerance/train.py (its README shows the diff). `cp -n` never overwrites
+# a copy; to start again, copy this file under another name. This file is made by
+# maintainer/make_exercises.py from the two scripts.
+"""Chapter 05: the same job on several machines ("nodes"), one torchrun on each.
+
+Chapter 04's program with the same step: DDP averages the gradients over every process, wherever
+it runs. Several machines are mostly a launch problem: each node's torchrun is told the number of
+nodes, this node's rank and where node 0 listens (README.md in this folder). In the code, every
+line names its node, and the token files are prepared once per node's disk (or once, --shared-fs).
+
+    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
+"""
+
+# TODO 1/13: the imports: remove (-) and add (+)
+#     + from common.distributed import agree_on_restart, restart_store
+#     + from common.support.preempt import Preemption, stop_signal
+#     + from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
+import contextlib
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.config import CourseParser, gpt_config_from_args, positive_int
+from common.data import (
+    batch_loader,
+    count_steps_per_epoch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
+from common.device import autocast_context, describe, pick_dtype, setup_math
+from common.distributed import (
+    RankLog,
+    claim_out_dir_on_rank0,
+    one_rank_first,
+    rank_device,
+    ranks_unlike_rank0,
+    refuse_shared_gpus,
+    require_torchrun,
+    share_cpu_cores,
+)
+from common.metrics import RunLog, Throughput
+from common.support.errors import run_main
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
+
+
+def main():
+    # TODO 2/13: change the next 1 line(s) of code:
+    #     parser = CourseParser(chapter=6, description=__doc__)
+    parser = CourseParser(chapter=5, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
+    )
+    parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
+    # TODO 3/13: add 2 line(s) of code here:
+    #     stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
+    #     parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
+    args = parser.parse_args()
+    # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
+    require_torchrun()  # started with plain `python`: one line that gives the torchrun command
+    rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    is_rank0 = rank == 0
+    # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
+    # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
+    node_rank = int(os.environ["GROUP_RANK"])
+    # TODO 4/13: add 1 line(s) of code here:
+    #   how often torchrun (--max-restarts) has restarted this node's processes after a failure
+    # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
+    log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
+    torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
+
+    # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
+    device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
+    share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device, dtype)
+    autocast = autocast_context(device, dtype)
+    out_dir = Path(args.out_dir)
+
+    # ---- the process group: every rank joins it; collectives run in it ---------------------------
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
+    # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # TODO 5/13: change the next 1 line(s) of code into 2:
+    #   a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
+    #   MASTER_ADDR:MASTER_PORT, as in chapter 04)
+    #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
+    #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet; None:
+    #       init_process_group connects to MASTER_ADDR ...
+    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    dist.init_process_group(backend, timeout=timeout)
+    refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
+    place = f"rank {rank} of {world_size}, local rank {local_rank}"
+    log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
+
+    # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
+    model_config = gpt_config_from_args(args)
+    # On node-local disks every machine needs its own token files: local rank 0 of EVERY node
+    # prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing the
+    # same files would corrupt them: global rank 0 alone prepares. The others wait for it.
+    preparer = local_rank == 0
+    if args.shared_fs:
+        preparer = is_rank0
+    with one_rank_first(preparer):
+        data_folder = prepare(
+            args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
+        )
+    train_set, val_set = load_splits(data_folder, model_config.block_size)
+
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    # on each of world_size ranks at the same time, each of `batch_size` sequences.
+    global_batch = args.batch_size * args.grad_accum * world_size
+    tokens_per_step = global_batch * model_config.block_size
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
+
+    # TODO 6/13: add 1 line(s) of code here:
+    #   torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
+    #     continues from the last checkpoint, if any. The ranks agree on the restart count and on
+    #     whether all of them see the checkpoint (--out-dir on a file system every node sees).
+    #   uses common.distributed.agree_on_restart(restart_count: int, out_dir: Path, resume: bool) ->
+    #       tuple[int, bool]: What the ranks agree on after torchrun restarted them (a collective:
+    #       every rank calls it).
+    # ---- model and optimizer ---------------------------------------------------------------------
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    # TODO 7/13: change the next 1 line(s) of code:
+    #     claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
+    checkpoint = None
+    # TODO 8/13: change the next 1 line(s) of code:
+    #     if args.resume or (restarts > 0 and seen_by_all):
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
+    model = build_model(model_config, args.init_from, checkpoint).to(device)
+    # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
+    # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    iter_num = 0
+    if checkpoint is not None:
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
+        iter_num = restore_training_state(checkpoint, optimizer, scaler)
+    # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
+    # into backward to average the gradients over ranks (no device_ids: the model is on this rank's
+    # device). Checkpoints save model.module, whose names any chapter loads (no "module." prefix).
+    model = DDP(model)
+    raw_model = model.module
+    if args.compile:
+        model = torch.compile(model)
+
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
+    split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
+    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
+    # TODO 9/13: add 2 line(s) of code here:
+    #     if restarts:
+    #         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
+    if iter_num:
+        log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+
+    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
+    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
+    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
+    # it. drop_last: an epoch's remainder is dropped, not padded.
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+
+    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
+
+    # TODO 10/13: add 4 line(s) of code here:
+    #   ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption
+    #   Save the step, exit 75. A rank that stopped alone would leave the others waiting in their
+    #     next collective, so every `stop_check_every` steps the ranks all-reduce their stop flags
+    #     over a CPU group of their own (bench/stop_check.py measures it) ...
+    #   its handler only notes the signal
+    #   a restart after a stop stops too
+    #   uses common.support.preempt.Preemption(signal_name: str): Listens for SIGTERM and
+    #       `signal_name`; chapter 05's ranks all-reduce signal_number() every ...
+    #   uses common.support.preempt_ranks.stop_if_stopped_before(out_dir: str | Path, restarts: int,
+    #       group: dist.ProcessGroup) -> None: A worker torchrun restarted (`restarts`, agreed by
+    #       all ranks) after the run was stopped ...
+    #   uses torch.distributed.new_group
+    while iter_num < args.max_iters:
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
+        # the permutation of seed + epoch; without this every epoch repeats epoch 0
+        sampler.set_epoch(epoch)
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if iter_num >= args.max_iters:
+                break
+            # ---- one training step ----
+            lr = lr_at(iter_num, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = torch.zeros((), device=device)  # the mean loss of this rank's share
+            for micro_step in range(args.grad_accum):
+                # DDP all-reduces the gradients inside backward(); before the last micro-step that
+                # traffic would be wasted, so no_sync() lets them add up on this rank
+                sync = contextlib.nullcontext()
+                if micro_step < args.grad_accum - 1:
+                    sync = model.no_sync()
+                with sync:
+                    x, y = next(batches)  # (B, T) each, built in CPU memory
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    with autocast:
+                        _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                        # backward() adds into .grad, so K micro-steps sum K gradients; each
+                        # loss divided by K makes that sum the gradient of the mean over K * B
+                        micro_loss = micro_loss / args.grad_accum
+                    # the last backward all-reduces bucket after bucket of gradients while it still
+                    # computes the rest; this micro-batch's activations are freed here
+                    scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach()
+            # clipping, the optimizer step and the learning rate act once per global batch
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)  # parameters move against their gradients
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            last_step = iter_num == args.max_iters
+
+            # ---- logging: .item() waits for the device, so only at log intervals ----
+            if iter_num % args.log_interval == 0 or last_step:
+                # the mean over all ranks: a collective, so every rank calls it
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                loss_value = loss.item() / world_size
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
+
+            # ---- evaluation and checkpoint ----
+            # TODO 11/13: add 1 line(s) of code here:
+            #   whether this step's checkpoint is written (the stop below asks)
+            if iter_num % args.eval_interval == 0 or last_step:
+                # the model uncompiled: eval mode and a shorter last batch would each be compiled
+                # anew, which takes longer than evaluating without compiling. Every rank evaluates
+                # the same windows with its own copy: all get the same loss, with no collective.
+                val_loss = evaluate(
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
+                ).item()
+                # before the save: a diverged model never replaces a good checkpoint
+                check_finite(iter_num, val_loss, "validation loss")
+                if is_rank0:  # one copy is enough: every rank holds the same model
+                    save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
+                # TODO 12/13: add 1 line(s) of code here:
+                #     saved = True
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+    # TODO 13/13: add 10 line(s) of code here:
+    #   ---- has any rank been asked to stop? (on the last step, the run just ends)
+    #   0, or the number of the signal this rank received; the MAX over ranks stops all
+    #   save the step (unless its evaluation just did), then the marker, a line, 75
+    #   uses common.support.preempt_ranks.stop_after_saving(step: int, signal_number: int, out_dir:
+    #       str | Path, group: dist.ProcessGroup) -> None: End the run after the checkpoint of
+    #       `step` is written: rank 0 marks the run as stopped, ...
+    #   uses torch.tensor, preemption.signal_number
+    # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
+    differing = ranks_unlike_rank0(raw_model)
+    verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
+    log(f"parameters identical on all {world_size} rank(s): {verdict}")
+
+    if args.sample_tokens and is_rank0:
+        log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
+
+
+if __name__ == "__main__":
+    try:
+        run_main(main, resumable=True)
+    finally:
+        # every way out leaves the process group, after main() has freed the model that holds it
+        if dist.is_initialized():
+            dist.destroy_process_group()

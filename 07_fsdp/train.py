@@ -1,0 +1,332 @@
+"""Chapter 07: the model's state sharded across the ranks (FSDP).
+
+Chapter 07's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
+whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
+holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
+them; one reduce-scatter averages the gradients and leaves each rank its shard. No rank but rank 0
+ever holds the whole model: it is built on the meta device, sharded, then filled from rank 0's
+copy. Each step is chapter 01's, and ckpt.pt still holds the whole model, gathered to rank 0.
+
+    torchrun --standalone --nproc_per_node=2 07_fsdp/train.py
+    torchrun --standalone --nproc_per_node=2 07_fsdp/train.py --batch-size 4   # 01's run with 8
+"""
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data.distributed import DistributedSampler
+
+from common.checkpoint import restore_training_state
+from common.config import CourseParser, gpt_config_from_args, positive_int
+from common.data import (
+    batch_loader,
+    count_steps_per_epoch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
+from common.device import describe, pick_dtype, setup_math
+from common.distributed import (
+    RankLog,
+    agree_on_restart,
+    claim_out_dir_on_rank0,
+    one_rank_first,
+    rank_device,
+    refuse_shared_gpus,
+    require_torchrun,
+    restart_store,
+    share_cpu_cores,
+)
+from common.metrics import RunLog, Throughput
+from common.model import GPT
+from common.sharding import (
+    PeakMemory,
+    describe_held_bytes,
+    gather_and_save,
+    load_checkpoint_on_rank0,
+    shard_full_state,
+)
+from common.support.errors import run_main
+from common.support.preempt import Preemption, stop_signal
+from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
+
+
+def main():
+    parser = CourseParser(chapter=7, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
+    )
+    parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
+    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
+    parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
+    args = parser.parse_args()
+    # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
+    require_torchrun()  # started with plain `python`: one line that gives the torchrun command
+    rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    is_rank0 = rank == 0
+    # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
+    # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
+    node_rank = int(os.environ["GROUP_RANK"])
+    # how often torchrun (--max-restarts) has restarted this node's processes after a failure
+    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
+    log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
+    torch.manual_seed(args.seed)  # on every rank: rank 0 makes chapter 01's model from it
+
+    # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
+    device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
+    share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device, dtype)
+    out_dir = Path(args.out_dir)
+
+    # ---- the process group: every rank joins it; collectives run in it ---------------------------
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
+    # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
+    # MASTER_ADDR:MASTER_PORT, as in chapter 04)
+    store = restart_store(world_size, restart_count, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
+    place = f"rank {rank} of {world_size}, local rank {local_rank}"
+    log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
+
+    # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
+    model_config = gpt_config_from_args(args)
+    # On node-local disks every machine needs its own token files: local rank 0 of EVERY node
+    # prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing the
+    # same files would corrupt them: global rank 0 alone prepares. The others wait for it.
+    preparer = local_rank == 0
+    if args.shared_fs:
+        preparer = is_rank0
+    with one_rank_first(preparer):
+        data_folder = prepare(
+            args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
+        )
+    train_set, val_set = load_splits(data_folder, model_config.block_size)
+
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    # on each of world_size ranks at the same time, each of `batch_size` sequences.
+    global_batch = args.batch_size * args.grad_accum * world_size
+    tokens_per_step = global_batch * model_config.block_size
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
+    # the same in every chapter
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
+
+    # ---- model and optimizer ---------------------------------------------------------------------
+    # torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
+    # continues from the last checkpoint, if any. The ranks agree on the restart count and on
+    # whether all of them see the checkpoint (--out-dir on a file system every node sees).
+    restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    checkpoint = None
+    if args.resume or (restarts > 0 and seen_by_all):
+        # rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
+        checkpoint = load_checkpoint_on_rank0(out_dir, model_config)
+    memory = PeakMemory(device)  # the most memory this rank holds from here on
+    # The chapter is for a model too large for one device, so no rank builds it whole. On the meta
+    # device a tensor has a shape and a type but no storage: this model costs no memory yet.
+    with torch.device("meta"):
+        model = GPT(model_config)
+    # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
+    # gathered cast to it, which halves the bytes sent; the gradients are reduced in float32 and
+    # the optimizer steps on float32 shards. On the CPU everything keeps the parameters' type.
+    precision = MixedPrecisionPolicy()
+    if dtype in (torch.bfloat16, torch.float16):
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # Each transformer block becomes one FSDP unit: its parameters are gathered just before its
+    # forward, freed after it, and gathered again for its backward. The root unit holds the rest
+    # (embeddings, last LayerNorm, the tied output layer), whole from its forward to the end of
+    # backward. Each parameter is now a DTensor whose local tensor is this rank's rows of it.
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    model.to_empty(device=device)  # this rank's shards, on its device, not yet filled
+    # AdamW keeps two running averages per parameter, each its shape: built on the shards, the
+    # optimizer state is sharded too, and every rank updates only its own rows.
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
+    # Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
+    # seed, chapter 01's. Every rank takes its rows of it (and of AdamW's), one tensor at a time.
+    whole_model = {}
+    if is_rank0:
+        whole_model = build_model(model_config, args.init_from, checkpoint).state_dict()
+    shard_full_state(model, optimizer, whole_model, checkpoint)
+    # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
+    # The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
+    scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
+    iter_num = 0
+    if checkpoint is not None:
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
+        iter_num = restore_training_state(checkpoint, None, scaler)  # None: AdamW is sharded
+    del whole_model, checkpoint  # rank 0's whole tensors are freed
+    first_step = iter_num + 1
+    log.every_rank(f"peak memory, construction: {memory.since_start():.1f} MB")
+    raw_model = model  # fully_shard wraps nothing: the state dict's names are unchanged
+    if args.compile:
+        model = torch.compile(model)
+
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
+    split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
+    log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend {backend}")
+    if restarts:
+        log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
+    if iter_num:
+        log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+
+    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
+    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
+    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
+    # it. drop_last: an epoch's remainder is dropped, not padded.
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+
+    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
+
+    # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
+    # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
+    # collective, so every `stop_check_every` steps the ranks all-reduce their stop flags over a CPU
+    # group of their own (bench/stop_check.py measures it): one rank's signal stops all of them.
+    preemption = Preemption(args.stop_signal)  # its handler only notes the signal
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)
+    stop_check_every = 10
+    stop_if_stopped_before(out_dir, restarts, stop_group)  # a restart after a stop stops too
+
+    while iter_num < args.max_iters:
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
+        # the permutation of seed + epoch; without this every epoch repeats epoch 0
+        sampler.set_epoch(epoch)
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if iter_num >= args.max_iters:
+                break
+            # ---- one training step ----
+            lr = lr_at(iter_num, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = torch.zeros((), device=device)  # the mean loss of this rank's share
+            for micro_step in range(args.grad_accum):
+                # FSDP reduce-scatters the gradients inside backward(); before the last micro-step
+                # that traffic would be wasted, so without sync they add up on this rank, whole
+                # and unsharded (more memory than no_sync() in chapter 04, which adds none)
+                model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)
+                x, y = next(batches)  # (B, T) each, built in CPU memory
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
+                _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                # backward() adds into .grad, so K micro-steps sum K gradients; each loss divided
+                # by K makes that sum the gradient of the mean over all K * B sequences
+                micro_loss = micro_loss / args.grad_accum
+                # the last backward reduce-scatters block after block of gradients while it still
+                # computes the rest; this micro-batch's activations are freed here
+                scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach()
+            # clipping, the optimizer step and the learning rate act once per global batch
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)  # parameters move against their gradients
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            last_step = iter_num == args.max_iters
+            if iter_num == first_step:
+                log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
+
+            # ---- logging: .item() waits for the device, so only at log intervals ----
+            if iter_num % args.log_interval == 0 or last_step:
+                # the mean over all ranks: a collective, so every rank calls it
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                loss_value = loss.item() / world_size
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
+
+            # ---- evaluation and checkpoint ----
+            saved = False  # whether this step's checkpoint is written (the stop below asks)
+            if iter_num % args.eval_interval == 0 or last_step:
+                # the model uncompiled (see chapter 01); every rank evaluates the same windows, and
+                # every forward gathers each block's parameters from all ranks
+                val_loss = evaluate(raw_model, val_set, val_windows, args.batch_size, device).item()
+                # before the save: a diverged model never replaces a good checkpoint
+                check_finite(iter_num, val_loss, "validation loss")
+                # every rank holds a shard of every tensor, so every rank takes part; rank 0 writes
+                gather_and_save(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
+                saved = True
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+
+            # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
+            if iter_num % stop_check_every == 0 and not last_step:
+                # 0, or the number of the signal this rank received; the MAX over ranks stops all
+                stop_flag = torch.tensor(preemption.signal_number())
+                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
+                agreed_signal = stop_flag.item()
+                if agreed_signal:
+                    # save the step (unless its evaluation just did), then the marker, a line, 75
+                    if not saved:
+                        gather_and_save(
+                            out_dir, iter_num, raw_model, optimizer, scaler, train_config
+                        )
+                    stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
+    # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state.
+    # A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
+    log.every_rank(describe_held_bytes(raw_model, optimizer))
+
+    # every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
+    if args.sample_tokens:
+        log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        if is_rank0:
+            print(text)
+
+
+if __name__ == "__main__":
+    try:
+        run_main(main, resumable=True)
+    finally:
+        # every way out leaves the process group, after main() has freed the model that holds it
+        if dist.is_initialized():
+            dist.destroy_process_group()
