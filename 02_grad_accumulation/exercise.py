@@ -82,7 +82,7 @@ def main():
     global_batch = args.batch_size
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
-    # the same in every chapter
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
@@ -173,8 +173,8 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or last_step:
-                # the model uncompiled: eval mode and a shorter last batch would each be compiled
-                # anew, which takes longer than evaluating without compiling
+                # the model uncompiled: eval mode would be compiled anew, which takes longer than
+                # evaluating without compiling
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()

@@ -52,18 +52,13 @@ from common.training import (
 )
 
 
-# TODO 2/14: add 23 line(s) of code here:
+# TODO 2/14: add 16 line(s) of code here:
 #   class AutocastDataParallel(nn.DataParallel): nn.DataParallel whose replicas compute in the run's
-#       number format (bfloat16 or float16), ...
+#       number format (bfloat16 or float16).
 #     overrides __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype,
 #         **kwargs)
 #     overrides parallel_apply(self, replicas, inputs, kwargs)
-#   def row_weights(rows: list[int]) -> list[float]: Factors for each replica's mean loss, so that
-#       the mean of the weighted losses is the mean ...
-#   A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the replicas
-#     different shares, and the plain mean of their mean losses would count each row of the smaller
-#     share more. Weighted by its rows, the mean of the losses is the mean over all rows. An even
-#     split, as every training batch is, gets weights of exactly 1.
+#     class AutocastDataParallel(nn.DataParallel): ...
 #   uses common.dataparallel.in_autocast(module, device: torch.device, dtype: torch.dtype): `module`
 #       called inside autocast, which DataParallel's replica threads lose (the trap ...
 #   uses torch.nn.DataParallel
@@ -91,8 +86,9 @@ def main():
 
     # TODO 5/14: add 3 line(s) of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    #   The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
-    #     --compile over several GPUs) are refused with one line each (common/dataparallel.py).
+    #   The settings it cannot run with (more GPUs than visible, --device cpu on a machine with
+    #     GPUs, --compile over several GPUs) are refused with one line each
+    #     (common/dataparallel.py).
     #   on a CPU: one, the model itself
     #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
     #   uses common.dataparallel.choose_dataparallel_gpus(device: torch.device, requested: int |
@@ -114,7 +110,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
-    # the same in every chapter
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
@@ -231,8 +227,8 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or last_step:
-                # the model uncompiled: eval mode and a shorter last batch would each be compiled
-                # anew, which takes longer than evaluating without compiling
+                # the model uncompiled: eval mode would be compiled anew, which takes longer than
+                # evaluating without compiling
                 # TODO 13/14: change the next 2 line(s) of code:
                 #     val_loss = evaluate(
                 #         eval_model, val_set, val_windows, whole_batch, device, autocast

@@ -44,8 +44,7 @@ from common.training import (
 
 
 class AutocastDataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16),
-    and whose loss counts every row once, however the batch splits (see parallel_apply).
+    """nn.DataParallel whose replicas compute in the run's number format (bfloat16 or float16).
 
     DataParallel runs each GPU's replica in a Python thread of its own and switches autocast on
     there without saying which format. The format belongs to the thread, and a new thread has the
@@ -62,19 +61,7 @@ class AutocastDataParallel(nn.DataParallel):
 
     def parallel_apply(self, replicas, inputs, kwargs):
         replicas = [in_autocast(r, self.autocast_device, self.autocast_dtype) for r in replicas]
-        outputs = super().parallel_apply(replicas, inputs, kwargs)
-        # A batch that does not split evenly (a last validation batch of 5 rows: 3 + 2) gives the
-        # replicas different shares, and the plain mean of their mean losses would count each row
-        # of the smaller share more. Weighted by its rows, the mean of the losses is the mean over
-        # all rows. An even split, as every training batch is, gets weights of exactly 1.
-        weights = row_weights([len(args[0]) for args in inputs])
-        return [(logits, loss * w) for (logits, loss), w in zip(outputs, weights)]
-
-
-def row_weights(rows: list[int]) -> list[float]:
-    """Factors for each replica's mean loss, so that the mean of the weighted losses is the mean
-    over all rows: replica i holds rows[i] of them."""
-    return [r * len(rows) / sum(rows) for r in rows]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
 
 def main():
@@ -94,7 +81,7 @@ def main():
     out_dir = Path(args.out_dir)
 
     # DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    # The settings it cannot run with (more GPUs than visible, the CPU beside visible GPUs,
+    # The settings it cannot run with (more GPUs than visible, --device cpu on a machine with GPUs,
     # --compile over several GPUs) are refused with one line each (common/dataparallel.py).
     gpu_ids = choose_dataparallel_gpus(device, args.gpus, args.compile, torch.cuda.device_count())
     replicas = max(len(gpu_ids), 1)  # on a CPU: one, the model itself
@@ -113,7 +100,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum * replicas
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
-    # the same in every chapter
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
@@ -222,8 +209,8 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or last_step:
-                # the model uncompiled: eval mode and a shorter last batch would each be compiled
-                # anew, which takes longer than evaluating without compiling
+                # the model uncompiled: eval mode would be compiled anew, which takes longer than
+                # evaluating without compiling
                 val_loss = evaluate(
                     eval_model, val_set, val_windows, whole_batch, device, autocast
                 ).item()

@@ -24,8 +24,8 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
 #     + import contextlib, datetime, os, platform, torch.distributed as dist
 #     + from torch.nn.parallel import DistributedDataParallel as DDP
 #     + from torch.utils.data.distributed import DistributedSampler
-#     + from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first, rank_device,
-#         ranks_unlike_rank0, refuse_shared_gpus, require_torchrun, share_cpu_cores
+#     + from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first,
+#         ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun, share_cpu_cores
 import sys
 from pathlib import Path
 
@@ -70,7 +70,7 @@ def main():
     #         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     #     )
     args = parser.parse_args()
-    # TODO 4/18: change the next 2 line(s) of code into 12:
+    # TODO 4/18: change the next 2 line(s) of code into 13:
     #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
@@ -81,13 +81,13 @@ def main():
     #       started without torchrun, which tells each process its ...
     #   uses common.distributed.RankLog(prefix: str, speaks: bool): Lines that say which rank wrote
     #       them: `log(text)` from rank 0 only (it speaks for every ...
-    #   uses common.distributed.rank_device(requested: str, local_rank: int, local_world_size: int,
-    #       cuda_gpus: int) -> torch.device: The device of one DDP process: cuda:LOCAL_RANK on a
-    #       machine with GPUs, else the CPU.
+    #   uses common.distributed.ranks_use_gpus(requested: str, local_rank: int, local_world_size:
+    #       int, cuda_gpus: int) -> bool: Whether this machine's ranks each drive a GPU
+    #       (cuda:LOCAL_RANK), or all run on the CPU; the ...
     #   uses common.distributed.share_cpu_cores(device: torch.device, local_world_size: int) ->
     #       None: On the CPU, give this rank its share of the cores (a GPU rank keeps torch's
     #       default).
-    #   uses torch.cuda.device_count, torch.cuda.set_device
+    #   uses torch.device, torch.cuda.device_count, torch.cuda.set_device
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -125,7 +125,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
-    # the same in every chapter
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # TODO 8/18: change the next 1 line(s) of code:
@@ -214,7 +214,8 @@ def main():
             #   DDP all-reduces the gradients inside backward(); before the last micro-step that
             #     traffic would be wasted, so no_sync() lets them add up on this rank
             #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
-            #     makes that sum the gradient of the mean over K * B
+            #     makes that sum the gradient of the mean over this rank's K * B sequences, which
+            #     DDP then averages over the ranks
             #   the last backward all-reduces bucket after bucket of gradients while it still
             #     computes the rest; this micro-batch's activations are freed here
             #   uses model.no_sync
@@ -251,8 +252,8 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or last_step:
-                # the model uncompiled: eval mode and a shorter last batch would each be compiled
-                # anew, which takes longer than evaluating without compiling
+                # the model uncompiled: eval mode would be compiled anew, which takes longer than
+                # evaluating without compiling
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
@@ -274,7 +275,9 @@ def main():
 
 
 # TODO 18/18: change the next 2 line(s) of code into 6:
-#   every way out leaves the process group, after main() has freed the model that holds it
+#   Leave the process group on every way out, an error's too: a rank that ends without it leaves its
+#     peers' connections open until their timeout. After main() has returned, so that the model,
+#     whose DDP or FSDP state uses the group, is freed first.
 #   uses torch.distributed.is_initialized, torch.distributed.destroy_process_group
 if __name__ == "__main__":
     run_main(main, resumable=True)

@@ -39,8 +39,8 @@ from common.distributed import (
     RankLog,
     claim_out_dir_on_rank0,
     one_rank_first,
-    rank_device,
     ranks_unlike_rank0,
+    ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
     share_cpu_cores,
@@ -77,10 +77,12 @@ def main():
     log = RankLog(f"[rank {rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
 
-    # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
-    device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
+    # Each process drives one GPU: the LOCAL_RANK-th of its own machine, never the RANK-th (on a
+    # second machine of 8 GPUs RANK starts at 8, but its GPUs are 0..7). Without GPUs, the CPU.
+    device = torch.device("cpu")
+    if ranks_use_gpus(args.device, local_rank, local_world_size, torch.cuda.device_count()):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # or all CUDA work would land on cuda:0
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
@@ -112,7 +114,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
-    # the same in every chapter
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
@@ -196,7 +198,8 @@ def main():
                     with autocast:
                         _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                         # backward() adds into .grad, so K micro-steps sum K gradients; each
-                        # loss divided by K makes that sum the gradient of the mean over K * B
+                        # loss divided by K makes that sum the gradient of the mean over this
+                        # rank's K * B sequences, which DDP then averages over the ranks
                         micro_loss = micro_loss / args.grad_accum
                     # the last backward all-reduces bucket after bucket of gradients while it still
                     # computes the rest; this micro-batch's activations are freed here
@@ -222,9 +225,9 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or last_step:
-                # the model uncompiled: eval mode and a shorter last batch would each be compiled
-                # anew, which takes longer than evaluating without compiling. Every rank evaluates
-                # the same windows with its own copy: all get the same loss, with no collective.
+                # the model uncompiled: eval mode would be compiled anew, which takes longer than
+                # evaluating without compiling. Every rank evaluates the same windows with its own
+                # copy: all get the same loss, with no collective.
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
@@ -248,6 +251,8 @@ if __name__ == "__main__":
     try:
         run_main(main, resumable=True)
     finally:
-        # every way out leaves the process group, after main() has freed the model that holds it
+        # Leave the process group on every way out, an error's too: a rank that ends without it
+        # leaves its peers' connections open until their timeout. After main() has returned, so
+        # that the model, whose DDP or FSDP state uses the group, is freed first.
         if dist.is_initialized():
             dist.destroy_process_group()

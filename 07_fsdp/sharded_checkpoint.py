@@ -82,11 +82,11 @@ def sharded_model(preset: str, device: torch.device) -> tuple[GPT, torch.optim.O
     fully_shard(model)
     model.to_empty(device=device)
     optimizer = torch.optim.AdamW(model.optimizer_groups(0.1), lr=1e-3)
-    whole_model = {}
+    full_state_dict = {}
     if dist.get_rank() == 0:
         torch.manual_seed(1337)
-        whole_model = GPT(PRESETS[preset]).state_dict()
-    shard_full_state(model, optimizer, whole_model, None)
+        full_state_dict = GPT(PRESETS[preset]).state_dict()
+    shard_full_state(model, optimizer, full_state_dict, None)
     return model, optimizer
 
 

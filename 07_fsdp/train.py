@@ -41,7 +41,7 @@ from common.distributed import (
     agree_on_restart,
     claim_out_dir_on_rank0,
     one_rank_first,
-    rank_device,
+    ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
     restart_store,
@@ -97,10 +97,12 @@ def main():
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: rank 0 makes chapter 01's model from it
 
-    # Each process drives one GPU, the one its LOCAL_RANK names; on a machine without one, the CPU.
-    device = rank_device(args.device, local_rank, local_world_size, torch.cuda.device_count())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # cuda:LOCAL_RANK, or all CUDA work would land on cuda:0
+    # Each process drives one GPU: the LOCAL_RANK-th of its own machine, never the RANK-th (on a
+    # second machine of 8 GPUs RANK starts at 8, but its GPUs are 0..7). Without GPUs, the CPU.
+    device = torch.device("cpu")
+    if ranks_use_gpus(args.device, local_rank, local_world_size, torch.cuda.device_count()):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # or all CUDA work would land on cuda:0
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
@@ -137,7 +139,7 @@ def main():
     global_batch = args.batch_size * args.grad_accum * world_size
     tokens_per_step = global_batch * model_config.block_size
     steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
-    # the same in every chapter
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
@@ -156,9 +158,10 @@ def main():
     # device a tensor has a shape and a type but no storage: this model costs no memory yet.
     with torch.device("meta"):
         model = GPT(model_config)
-    # On GPUs FSDP computes in bfloat16 (float16 on older ones): each block's parameters are
-    # gathered cast to it, which halves the bytes sent; the gradients are reduced in float32 and
-    # the optimizer steps on float32 shards. On the CPU everything keeps the parameters' type.
+    # In bfloat16 or float16 (--dtype auto on GPUs) FSDP computes in that type: each block's
+    # parameters are gathered cast to it, which halves the bytes sent; the gradients are reduced in
+    # float32 and the optimizer steps on float32 shards. In float32 or float64 (the CPU's) the
+    # default policy keeps the parameters' own type everywhere.
     precision = MixedPrecisionPolicy()
     if dtype in (torch.bfloat16, torch.float16):
         precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -178,12 +181,15 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # Rank 0 alone makes the whole model, in CPU memory: the checkpoint's, or a fresh one from the
-    # seed, chapter 01's. Every rank takes its rows of it (and of AdamW's), one tensor at a time.
-    whole_model = {}
+    # Rank 0 alone makes the whole model's state dict, in CPU memory: the checkpoint's, or a fresh
+    # model's from the seed, which is chapter 01's initialisation (the runs match chapter 01's from
+    # the first step). Every rank takes its rows of it (and of AdamW's), one tensor at a time.
+    # torchtitan instead initialises each shard on its own rank: no whole copy anywhere, other
+    # numbers than chapter 01's.
+    full_state_dict = {}
     if is_rank0:
-        whole_model = build_model(model_config, args.init_from, checkpoint).state_dict()
-    shard_full_state(model, optimizer, whole_model, checkpoint)
+        full_state_dict = build_model(model_config, args.init_from, checkpoint).state_dict()
+    shard_full_state(model, optimizer, full_state_dict, checkpoint)
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     # The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
     scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
@@ -192,7 +198,7 @@ def main():
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, None, scaler)  # None: AdamW is sharded
-    del whole_model, checkpoint  # rank 0's whole tensors are freed
+    del full_state_dict, checkpoint  # rank 0's whole tensors are freed
     first_step = iter_num + 1
     log.every_rank(f"peak memory, construction: {memory.since_start():.1f} MB")
     raw_model = model  # fully_shard wraps nothing: the state dict's names are unchanged
@@ -327,6 +333,8 @@ if __name__ == "__main__":
     try:
         run_main(main, resumable=True)
     finally:
-        # every way out leaves the process group, after main() has freed the model that holds it
+        # Leave the process group on every way out, an error's too: a rank that ends without it
+        # leaves its peers' connections open until their timeout. After main() has returned, so
+        # that the model, whose DDP or FSDP state uses the group, is freed first.
         if dist.is_initialized():
             dist.destroy_process_group()

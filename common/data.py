@@ -140,8 +140,15 @@ def batch_loader(
 
 
 def validation_windows(dataset: TokenWindows, batches: int, batch_size: int) -> list[int]:
-    """The fixed windows every evaluation reads: evenly spread over the validation split."""
-    count = min(len(dataset), batches * batch_size)
+    """The fixed windows every evaluation reads, evenly spread over the validation split: `batches`
+    whole batches of `batch_size` (fewer where the split is short), so that no batch is ragged."""
+    whole_batches = min(batches, len(dataset) // batch_size)
+    if whole_batches == 0:
+        raise CourseError(
+            f"the validation split has {len(dataset)} windows, fewer than one batch of "
+            f"{batch_size}; lower --batch-size or use a larger corpus"
+        )
+    count = whole_batches * batch_size
     return np.linspace(0, len(dataset) - 1, count).round().astype(int).tolist()
 
 

@@ -1,8 +1,8 @@
 """What the DDP chapters need but do not teach: the refusal of a start without torchrun, lines that
-say which rank wrote them, each rank's device and CPU threads, the check that no two ranks share a
-GPU, rank 0's claim of the run folder for all, one rank first, the copies check, and what chapter
-05 adds for torchrun's restarts: a meeting point that survives them and the ranks' agreement on
-where to continue.
+say which rank wrote them, the refusal of devices the ranks cannot use and their CPU threads, the
+check that no two ranks share a GPU, rank 0's claim of the run folder for all, one rank first, the
+copies check, and what chapter 06 adds for torchrun's restarts: a meeting point that survives them
+and the ranks' agreement on where to continue.
 
 Every function here that takes no device facts is a collective or joins one: every rank of the
 group must call it, in the same order, or the ranks that did wait for the others until the timeout.
@@ -202,16 +202,14 @@ def agree_on_restart(restart_count: int, out_dir: Path, resume: bool) -> tuple[i
     return restarts, all(visible)
 
 
-def rank_device(
-    requested: str, local_rank: int, local_world_size: int, cuda_gpus: int
-) -> torch.device:
-    """The device of one DDP process: cuda:LOCAL_RANK on a machine with GPUs, else the CPU.
+def ranks_use_gpus(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> bool:
+    """Whether this machine's ranks each drive a GPU (cuda:LOCAL_RANK), or all run on the CPU; the
+    settings that cannot work are refused, each with one line.
 
-    LOCAL_RANK, never RANK: on the second machine RANK starts at 8, but its GPUs are 0..7. Under
-    torchrun every process of a machine sees the same GPUs, so a LOCAL_RANK beyond them is refused,
-    one GPU included: mapping it to cuda:0 would put several ranks on one GPU. The decision takes
-    the machine's GPU count as a plain number, so the tests can check it on a CPU for machines they
-    do not have. Apple's mps is refused: NCCL and gloo cannot send its tensors.
+    Refused: a LOCAL_RANK beyond the machine's GPUs, one GPU included (mapping it to cuda:0 would
+    put several ranks on one GPU); one GPU named (--device cuda:N), as every rank takes its own;
+    Apple's mps, whose tensors NCCL and gloo cannot send. The decision takes the machine's GPU
+    count as a plain number, so the tests can check it on a CPU for machines they do not have.
     """
     if requested == "auto":
         requested = "cuda" if cuda_gpus else "cpu"
@@ -219,21 +217,18 @@ def rank_device(
     if device.type == "mps":
         raise CourseError("DDP's backends (NCCL, gloo) cannot send mps tensors; use --device cpu")
     if device.type != "cuda":
-        return device
-    # one GPU named by the reader: only for a single process per machine
+        return False
     if device.index is not None:
-        if local_world_size > 1:
-            raise CourseError(
-                f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; "
-                "use --device cuda"
-            )
-        return device
+        raise CourseError(
+            f"--device {requested}: under torchrun every rank takes cuda:LOCAL_RANK; use "
+            "--device cuda, and CUDA_VISIBLE_DEVICES to choose the GPUs a machine's ranks see"
+        )
     if local_rank >= cuda_gpus:
         raise CourseError(
             f"LOCAL_RANK {local_rank}, but this machine has {cuda_gpus} GPU(s): "
             "start at most that many processes per machine (--nproc_per_node)"
         )
-    return torch.device("cuda", local_rank)
+    return True
 
 
 def cpu_threads_per_rank(

@@ -13,7 +13,6 @@ follow one schedule."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +23,7 @@ from helpers import indentation, replace_statement, statement_lines, tiny_run_ar
 
 from common.chapters import CHAPTERS
 from common.metrics import read_metrics
+from common.support.errors import CourseError
 from layout import REPO
 from tools.launch import run_python
 
@@ -325,37 +325,23 @@ def test_measure_memory_prints_a_table(data_dir):
     assert "profiler_start" not in proc.stderr + proc.stdout
 
 
-def test_chapter03_validation_loss_counts_every_row_once_when_the_batch_splits_unevenly(
-    monkeypatch,
-):
-    """A last validation batch of 5 rows on 2 GPUs splits 3 + 2 (torch.chunk's split, which
-    DataParallel's scatter uses). nn.DataParallel.parallel_apply needs GPUs; here the replicas run
-    one after another on the CPU, and the loss that evaluate() takes the mean of must be the mean
-    over the 5 rows."""
-    spec = importlib.util.spec_from_file_location("chapter03_train", CH03)
-    chapter03 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chapter03)  # defines the class and main(); main() does not run
-    assert chapter03.row_weights([4, 4]) == [1.0, 1.0]  # an even split: the losses as they are
+def test_the_validation_windows_are_whole_batches_so_dataparallel_splits_them_evenly():
+    """DataParallel cuts each batch into one share per replica, and chapter 03 takes the plain mean
+    of the replicas' mean losses: right only when the shares are equal. Every evaluation batch is
+    a whole batch, on a short validation split too; a split shorter than one batch is refused."""
+    from common.data import validation_windows
 
-    def replicas_in_turn(self, replicas, inputs, kwargs):
-        return [replica(*args) for replica, args in zip(replicas, inputs)]
+    class Split:  # a validation split of n windows: all validation_windows asks is its length
+        def __init__(self, n: int):
+            self.n = n
 
-    monkeypatch.setattr(torch.nn.DataParallel, "parallel_apply", replicas_in_turn)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
+        def __len__(self) -> int:
+            return self.n
 
-    def loss_of(x, y):  # a model's (output, mean loss), as GPT's forward returns them
-        return None, torch.nn.functional.cross_entropy(model(x), y)
-
-    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
-    rows = [len(part) for part in torch.arange(5).chunk(2)]
-    assert rows == [3, 2]
-    split = list(zip(x.split(rows), y.split(rows)))
-    dp = chapter03.AutocastDataParallel(model, torch.device("cpu"), torch.float32)
-    losses = torch.stack(
-        [loss for _, loss in dp.parallel_apply([loss_of, loss_of], split, [{}, {}])]
-    )
-    _, whole = loss_of(x, y)
-    torch.testing.assert_close(losses.mean(), whole)
-    unweighted = torch.stack([loss_of(*part)[1] for part in split]).mean()
-    assert not torch.allclose(unweighted, whole)  # what chapter 03 reported before
+    assert len(validation_windows(Split(10_000), 5, 8)) == 40
+    windows = validation_windows(Split(29), 5, 8)  # room for 3 whole batches of 8, not 5
+    assert len(windows) == 24
+    assert windows[0] == 0
+    assert windows[-1] == 28  # spread over the whole split
+    with pytest.raises(CourseError, match="fewer than one batch of 8; lower --batch-size"):
+        validation_windows(Split(7), 5, 8)

@@ -1,6 +1,6 @@
-"""The decisions chapters 04 and 05 take from common/: which device a rank drives, whether two ranks
-share a GPU, how many CPU threads a rank uses, whether a retired flag is refused, and whether the
-ranks' copies still agree.
+"""The decisions chapters 04 to 07 take from common/: whether the ranks drive GPUs, whether two
+ranks share a GPU, how many CPU threads a rank uses, whether a retired flag is refused, and whether
+the ranks' copies still agree.
 
 The device and thread decisions take the machine's facts as plain numbers, so they are checked here
 for machines this CPU is not: an 8-GPU node, the second node of a job, a big CPU shared by ranks.
@@ -19,30 +19,27 @@ from common.config import CourseParser
 from common.distributed import (
     cpu_threads_per_rank,
     one_rank_first,
-    rank_device,
     ranks_sharing_a_gpu,
     ranks_unlike_rank0,
+    ranks_use_gpus,
 )
 from common.support.errors import CourseError
 from tools.launch import free_port
 
 
 @pytest.mark.parametrize("local_rank", range(8))
-def test_every_rank_of_an_8_gpu_node_takes_the_gpu_of_its_local_rank(local_rank):
-    assert rank_device("auto", local_rank, 8, cuda_gpus=8) == torch.device("cuda", local_rank)
-    assert rank_device("cuda", local_rank, 8, cuda_gpus=8) == torch.device("cuda", local_rank)
-
-
-def test_the_second_node_counts_its_gpus_from_0():
-    # global rank 8 is local rank 0 on the second node: the function is given the local rank only
-    assert rank_device("auto", 0, 8, cuda_gpus=8) == torch.device("cuda", 0)
+def test_every_rank_of_an_8_gpu_node_drives_a_gpu(local_rank):
+    # which GPU is the chapter's own line, torch.device("cuda", local_rank): the second node's
+    # ranks 8-15 are its local ranks 0-7 (tests/test_check.py plants RANK in its place)
+    assert ranks_use_gpus("auto", local_rank, 8, cuda_gpus=8)
+    assert ranks_use_gpus("cuda", local_rank, 8, cuda_gpus=8)
 
 
 def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
     with pytest.raises(
         CourseError, match=r"LOCAL_RANK 8, but this machine has 8 GPU\(s\).*--nproc_per_node"
     ):
-        rank_device("auto", 8, 9, cuda_gpus=8)
+        ranks_use_gpus("auto", 8, 9, cuda_gpus=8)
 
 
 @pytest.mark.parametrize("local_rank", [1, 3, 7])
@@ -54,9 +51,9 @@ def test_a_process_that_sees_one_gpu_is_not_mapped_onto_it_beside_others(local_r
         with pytest.raises(
             CourseError, match=rf"LOCAL_RANK {local_rank}, but this machine has 1 GPU\(s\)"
         ):
-            rank_device(requested, local_rank, 8, cuda_gpus=1)
+            ranks_use_gpus(requested, local_rank, 8, cuda_gpus=1)
     # local rank 0 takes the one GPU, silently
-    assert rank_device("auto", 0, 1, cuda_gpus=1) == torch.device("cuda", 0)
+    assert ranks_use_gpus("auto", 0, 1, cuda_gpus=1)
     assert capsys.readouterr().out == ""
 
 
@@ -71,21 +68,23 @@ def test_ranks_that_share_a_gpu_are_found_from_their_hosts_and_gpu_ids():
     assert ranks_sharing_a_gpu([("node-a", None), ("node-a", None)]) == []
 
 
-def test_a_named_gpu_is_for_one_process_per_machine():
-    assert rank_device("cuda:1", 0, 1, cuda_gpus=2) == torch.device("cuda", 1)
-    with pytest.raises(CourseError, match="every rank takes cuda:LOCAL_RANK; use --device cuda"):
-        rank_device("cuda:1", 0, 2, cuda_gpus=2)
+def test_a_named_gpu_is_refused_under_torchrun():
+    for local_world_size in (1, 2):
+        with pytest.raises(
+            CourseError, match="every rank takes cuda:LOCAL_RANK; use --device cuda"
+        ):
+            ranks_use_gpus("cuda:1", 0, local_world_size, cuda_gpus=2)
     with pytest.raises(CourseError, match=r"--device cuda:3: only 2 CUDA GPU\(s\) are visible"):
-        rank_device("cuda:3", 0, 1, cuda_gpus=2)
+        ranks_use_gpus("cuda:3", 0, 1, cuda_gpus=2)
 
 
 def test_without_gpus_the_ranks_use_the_cpu():
-    assert rank_device("auto", 1, 2, cuda_gpus=0) == torch.device("cpu")
-    assert rank_device("cpu", 1, 2, cuda_gpus=8) == torch.device("cpu")
+    assert not ranks_use_gpus("auto", 1, 2, cuda_gpus=0)
+    assert not ranks_use_gpus("cpu", 1, 2, cuda_gpus=8)
     with pytest.raises(CourseError, match="sees no CUDA GPU; use --device cpu"):
-        rank_device("cuda", 0, 2, cuda_gpus=0)
+        ranks_use_gpus("cuda", 0, 2, cuda_gpus=0)
     with pytest.raises(CourseError, match="mps"):  # NCCL and gloo cannot send Apple's GPU tensors
-        rank_device("mps", 0, 1, cuda_gpus=0)
+        ranks_use_gpus("mps", 0, 1, cuda_gpus=0)
 
 
 @pytest.mark.parametrize(

@@ -14,12 +14,12 @@ for, and a run stopped at step 5 and resumed. What a CPU cannot show is stood in
 DataParallel splits each batch over 2 replicas; chapters 05 and 06 run as two nodes of one process
 each (so LOCAL_RANK is not RANK), and in chapter 06, instead of a plain resume, one rank is killed
 after step 6 and torchrun restarts the group. Chapter 07's ranks hold shards of the parameters
-(FSDP): they are gathered whole to be compared. A hang (ranks waiting in collectives that do not match) is named
-with each rank's line within seconds. The verdict: "same run" (exit 0), with what the check could
-not observe; "not the same run" (exit 1) with what differs first and a diagnosis from
-tools/check/mistakes.py (or, where no entry fits, what the facts show); or "could not run" (exit
-2). The logs, metrics, facts and a plot of both loss curves go to a new folder under out/check/
-(about 1 MB; the checkpoints and parameter files are deleted once compared).
+(FSDP): they are gathered whole to be compared. A hang (ranks waiting in collectives that do not
+match) is named with each rank's line within seconds. The verdict: "same run" (exit 0), with what
+the check could not observe; "not the same run" (exit 1) with what differs first and a diagnosis
+from tools/check/mistakes.py (or, where no entry fits, what the facts show); or "could not run"
+(exit 2). The logs, metrics, facts and a plot of both loss curves go to a new folder under
+out/check/ (about 1 MB; the checkpoints and parameter files are deleted once compared).
 """
 
 from __future__ import annotations
