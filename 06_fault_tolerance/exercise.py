@@ -118,11 +118,11 @@ def main():
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     # TODO 5/13: change the next 1 line(s) of code into 2:
-    #   a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
-    #   MASTER_ADDR:MASTER_PORT, as in chapter 04)
+    #   a meeting point of its own for every attempt, as torchrun's store outlives a restart
+    #     (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
     #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
-    #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet; None:
-    #       init_process_group connects to MASTER_ADDR ...
+    #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet: chapter
+    #       04's init_process_group, made safe for ...
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback

@@ -105,8 +105,8 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # a meeting point of its own for every attempt, as torchrun's store outlives a restart (None:
-    # MASTER_ADDR:MASTER_PORT, as in chapter 04)
+    # a meeting point of its own for every attempt, as torchrun's store outlives a restart
+    # (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
     store = restart_store(world_size, restart_count, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback

@@ -161,16 +161,16 @@ def ranks_unlike_rank0(model: torch.nn.Module) -> int:
 def restart_store(
     world_size: int, restart_count: int, timeout: datetime.timedelta
 ) -> dist.Store | None:
-    """Where the ranks of this attempt meet; None: init_process_group connects to MASTER_ADDR
-    itself.
+    """Where the ranks of this attempt meet: chapter 04's init_process_group, made safe for
+    torchrun's restarts (--max-restarts). None: init_process_group connects to MASTER_ADDR itself.
 
     Under torchrun the meeting point can be torchrun's own key-value store
-    (TORCHELASTIC_USE_AGENT_STORE=True), and that store outlives a restart (--max-restarts): the
-    processes of a restarted group would meet where the failed group met, read their dead
-    predecessors' addresses and wait for them. So every attempt meets under its own prefix, the
-    restart count. (That count is per node: with the static rendezvous every node counts the same
-    failures; with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which launch_c10d.sh sets, gives
-    every attempt a new store instead, and this is not needed.)
+    (TORCHELASTIC_USE_AGENT_STORE=True), and that store outlives a restart: the processes of a
+    restarted group would meet where the failed group met, read their dead predecessors' keys and
+    wait for them (pytorch/pytorch#135712). PR #135957 fixed it for the c10d rendezvous by a new
+    store for every round, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch_c10d.sh sets it), but
+    the static rendezvous still shares one. So every attempt meets under its own prefix, the
+    restart count, which with the static rendezvous every node counts alike.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
