@@ -4,16 +4,19 @@
     python -m maintainer.make_plots --iters 300 --global-batch 16
     python -m maintainer.make_plots --from-runs out/plots   # plot runs already made, run nothing
 
-Every chapter trains the same model on the same data with the same global batch G sequences per
-optimizer step, launched the way it teaches:
+Every chapter of common/chapters.py whose run is chapter 01's trains the same model on the same
+data with the same global batch G sequences per optimizer step, launched the way it teaches:
 
-    01  python 01_single_gpu/train.py --batch-size G
-    02  python 02_grad_accumulation/train.py --batch-size G/K --grad-accum K
-    03  python 03_dataparallel/train.py --batch-size G/GPUS    (one replica per GPU; 1 on a CPU)
-    04  torchrun --standalone --nproc-per-node W 04_ddp/train.py --batch-size G/W
-    05  two torchrun "nodes" on 127.0.0.1, W/2 processes each:
-        05_multinode/train.py --batch-size G/W
-    06  torchrun --standalone --nproc-per-node W 07_fsdp/train.py --batch-size G/W
+    01_single_gpu         python train.py --batch-size G
+    02_grad_accumulation  python train.py --batch-size G/K --grad-accum K
+    03_dataparallel       python train.py --batch-size G/GPUS  (one replica per GPU; 1 on a CPU)
+    05_multinode          two torchrun "nodes" on 127.0.0.1, W/2 processes each:
+                          train.py --batch-size G/W --shared-fs
+    06_fault_tolerance    the same
+    any other chapter     torchrun --standalone --nproc-per-node W train.py --batch-size G/W
+
+A chapter is known by its idea, its folder less its number (LAUNCHES), so that renumbering the
+chapters, or inserting one launched by torchrun, changes nothing here.
 
 and writes <out-root>/<chapter>/{metrics.jsonl, stdout.log, run.json}. As a control it runs
 chapters 01 and 04 once more in float64 (--float64-chapters; <out-root>/<chapter>-float64): the
@@ -47,22 +50,45 @@ import textwrap
 import time
 from pathlib import Path
 
-from common.chapters import CHAPTERS
+from common.chapters import CHAPTERS, NOT_CHAPTER_01S_RUN
 from layout import REPO
 from tools import launch
 
 NUMBER = {folder: number for number, folder in CHAPTERS.items()}  # 04_ddp -> 4
-NAMES = {1: "one device", 2: "gradient accumulation", 3: "DataParallel", 4: "DDP", 5: "two nodes"}
-NAMES[6] = "FSDP"
+# A chapter's name in the figures, by its idea; another chapter's is its idea in words
+NAMES = {
+    "single_gpu": "one device",
+    "grad_accumulation": "gradient accumulation",
+    "dataparallel": "DataParallel",
+    "ddp": "DDP",
+    "multinode": "two nodes",
+    "fault_tolerance": "restarts and stops",
+    "fsdp": "FSDP",
+}
+# How a chapter is launched, by its idea, where it is not torchrun on one node (chapter_plans)
+LAUNCHES = {
+    "single_gpu": "python",
+    "grad_accumulation": "python",
+    "dataparallel": "python",
+    "multinode": "two_nodes",
+    "fault_tolerance": "two_nodes",
+}
 # where maintainer/step_pictures.py's section of CAPTIONS.md begins (this script keeps it)
 STEP_PICTURES_SECTION = "<!-- step_pictures: begin -->"
 FLOAT64 = "-float64"  # the key (and run folder) of a chapter's float64 control run: 04_ddp-float64
 
 
+def idea(folder: str) -> str:
+    """A chapter's idea: its folder less its number, 04_ddp -> ddp."""
+    return folder.split("_", 1)[1]
+
+
 def label(key: str) -> str:
     """A run's name in the figures: 04 DDP, or 04 DDP in float64 for its control run."""
-    number = NUMBER[key.removesuffix(FLOAT64)]
-    return f"{number:02d} {NAMES[number]}" + (" in float64" if key.endswith(FLOAT64) else "")
+    folder = key.removesuffix(FLOAT64)
+    name = NAMES.get(idea(folder), idea(folder).replace("_", " "))
+    in_float64 = " in float64" if key.endswith(FLOAT64) else ""
+    return f"{NUMBER[folder]:02d} {name}{in_float64}"
 
 
 def numbers(text: str) -> set[str]:
@@ -122,7 +148,8 @@ def count(n: int, word: str) -> str:
 
 
 def chapter_plans(args, device: str) -> dict[str, dict]:
-    """For each chapter's folder: its launch (one or more commands) and how it is laid out."""
+    """For each chapter whose run is chapter 01's: its launch (one or more commands) and how it
+    is laid out."""
     import torch
 
     G, W = args.global_batch, args.nproc
@@ -130,40 +157,43 @@ def chapter_plans(args, device: str) -> dict[str, dict]:
     K = largest_divisor(G)
     replicas = max(gpus, 1)
     micro_batches = f"{count(K, 'micro-batch')} of {G // K}"
-    # chapter -> (how it is launched, processes, its own flags, the layout in
-    # words, processes per node)
+    # idea -> (its own flags, the layout in words, processes per node), where it has its own
     layouts = {
-        1: ("python", 1, ["--batch-size", G], "1 process", 1),
-        2: (
-            "python",
-            1,
+        "single_gpu": (["--batch-size", G], "1 process", 1),
+        "grad_accumulation": (
             ["--batch-size", G // K, "--grad-accum", K],
             f"1 process, {micro_batches}",
             1,
         ),
-        3: (
-            "python",
-            1,
+        "dataparallel": (
             ["--batch-size", G // replicas],
             f"1 process, {count(replicas, 'replica')}",
             1,
         ),
-        4: ("torchrun", W, ["--batch-size", G // W], count(W, "process"), W),
-        6: ("torchrun", W, ["--batch-size", G // W], f"{count(W, 'process')}, sharded", W),
     }
-    if W % 2 == 0:
-        nodes = f"2 nodes x {count(W // 2, 'process')}"
-        layouts[5] = ("two_nodes", W, ["--batch-size", G // W, "--shared-fs"], nodes, W // 2)
-    if replicas > 1 and G % replicas:
-        layouts.pop(3)
+    nodes = f"2 nodes x {count(W // 2, 'process')}"
+    torchrun = (["--batch-size", G // W], count(W, "process"), W)
+    two_nodes = (["--batch-size", G // W, "--shared-fs"], nodes, W // 2)
     dtype = "float32" if device == "cpu" else "auto"
     shared = launch.measured_run_flags(
         args.iters, args.log_interval, eval_batches=4, preset=args.preset, seed=args.seed
     )
     shared += launch.flags(device=device, dtype=dtype, data_dir=args.data_dir)
     plans = {}
-    for number, (how, nproc, own, layout, per_node) in layouts.items():
-        folder = CHAPTERS[number]
+    for number, folder in CHAPTERS.items():
+        if number in NOT_CHAPTER_01S_RUN:
+            continue
+        how = LAUNCHES.get(idea(folder), "torchrun")
+        if how == "two_nodes" and W % 2:
+            continue  # two nodes need an even --nproc
+        if idea(folder) == "dataparallel" and replicas > 1 and G % replicas:
+            continue
+        if how == "python":
+            own, layout, per_node = layouts[idea(folder)]
+            nproc = 1
+        else:
+            own, layout, per_node = two_nodes if how == "two_nodes" else torchrun
+            nproc = W
         run_args = [*own, *shared, "--out-dir", Path(args.out_root) / folder]
         commands = launch.launch_commands(how, f"{folder}/train.py", nproc, run_args)
         plans[folder] = dict(layout=layout, procs=per_node, commands=commands)
@@ -353,19 +383,23 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     train = {key: [m for m in rows if "loss" in m] for key, rows in metrics.items()}
     infos = {key: run_info(run) for key, run in runs.items()}
     machine, settings = caption_lines(infos)
-    subtitle = "\n".join(textwrap.wrap(machine, 100) + textwrap.wrap(settings, 100))
+    subtitle = "\n".join(textwrap.wrap(machine, 120) + textwrap.wrap(settings, 120))
     written, captions = [], []
 
     # 1. parity: loss against tokens seen, and the distance from chapter 01 at every logged step
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=[3, 1.6])
-    styles = {  # chapter -> how its line is drawn
-        1: dict(lw=6, alpha=0.3, color="black"),
-        2: dict(ls="--", lw=1.6, color="tab:blue"),
-        3: dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
-        4: dict(ls="-.", lw=1.4, color="tab:green"),
-        5: dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
-        6: dict(ls="none", marker="x", ms=4, markevery=7, color="tab:brown"),
-    }
+    # drawn for the site's column: 7 inches at 170 dpi, opened full size by a click
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.2), sharex=True, height_ratios=[2.5, 1.7])
+    reference_style = dict(lw=6, alpha=0.3, color="black")  # chapter 01's line, under the rest
+    styles = [  # the other chapters' lines, in their order
+        dict(ls="--", lw=1.6, color="tab:blue"),
+        dict(ls="none", marker="o", ms=3, markevery=5, color="tab:orange"),
+        dict(ls="-.", lw=1.4, color="tab:green"),
+        dict(ls=(0, (1, 3)), lw=2.5, marker=".", ms=4, color="tab:red"),
+        dict(ls="none", marker="s", ms=3, markevery=9, color="tab:pink"),
+        dict(ls="none", marker="x", ms=4, markevery=7, color="tab:brown"),
+        dict(ls=":", lw=1.4, color="tab:olive"),
+        dict(ls="none", marker="^", ms=3, markevery=11, color="tab:cyan"),
+    ]
     # where a distance of exactly 0 is drawn on the log axis (metrics.jsonl keeps 6 decimals)
     floor = 1e-7
     # run key -> its largest distance from chapter 01 (of the same dtype)
@@ -373,7 +407,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     for key, rows in train.items():
         number = NUMBER[key.removesuffix(FLOAT64)]
         float64 = key.endswith(FLOAT64)
-        style = styles[number]
+        style = reference_style if number == 1 else styles[(number - 2) % len(styles)]
         if not float64:
             layout = infos[key].get("layout")
             top.plot(
@@ -397,25 +431,25 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         line = {k: v for k, v in style.items() if k != "alpha"}
         if float64:
             line = dict(lw=2.2, color="tab:purple")
-        name = label(key) + (
-            ": identical to 01, distance 0 at every step" if worst[key] == 0 else ""
-        )
+        name = label(key) + (": 0 at every step" if worst[key] == 0 else "")
         bottom.plot([p[0] for p in pairs], [max(p[1], floor) for p in pairs], label=name, **line)
-    top.set_ylabel("training loss")
-    top.legend()
+    top.set_ylabel("training loss", fontsize=8.5)
+    top.legend(fontsize=7.5)
     top.grid(alpha=0.3)
-    top.set_title(
-        f"The same run in every chapter: training loss against tokens seen\n{subtitle}", fontsize=10
-    )
+    top.set_title("The same run in every chapter: training loss against tokens seen", fontsize=9.5)
+    fig.text(0.5, 0.995, subtitle, fontsize=7, ha="center", va="top", color="#444")
     bottom.set_yscale("log")
     bottom.set_ylim(floor / 2, max([1e-4, *worst.values()]) * 3)
-    bottom.set_ylabel("|loss - loss of 01|\n(0 drawn at 1e-7)")
-    bottom.set_xlabel("tokens seen")
-    bottom.legend(fontsize=7, loc="upper left")
+    bottom.set_ylabel("|loss - loss of 01|\n(0 drawn at 1e-7)", fontsize=8.5)
+    bottom.set_xlabel("tokens seen", fontsize=8.5)
+    # under the axes, clear of the lines
+    bottom.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=3)
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
+    for ax in (top, bottom):
+        ax.tick_params(labelsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     path = figures / "parity_loss.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=170)
     plt.close(fig)
     written.append(path)
     float32_worst = {k: d for k, d in worst.items() if not k.endswith(FLOAT64)}
@@ -425,6 +459,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         f"{label(k)}: largest distance {d:.1e}" for k, d in float64_worst.items()
     )
     parity_caption = (
+        "*Every chapter's run against chapter 01's.* "
         "Training loss against tokens seen for every chapter (top) and each chapter's distance "
         "from chapter 01 at every logged step (bottom; metrics.jsonl rounds losses to 1e-6, so "
         "a distance of 0 means equal to 6 decimals, drawn at 1e-7). Largest distance in float32: "
@@ -437,7 +472,9 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         "format, so a distance that shrinks with the rounding is rounding. The tests compare short "
         "float32 runs, where the distance stays at rounding level."
     )
-    captions.append(("parity_loss.png", parity_caption))
+    captions.append(
+        ("parity_loss.png", "Every chapter's training loss against tokens seen", parity_caption)
+    )
 
     # 3. memory: peak memory of rank 0's device (only GPU runs report max_mem_mb)
     memory = {
@@ -447,7 +484,7 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
     }
     stale = figures / "memory_per_device.png"
     if memory:
-        fig, ax = plt.subplots(figsize=(9, 4.8))
+        fig, ax = plt.subplots(figsize=(7, 4.2))
         bars = ax.bar(range(len(memory)), list(memory.values()), color="tab:orange")
         ax.bar_label(bars, labels=[f"{v:,.0f} MiB" for v in memory.values()])
         ax.set_xticks(
@@ -459,12 +496,14 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
         ax.set_title(f"Peak memory per device\n{subtitle}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
-        fig.savefig(stale, dpi=110)
+        fig.savefig(stale, dpi=170)
         plt.close(fig)
         written.append(stale)
         captions.append(
             (
                 "memory_per_device.png",
+                "Peak memory on rank 0's device, per chapter",
+                "*Peak memory per device.* "
                 "Peak memory allocated by PyTorch on rank 0's device during training "
                 "(max_mem_mb in metrics.jsonl), per chapter. Gradient accumulation lowers it "
                 "by holding one micro-batch's activations at a time.",
@@ -494,15 +533,15 @@ def plot_all(runs: dict[str, Path], figures: Path, command: str) -> list[Path]:
             ]
             lines.append(f"- {label(key)}: `" + "` and `".join(commands) + "`")
     lines.append("")
-    for name, text in captions:
+    for name, alt, text in captions:
         lines += [
             f"## {name}",
             "",
-            f"![{name}]({name})",
+            f"![{alt}]({name})",
             "",
             text,
             "",
-            f"*{machine}; {settings}.*",
+            f"Made on: {machine}; {settings}.",
             "",
         ]
     if not memory:
@@ -533,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="plot these runs (a run folder, or a folder of them) instead of running the chapters",
     )
-    every = ",".join(f"{number:02d}" for number in CHAPTERS)
+    every = ",".join(f"{number:02d}" for number in CHAPTERS if number not in NOT_CHAPTER_01S_RUN)
     p.add_argument("--chapters", default=every, help="which chapters to run, e.g. 01,02,04")
     p.add_argument("--preset", default="tiny", help="model preset for every chapter")
     p.add_argument("--iters", type=int, default=150, help="optimizer steps per chapter")
@@ -543,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="sequences per optimizer step, the same in every chapter",
     )
-    p.add_argument("--nproc", type=int, default=2, help="processes (W) for chapters 04 and 05")
+    p.add_argument("--nproc", type=int, default=2, help="processes (W) of a torchrun chapter")
     p.add_argument(
         "--threads",
         type=int,
@@ -604,8 +643,14 @@ def main(argv: list[str] | None = None) -> int:
             if not (REPO / folder / "train.py").exists():
                 print(f"{folder}: no train.py yet, skipped")
                 continue
+            if number in NOT_CHAPTER_01S_RUN:
+                print(f"{folder}: its run is not chapter 01's (common/chapters.py), skipped")
+                continue
             if folder not in plans:
-                print(f"{folder}: needs an even --nproc (two nodes), skipped")
+                print(
+                    f"{folder}: cannot run with --nproc {args.nproc} (two nodes need an even "
+                    "one; DataParallel a global batch its GPUs divide), skipped"
+                )
                 continue
             runs[folder] = run_chapter(folder, plans[folder], args, machine, device)
         # the control: the same runs in float64, where rounding is a billion times smaller

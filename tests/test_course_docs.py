@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.chapters import CHAPTERS
+from common.chapters import CHAPTERS, NOT_CHAPTER_01S_RUN
 from layout import REPO
 from maintainer import publish_diffs
 
@@ -192,7 +192,9 @@ def test_committed_figures_cover_every_chapter():
     assert_png(figures / "parity_loss.png")
     captions = (figures / "CAPTIONS.md").read_text()
     assert "in float64" in captions  # the rounding control is in the committed figure
-    for chapter in FOLDERS:
+    for number, chapter in CHAPTERS.items():
+        if number in NOT_CHAPTER_01S_RUN:
+            continue  # its run is not chapter 01's: the parity figure leaves it out
         assert f"{chapter}/train.py" in captions, (
             f"the committed figures predate {chapter}: rerun python -m maintainer.make_plots"
         )
