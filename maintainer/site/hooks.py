@@ -10,12 +10,21 @@ to the same file in the site, and MkDocs rewrites it to that file's page. What a
 becomes a page of its own: a script with line numbers and syntax highlighting, a published diff
 with its added and removed lines coloured, a notebook with its stored outputs (mkdocs-jupyter),
 a figure as itself. MkDocs validates every link and anchor of every page.
+
+The chapters come from common/chapters.py. Each chapter's page is titled by its chapter, in the
+browser's tab, the sticky header and the search alike ("Chapter 04 · train.py", "Chapter 04 · diff
+from 02"); a picture with the italic paragraph under it becomes a figure with its caption, which
+a click opens full size; a notebook's page offers the notebook for download. The navigation
+links to the repository this copy was cloned from, where git knows its web address.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import posixpath
 import re
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -52,6 +61,17 @@ LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|^\s*\[[^\]]+\]:
 MERMAID_LOADER = re.compile(
     r'<script type="module">(?:(?!</script>).)*jp-Mermaid.*?</script>', re.S
 )
+# a chapter's heading, in any of the styles the texts use: "Chapter 01 — ", "Chapter 02: "
+CHAPTER_HEADING = re.compile(r"^Chapter (\d\d)\s*[—–:-]\s*")
+# the same at the start of a rendered page's first heading
+CHAPTER_H1 = re.compile(r"(<h1[^>]*>\s*)Chapter (\d\d)\s*[—–:-]\s*")
+# a picture alone in its paragraph, and the paragraph under it when that begins in italics: its
+# caption. On a code host the two read as a picture and its caption; on the site they become a
+# <figure>, the picture a link to itself (a click opens it full size)
+PICTURE = re.compile(r'<p>(<img [^>]*?src="([^"]+)"[^>]*>)</p>(?:\s*<p>(<em>.*?)</p>)?', re.S)
+# the site's own styles: the figures and their captions, the notebooks' printed source
+STYLESHEET = "maintainer/site/site.css"
+log = logging.getLogger(f"mkdocs.hooks.{__name__}")  # a warning fails `mkdocs build --strict`
 
 
 class SourcePage(File):
@@ -73,24 +93,67 @@ def first_heading(path: Path) -> str:
     raise SystemExit(f"{path.relative_to(ROOT)} has no '# ' title line: give it one")
 
 
+def chapter_number(folder: str) -> str:
+    """A chapter's number as the course writes it, from common/chapters.py: 04_ddp -> "04"."""
+    return f"{FOLDERS.index(folder) + 1:02d}"
+
+
+def chapter_name(heading: str) -> str:
+    """A chapter's heading in the site's one style: "Chapter 01 — one device" and "Chapter 01:
+    one device" both read "Chapter 01 · one device"."""
+    return CHAPTER_HEADING.sub(r"Chapter \1 · ", heading, count=1)
+
+
 def diff_label(path: Path) -> str:
-    """A published diff's name in the navigation: the file it starts from (its `--- a/` line)."""
+    """A published diff's name in the navigation: the chapter it starts from (its `--- a/` line),
+    "diff from 02"."""
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.startswith("--- "):
-            old = line[4:].strip().removeprefix("a/")
-            return f"diff from {old.split('/')[0]}"
+            old = line[4:].strip().removeprefix("a/").split("/")[0]
+            return f"diff from {chapter_number(old)}" if old in FOLDERS else f"diff from {old}"
     return path.name
+
+
+def chapter_of(path: str) -> str | None:
+    """The chapter folder a site path belongs to: its own folder, or the chapter a published diff
+    leads to (docs/diffs/04_ddp_from_02.diff -> 04_ddp); None for the course's other files."""
+    first = path.split("/")[0]
+    if first in FOLDERS:
+        return first
+    if path.startswith("docs/diffs/"):
+        name = Path(path).stem.split("_from_")[0]
+        return name if name in FOLDERS else None
+    return None
+
+
+def page_title(path: str) -> str | None:
+    """The title of a chapter's page in the browser's tab, the sticky header and the search:
+    "Chapter 04 · DistributedDataParallel, ...", "Chapter 04 · train.py", "Chapter 04 · diff from
+    02", "Chapter 04 · notebook". None for a page that is no chapter's (it keeps its heading)."""
+    folder = chapter_of(path)
+    if folder is None:
+        return None
+    if path == f"{folder}/README.md":
+        return chapter_name(first_heading(ROOT / path))
+    if path.startswith("docs/diffs/"):
+        what = diff_label(ROOT / path)
+    elif Path(path).suffix == ".ipynb":
+        what = Path(path).stem
+    else:
+        what = path.removeprefix(f"{folder}/")
+    return f"Chapter {chapter_number(folder)} · {what}"
 
 
 def chapter_section(folder: str) -> dict:
     """A chapter in the navigation: its README, its script, its diffs and its notebook."""
     entries: list = [f"{folder}/README.md", {"train.py": f"{folder}/train.py"}]
-    number = folder.split("_")[0]
-    for diff in sorted((ROOT / "docs" / "diffs").glob(f"{number}_*.diff")):
-        entries.append({diff_label(diff): diff.relative_to(ROOT).as_posix()})
+    for diff in sorted((ROOT / "docs" / "diffs").glob("*.diff")):
+        path = diff.relative_to(ROOT).as_posix()
+        if chapter_of(path) == folder:
+            entries.append({diff_label(diff): path})
     if (ROOT / folder / "notebook.ipynb").is_file():
         entries.append({"notebook": f"{folder}/notebook.ipynb"})
-    return {first_heading(ROOT / folder / "README.md"): entries}
+    return {chapter_name(first_heading(ROOT / folder / "README.md")): entries}
 
 
 def deep_dives() -> list[str]:
@@ -102,21 +165,47 @@ def deep_dives() -> list[str]:
     return sorted(pages, key=lambda page: order[page])
 
 
+def repository_url(root: Path = ROOT) -> str | None:
+    """The web address of the repository this copy of the course was cloned from (git's `origin`),
+    or None where it has none: a clone of a folder, or no git at all."""
+    done = subprocess.run(
+        ["git", "-C", str(root), "remote", "get-url", "origin"], capture_output=True, text=True
+    )
+    url = done.stdout.strip()
+    ssh = re.fullmatch(r"[\w.-]+@([\w.-]+):(.+)", url)  # git@github.com:owner/name.git
+    if ssh:
+        url = f"https://{ssh.group(1)}/{ssh.group(2)}"
+    if done.returncode != 0 or not re.match(r"https?://", url):
+        return None
+    return url.removesuffix(".git")
+
+
 def navigation() -> list:
-    return [
+    nav = [
         {"Home": "README.md"},
         {"Chapters": [chapter_section(folder) for folder in FOLDERS]},
         {"Deep dives": deep_dives()},
         {"Troubleshooting": "docs/TROUBLESHOOTING.md"},
         {"The workshop": "docs/WORKSHOP.md"},
-        {"Results": ["bench/RESULTS.md", "bench/GPU_CHECK.md", "bench/README.md"]},
+        {
+            "Results": [
+                "bench/RESULTS.md",
+                "docs/figures/CAPTIONS.md",
+                "bench/GPU_CHECK.md",
+                "bench/README.md",
+            ]
+        },
     ]
+    url = repository_url()
+    if url is not None:
+        nav.append({"The repository": url})
+    return nav
 
 
 def nav_paths(nav: list | dict | str) -> list[str]:
     """Every file path the navigation names."""
     if isinstance(nav, str):
-        return [nav]
+        return [] if re.match(r"https?://", nav) else [nav]
     items = nav.values() if isinstance(nav, dict) else nav
     return [path for item in items for path in nav_paths(item)]
 
@@ -153,7 +242,8 @@ def site_paths(nav: list) -> list[str]:
 
 
 def source_markdown(path: str) -> str:
-    """A script's or a diff's page: its path as the title, then the whole file, highlighted.
+    """A script's or a diff's page: its title (its chapter's, or its path), the path, then the
+    whole file, highlighted.
 
     A script has line numbers; a diff has its own in its `@@` lines. The page leaves out the
     table of contents (it has no headings) to give the code the width.
@@ -164,12 +254,16 @@ def source_markdown(path: str) -> str:
     longest_backticks = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest_backticks + 1)
     front_matter = "---\nhide:\n  - toc\n---\n"
-    return f"{front_matter}# {path}\n\n{fence}{language}{options}\n{text.rstrip()}\n{fence}\n"
+    title = page_title(path) or path
+    where = f"`{path}`\n\n" if title != path else ""
+    code = f"{fence}{language}{options}\n{text.rstrip()}\n{fence}\n"
+    return f"{front_matter}# {title}\n\n{where}{code}"
 
 
 def on_config(config: MkDocsConfig) -> MkDocsConfig:
     config.site_name = first_heading(ROOT / "README.md")
     config.nav = navigation()
+    config.extra_css.append(STYLESHEET)
     return config
 
 
@@ -177,9 +271,9 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     # the theme's assets stay; what MkDocs found in docs_dir gives way to the course's own files
     kept = [file for file in files if file.src_dir != config.docs_dir]
-    for path in site_paths(config.nav):
+    for path in [*site_paths(config.nav), STYLESHEET]:
         suffix = Path(path).suffix
-        if suffix in MARKDOWN or suffix in AS_IS:
+        if suffix in MARKDOWN or suffix in AS_IS or path == STYLESHEET:
             kept.append(File(path, str(ROOT), config.site_dir, config.use_directory_urls))
             continue
         page = SourcePage(
@@ -239,23 +333,63 @@ def nested(tokens: list[dict]) -> list[dict]:
 
 
 def on_page_markdown(markdown: str, page, config: MkDocsConfig, files: Files) -> str:
-    """A chapter's page ranks above its scripts and diffs in the search.
+    """A chapter's page is titled by its chapter, and ranks above its scripts and diffs in the
+    search.
 
     A script says `LOCAL_RANK` more often than the page that explains it; a reader who searches
     for it wants the explanation first.
     """
+    title = page_title(page.file.src_uri)
+    if title is not None:
+        page.meta["title"] = title
     if re.fullmatch(r"\d\d_[^/]+/README\.md", page.file.src_uri):
         page.meta["search"] = {"boost": 10}
     return markdown
 
 
-def on_page_content(html: str, page, config: MkDocsConfig, files: Files) -> str:
-    """A notebook's table of contents, from the headings of its page as rendered.
+def figures(html: str, page) -> str:
+    """Every picture of a Markdown page as a figure: the picture a link to itself, so that a click
+    opens it full size, and the italic paragraph under it as its caption. A picture without one
+    is a warning (an error under --strict)."""
 
-    mkdocs-jupyter makes it from the notebook turned to Markdown, where a heading with code in it
-    (chapter 03's, with `nn.DataParallel`) gets another id than nbconvert gives it in the page.
+    def figure(match: re.Match) -> str:
+        image, source, caption = match.groups()
+        if caption is None:
+            log.warning(
+                f"{page.file.src_uri}: the picture {source} has no caption: write it in the "
+                "paragraph right under the picture, beginning in italics (*...*)"
+            )
+            caption = ""
+        opens = f'<a class="course-figure__open" href="{source}" title="Open it full size">'
+        return (
+            f'<figure class="course-figure">{opens}{image}</a>'
+            f"<figcaption>{caption}</figcaption></figure>"
+        )
+
+    return PICTURE.sub(figure, html)
+
+
+def on_page_content(html: str, page, config: MkDocsConfig, files: Files) -> str:
+    """A chapter's heading in the site's one style; a Markdown page's pictures as figures; a
+    notebook's download link, and its table of contents from the headings of its page as rendered.
+
+    mkdocs-jupyter makes the contents from the notebook turned to Markdown, where a heading with
+    code in it (chapter 03's, with `nn.DataParallel`) gets another id than nbconvert gives it in
+    the page.
     """
-    if page.file.src_uri.endswith(".ipynb"):
+    path = page.file.src_uri
+    if chapter_of(path) is not None:
+        html = CHAPTER_H1.sub(r"\1Chapter \2 · ", html, count=1)
+    if Path(path).suffix in MARKDOWN:
+        html = figures(html, page)
+    if path.endswith(".ipynb"):
+        name = Path(path).name  # mkdocs-jupyter's include_source puts it beside the page
+        download = (
+            f'<p class="course-download"><a href="{name}" download>Download {name}</a>, '
+            "with its outputs; it runs from the course's root folder (<code>jupyter lab</code> "
+            "there).</p>"
+        )
+        html = download + html
         headings = Headings()
         headings.feed(html)
         page.toc = get_toc(nested(headings.tokens))
@@ -278,6 +412,19 @@ def on_post_page(output: str, page, config: MkDocsConfig) -> str:
         )
     output = MERMAID_LOADER.sub("", output)
     return output.replace('<script src=""> </script>', "")
+
+
+@event_priority(-100)  # after the search plugin has written its index
+def on_post_build(config: MkDocsConfig) -> None:
+    """The search's titles as plain text: Material keeps a heading's markup (`<code>`) in them, and
+    a notebook's headings bring nbconvert's pilcrow (¶)."""
+    path = Path(config.site_dir) / "search" / "search_index.json"
+    if not path.is_file():
+        return
+    index = json.loads(path.read_text(encoding="utf-8"))
+    for entry in index["docs"]:
+        entry["title"] = re.sub(r"<[^>]+>", "", entry["title"]).replace("¶", "").strip()
+    path.write_text(json.dumps(index, ensure_ascii=False), encoding="utf-8")
 
 
 def on_serve(server, config: MkDocsConfig, builder):
