@@ -98,7 +98,7 @@ def test_the_memory_bars_agree_with_the_shapes_and_with_chapter_07():
         root = pictures.root_bytes_counted(preset) / 1e6
         assert rows[(preset, "root unit held whole from forward to backward")][2] == f"{root:,.2f}"
     # the totals are what chapter 07 itself printed (bench/memory_per_rank.py's entry)
-    printed = next(e for e in registry.load()["entries"] if e["name"].startswith("06 memory"))
+    printed = next(e for e in registry.load()["entries"] if e["name"].startswith("07 memory"))
     for preset in ("tiny", "small", "gpt2"):
         ddp, _, fsdp = rows[(preset, "parameters + gradients + AdamW state")]
         line = next(x for x in printed["output"].splitlines() if f"`{preset}`" in x)
