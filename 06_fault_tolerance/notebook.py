@@ -155,8 +155,8 @@ assert marker == "10 SIGTERM"
 # %% [markdown]
 # Every worker exits with status 75 (node 1's torchrun names it: `exitcode: 75`), and torchrun,
 # whose workers did not end with 0, exits with 1: the status a wrapper around it sees. The
-# checkpoint holds step 10. The same command with `--resume` continues from it, and clears the
-# marker:
+# checkpoint holds step 10. The same command with `--resume` continues from it, and the resumed
+# run clears the stop's marker.
 
 # %%
 procs = start(stop, "--resume")

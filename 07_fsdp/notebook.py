@@ -138,8 +138,8 @@ display(Image(filename="../docs/figures/memory_per_rank.png"))
 #   the rank's piece.)
 # * Rank 0 alone runs a forward to print a sample. What happens? (gloo and NCCL pair collectives
 #   by their order, so its all-gathers pair with the other ranks' next collectives: the forward
-#   returns, and the run hangs later, somewhere else, until the timeout. Every rank must run every
-#   forward.)
+#   returns, and the run hangs later, somewhere else, until the timeout. Every rank must run
+#   every forward, the sample's included.)
 
 # %%
 # Clean up: the runs above (checkpoints included) were only for this notebook
