@@ -136,10 +136,10 @@ display(Image(filename="../docs/figures/memory_per_rank.png"))
 # * `sum(p.numel() for p in model.parameters())` on a sharded model: the whole model's count,
 #   or a rank's? (The whole: a DTensor reports its whole shape. `p.to_local().numel()` counts
 #   the rank's piece.)
-# * Rank 0 alone runs a forward to print a sample. What happens? (On the CPU, with gloo, its first
-#   all-gather waits for the other ranks, which never come: a hang until the timeout. With NCCL
-#   the all-gathers may pair with the others' next collectives, and the hang shows later. Every
-#   rank must run every forward.)
+# * Rank 0 alone runs a forward to print a sample. What happens? (gloo and NCCL pair collectives
+#   by their order, so its all-gathers pair with the other ranks' next collectives: the forward
+#   returns, and the run hangs later, somewhere else, until the timeout. Every rank must run
+#   every forward, the sample's included.)
 
 # %%
 # Clean up: the runs above (checkpoints included) were only for this notebook

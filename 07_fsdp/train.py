@@ -1,6 +1,6 @@
 """Chapter 07: the model's state sharded across the ranks (FSDP).
 
-Chapter 07's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
+Chapter 06's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
 whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
 holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
 them; one reduce-scatter averages the gradients and leaves each rank its shard. No rank but rank 0

@@ -38,9 +38,15 @@ def choose_dataparallel_gpus(
     if device.type == "cuda":
         visible_gpus = cuda_gpus
     n_gpus = requested or visible_gpus
+    if requested and device.type != "cuda":
+        raise CourseError(
+            f"--gpus {requested}: DataParallel splits over CUDA GPUs, and this run's device is "
+            f"{device.type}; drop --gpus to train on the {device.type}"
+        )
     if requested and requested > visible_gpus:
         raise CourseError(
-            f"--gpus {requested}, but {visible_gpus} CUDA GPU(s) are visible on {device.type}"
+            f"--gpus {requested}, but only {visible_gpus} CUDA GPU(s) are visible: ask for at most "
+            f"{visible_gpus} (CUDA_VISIBLE_DEVICES chooses which)"
         )
     # DataParallel would take the GPUs anyway, whatever --device says
     if device.type == "cpu" and cuda_gpus > 0:

@@ -218,7 +218,7 @@ def test_troubleshooting_cites_tests_that_exist():
 
 
 DEEP_DIVES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "deep").glob("*.md"))
-# the design's main line ends at chapter 05; chapter 06 is the step after it, read when needed
+# the design's main line ends at chapter 05; chapters 06 and 07 come after it, read when needed
 MAIN_LINE = FOLDERS[:5]
 MAIN_PATH = ["README.md", *(f"{chapter}/README.md" for chapter in MAIN_LINE)]
 AFTER_MAIN_LINE = [f"{chapter}/README.md" for chapter in FOLDERS[5:]]

@@ -76,7 +76,7 @@ def test_each_header_tells_the_learner_to_solve_a_copy():
 # These read chapter N's train.py against chapter N-1's on their own (imports, calls, defs), not
 # through the generator's code, so that they hold for whatever the scripts become.
 
-EXERCISES = list(CHAPTERS)[1:]  # chapters 02 .. 06: each has an exercise
+EXERCISES = list(CHAPTERS)[1:]  # chapters 02 .. 07: each has an exercise
 TODO = re.compile(r"^(?P<indent> *)# TODO (?P<number>\d+)/(?P<total>\d+): (?P<what>.*)$")
 
 

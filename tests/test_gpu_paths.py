@@ -109,8 +109,19 @@ def test_chapter03_gpu_choice_for_machines_this_cpu_is_not():
     assert choose_dataparallel_gpus(torch.device("cuda", 1), 1, True, cuda_gpus=4) == [1]
     assert choose_dataparallel_gpus(torch.device("cpu"), None, True, cuda_gpus=0) == []
     refused = {
-        "--gpus 5, but 4 CUDA GPU(s) are visible on cuda": (cuda, 5, False, 4),
-        "--gpus 2, but 0 CUDA GPU(s) are visible on cpu": (torch.device("cpu"), 2, False, 0),
+        "--gpus 5, but only 4 CUDA GPU(s) are visible: ask for at most 4": (cuda, 5, False, 4),
+        "--gpus 2: DataParallel splits over CUDA GPUs, and this run's device is cpu; drop --gpus": (
+            torch.device("cpu"),
+            2,
+            False,
+            0,
+        ),
+        "this run's device is cpu; drop --gpus to train on the cpu": (
+            torch.device("cpu"),
+            2,
+            False,
+            2,
+        ),
         "hide them with CUDA_VISIBLE_DEVICES=": (torch.device("cpu"), None, False, 2),
         "gathers on cuda:0: use --device cuda": (torch.device("cuda", 1), None, False, 2),
         "--compile cannot speed up DataParallel": (cuda, None, True, 2),

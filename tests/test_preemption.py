@@ -1,4 +1,4 @@
-"""A scheduler's stop signal. Chapters 01-04: it ends the run at once, and the last checkpoint
+"""A scheduler's stop signal. Chapters 01-05: it ends the run at once, and the last checkpoint
 stays intact for --resume. Chapter 06 (and 07): the run saves the step every rank has reached,
 stops with one line and status 75, and resumes exactly.
 

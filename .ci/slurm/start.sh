@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, to try 05_multinode/slurm.sbatch (and its stop and
-# requeue) before the real cluster. Debian or Ubuntu, as root (sudo):
+# A one-node Slurm cluster on this machine, to try 06_fault_tolerance/slurm.sbatch (and its stop
+# and requeue) before the real cluster. Debian or Ubuntu, as root (sudo):
 #
 #   sudo bash .ci/slurm/start.sh /tmp/course-slurm
 #   export SLURM_CONF=/tmp/course-slurm/slurm.conf
-#   sbatch --nodes=1 --gpus-per-node=0 --cpus-per-task=2 05_multinode/slurm.sbatch --preset tiny
+#   sbatch --nodes=1 --gpus-per-node=0 --cpus-per-task=2 06_fault_tolerance/slurm.sbatch \
+#       --preset tiny
 #   sudo bash .ci/slurm/stop.sh /tmp/course-slurm                        # when done
 #
 # It installs Debian's slurmctld, slurmd, slurm-client and munge when they are missing, writes the

@@ -1,11 +1,11 @@
-"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: chapter 05's run saves the step its
+"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: chapter 06's run saves the step its
 ranks agree to stop after and stops (one line, status 75), for the job to be requeued and resumed.
 Further copies of the signal are the same stop (SIGKILL stays the force); Ctrl-C stops at once
 (status 130). An error met while stopping (a full disk) is an error: one line, or its traceback for
 a bug, and status 1.
 
-Chapter 05 listens with Preemption; its ranks agree on the step to stop at in its loop, and a stop
-stays final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-04 a signal
+Chapter 06 listens with Preemption; its ranks agree on the step to stop at in its loop, and a stop
+stays final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-05 a signal
 ends the run at once (run_main), and the last checkpoint stays intact."""
 
 import argparse
@@ -32,7 +32,7 @@ def stop_signal(name: str) -> str:
 
 
 class Preemption:
-    """Listens for SIGTERM and `signal_name`; chapter 05's ranks all-reduce signal_number() every
+    """Listens for SIGTERM and `signal_name`; chapter 06's ranks all-reduce signal_number() every
     few steps."""
 
     def __init__(self, signal_name: str):

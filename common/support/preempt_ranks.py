@@ -1,7 +1,7 @@
-"""Chapter 05's stop for several ranks: the end of a stopped run, and the marker that keeps a stop
+"""Chapter 06's stop for several ranks: the end of a stopped run, and the marker that keeps a stop
 final when torchrun restarts a worker.
 
-The ranks agree on the step to stop at in chapter 05's loop, where a reader sees it: every few
+The ranks agree on the step to stop at in chapter 06's loop, where a reader sees it: every few
 steps they all-reduce their stop flags (bench/stop_check.py measures what that costs). A stop is
 final: the stop's checkpoint comes with a marker (STOP_MARKER in the run folder), and a worker that
 torchrun restarts (--max-restarts) after its peers stopped finds it and stops too, instead of
