@@ -60,7 +60,7 @@ PLANTS = {
         2, ((rewrite, P(call="lr_at"), "iter_num", "iter_num * args.grad_accum"),)
     ),
     "the gradient-sync switch off on the last micro-step": Plant(
-        6,
+        7,
         (
             (
                 rewrite,
