@@ -14,6 +14,7 @@ by every check (the checker keeps it under its --out-root).
 from __future__ import annotations
 
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from plants import PLANTS
 from common.chapters import CHAPTERS, base
 from layout import REPO
 from maintainer import REGENERATE, make_exercises
-from tools.check import runner
+from tools.check import probe, runner
 from tools.check.__main__ import fresh_folder, main
 from tools.check.facts import Facts
 from tools.check.mistakes import MISTAKES, describe, diagnose, where_to_look
@@ -548,9 +549,49 @@ def test_the_plot_shows_the_resumed_run_when_only_it_differs(tmp_path):
 
 def test_every_same_run_verdict_names_what_it_did_not_check(tmp_path):
     run = runner.Run(tmp_path, tmp_path, tmp_path / "log", 0)
+    unread = "no statement that chooses a GPU index"
     for plan in PLANS.values():
-        facts = Facts(plan=plan).but(devices=())
+        facts = Facts(plan=plan).but(devices=((0, 0, None), (1, 1, None)), device_unread=unread)
         said = "\n".join(same_lines(Seen(facts, run, run, None, None)))
         assert "  unchecked: " in said, said
         if plan.picks_gpu:
-            assert "which GPU each rank drives" in said, said
+            assert f"which GPU each rank drives: {unread}" in said, said
+    # read from the script: what was read is said, and what a CPU still cannot show
+    read = dict(devices=((0, 0, 0), (1, 0, 0)), device_statement=(84, "device = cuda(local)"))
+    said = "\n".join(same_lines(Seen(Facts(plan=PLANS[5]).but(**read), run, run, None, None)))
+    assert "which GPU each rank would drive: line 84's `device = cuda(local)`" in said, said
+    assert "rank 1 (LOCAL_RANK 0) cuda:0" in said, said
+    assert "the CPU runs drive none (their index was read, not used)" in said, said
+
+
+def test_the_probe_reads_the_gpu_index_a_cpu_never_uses(tmp_path, monkeypatch):
+    """The GPU branch does not run on a CPU: the probe evaluates the index of the device statement
+    with the script's variables where the branch is reached, and says why where it cannot."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "import torch\n\n\n"
+        "def main():\n"
+        '    rank = int(os.environ["RANK"])\n'
+        "    device = torch.device('cpu')\n"
+        "    if torch.cuda.device_count() > 64:\n"
+        "        device = torch.device('cuda', rank % 2)\n"
+        "        torch.cuda.set_device(device)\n"
+        "    if torch.cuda.device_count() > 64:\n"
+        "        gpu = rank\n"
+        '        other = torch.device(f"cuda:{gpu}")\n\n\n'
+        "main()\n"
+    )
+    monkeypatch.setenv("RANK", "3")
+    read = []
+    for source in (script.read_text(), script.read_text().replace("rank % 2", "len([rank])")):
+        script.write_text(source)
+        recorder = probe.Recorder()
+        try:
+            probe.read_devices(recorder, str(script))
+            runpy.run_path(str(script))
+        finally:
+            sys.settrace(None)
+        read.append(recorder.device)
+    assert read[0] == {"line": 9, "code": "device = torch.device('cuda', rank % 2)", "index": 1}
+    assert read[1]["error"] == "`len([rank])` calls a function: not evaluated", read[1]

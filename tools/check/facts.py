@@ -211,8 +211,11 @@ class Ranks:
     sharded: bool = False  # the optimizer's parameters are FSDP's shards (DTensors)
     fsdp_forwards: bool = False  # a module sharded by fully_shard ran forward
     replicas: int | None = None  # DataParallel's stand-in replicas used (0: never; None: no plan)
-    # each rank: (its RANK, its LOCAL_RANK, the GPU index it asked for, None: none)
+    # each rank: (its RANK, its LOCAL_RANK, the GPU index its device statement gives it, or None)
     devices: tuple[tuple[int, int, int | None], ...] = ()
+    # the device statement the probe read the indices from: (its line, its code), None: none found
+    device_statement: tuple[int, str] | None = None
+    device_unread: str | None = None  # why a rank has no index: the probe's words
     # the data ranks that read windows outside the first differing step's batch
     data_ranks: tuple[int, ...] = ()
 
@@ -222,8 +225,9 @@ class Ranks:
         return any(i is not None and i == r != lr for r, lr, i in self.devices)
 
     @property
-    def gpu_seen(self) -> bool:
-        return any(i is not None for _, _, i in self.devices)
+    def gpu_read(self) -> bool:
+        """Every rank's GPU index was read from the script's device statement."""
+        return bool(self.devices) and all(i is not None for _, _, i in self.devices)
 
     @classmethod
     def of(cls, run: Run, nproc: int, plan: Plan, first_data: int | None, ref_steps) -> Ranks:
@@ -268,7 +272,19 @@ class Ranks:
             if plan.replicas and ranks
             else None,
             devices=tuple(
-                (r["rank"], r.get("local_rank", r["rank"]), r.get("device_index")) for r in ranks
+                (r["rank"], r.get("local_rank", r["rank"]), (r.get("device") or {}).get("index"))
+                for r in ranks
+            ),
+            device_statement=next(
+                ((d["line"], d["code"]) for r in ranks if (d := r.get("device"))), None
+            ),
+            device_unread=next(
+                (
+                    (r.get("device") or {}).get("error", "no statement that chooses a GPU index")
+                    for r in ranks
+                    if (r.get("device") or {}).get("index") is None
+                ),
+                None,
             ),
             data_ranks=tuple(data_ranks),
         )

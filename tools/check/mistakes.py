@@ -482,8 +482,9 @@ MISTAKES = [
         name="the GPU chosen by RANK, not LOCAL_RANK",
         did="a rank asks for the GPU of its global RANK: on every machine but the first, RANK is "
         "past the machine's GPUs (the second of two 8-GPU machines has ranks 8-15 and GPUs 0-7). "
-        "The check runs two nodes of one process each, so rank 1 has LOCAL_RANK 0 and asked for "
-        "GPU 1. On a CPU no number changes; on GPUs the run fails or stacks ranks on one GPU",
+        "The check runs two nodes of one process each, so rank 1 has LOCAL_RANK 0, yet its "
+        "device statement, evaluated with its own variables, gives cuda:1. On a CPU no number "
+        "changes; on GPUs the run fails or stacks ranks on one GPU",
         signature=lambda f: f.ranks.gpu_by_global_rank,
         chapter=5,
         right=(P(assigns="device", uses="local_rank"),),

@@ -75,11 +75,25 @@ def data_line(s: Seen) -> str:
     )
 
 
-def devices_line(s: Seen) -> str:
-    asked = ", ".join(
-        f"rank {r} (LOCAL_RANK {lr}) asked for GPU {i}" for r, lr, i in s.facts.ranks.devices
+def gpus_read(s: Seen) -> str:
+    """Each rank's GPU, as the probe read it from the script's device statement."""
+    line, code = s.facts.ranks.device_statement
+    each = ", ".join(f"rank {r} (LOCAL_RANK {lr}) cuda:{i}" for r, lr, i in s.facts.ranks.devices)
+    return f"line {line}'s `{code}`, evaluated with each rank's own variables there: {each}"
+
+
+def gpus_unchecked(s: Seen) -> str:
+    if s.facts.ranks.gpu_read:
+        return "the GPUs themselves: the CPU runs drive none (their index was read, not used)"
+    why = s.facts.ranks.device_unread or "not read"
+    return (
+        f"which GPU each rank drives: {why} (the check reads it from a statement such as "
+        '`torch.device("cuda", local_rank)`)'
     )
-    return f"the GPUs: {asked}"
+
+
+def devices_line(s: Seen) -> str:
+    return f"the GPUs the ranks would drive: {gpus_read(s)}"
 
 
 def fsdp_line(s: Seen) -> str:
@@ -163,7 +177,9 @@ def same_lines(s: Seen) -> list[str]:
     if s.resumed is not None:
         lines.append(f"  stopped at step {RESUME_AT} and resumed: the same end")
     lines += [f"  {line}" for line in plan.checked_more(s.restarted)]
-    lines.append(f"  unchecked: {'; '.join(plan.unchecked(s.facts.ranks.gpu_seen))}")
+    if plan.picks_gpu and s.facts.ranks.gpu_read:
+        lines.append(f"  which GPU each rank would drive: {gpus_read(s)}")
+    lines.append(f"  unchecked: {'; '.join(plan.unchecked(gpus_unchecked(s)))}")
     return lines
 
 
