@@ -366,8 +366,9 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     if chapter == 3:
         assert "split over 2 replicas" in out, out
     if chapter == 5:
-        assert "as 2 nodes" in out, out
+        assert "(2 nodes x 1 rank(s) x " in out, out
         assert "stopped at step 5 and resumed: the same end" in out, out
+        assert "rank 1 (LOCAL_RANK 0) cuda:0" in out, out  # read from its device statement
     if chapter == 6:
         assert "torchrun restarted the group, and it continued" in out, out
     if chapter == 7:
