@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 8, 5, 8
+SEED = 1337  # every run's --seed: epoch e visits the windows in randperm(N) drawn with SEED + e
 REPLICAS = 2  # chapter 03: the stand-in replicas DataParallel splits each batch over
 # chapter 06: the restart check checkpoints at step 4, kills rank 1 after step 6; torchrun restarts
 RESTART_EVAL, RESTART_KILL = 4, 6

@@ -66,6 +66,7 @@ class Recorder:
     def __init__(self):
         self.steps: list[dict] = []
         self.windows: list[int] = []  # training windows read since the last optimizer step
+        self.train_windows = 0  # the training split's windows (the sampler permutes this many)
         self.zero_grads = 0  # zero_grad calls since the last optimizer step
         self.clip_norm: float | None = None  # the norm clip_grad_norm_ measured before clipping
         self.syncs: list[bool] = []  # per DDP forward since the last step: will backward average?
@@ -125,6 +126,7 @@ class Recorder:
             "sharded": self.sharded,
             "fsdp_forwards": self.fsdp_forwards,
             "device": self.device,
+            "train_windows": self.train_windows,
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "unsupported": self.unsupported,
             # torchrun's restarts of this rank's process before this one (--max-restarts)
@@ -165,6 +167,7 @@ def watch(recorder: Recorder) -> None:
     def reading(self, i):
         if self.path.name == "train.bin":
             recorder.windows.append(int(i))
+            recorder.train_windows = len(self)
         return read(self, i)
 
     TokenWindows.__getitem__ = reading

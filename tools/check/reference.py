@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from common.chapters import CHAPTERS
-from tools.check.plan import GLOBAL_BATCH, STEPS
+from tools.check.plan import GLOBAL_BATCH, SEED, STEPS
 from tools.check.runner import RUN_TIMEOUT, CannotRun, Launch, Run, failure_line, run_one
 from tools.launch import REPO, flags
 
@@ -40,6 +40,7 @@ def run_flags(corpus: Path, data: Path, out: Path, iters: int = STEPS, **more) -
         "eval_batches": 1,
         "sample_tokens": 0,
         "dropout": 0,
+        "seed": SEED,
         **more,
     }
     return flags(**values)

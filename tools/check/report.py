@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.check.facts import Facts
-from tools.check.mistakes import describe, diagnose, logging_right, resume_right, training_right
+from tools.check.mistakes import (
+    describe,
+    diagnose,
+    logging_right,
+    nearest_line,
+    resume_right,
+    training_right,
+)
 from tools.check.plan import RESTART_KILL, RESUME_AT, STEPS
 from tools.check.runner import Run
 
@@ -191,6 +198,9 @@ def different_lines(s: Seen, source: str, script: str, theirs: str, facts_file: 
     if mistake is None:
         lines.append("diagnosis: no known mistake fits; what the facts show:")
         lines += [f"  {line}" for line in describe(s.facts)]
+        near = nearest_line(s.facts, source, script, theirs)
+        if near is not None:
+            lines.append(f"  {near}")
         lines.append(f"  (all the facts: {facts_file})")
     else:
         lines += [f"diagnosis: {mistake.name}: {mistake.did}", f"  {look}"]
