@@ -182,9 +182,9 @@ def main():
     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     # TODO 12/18: change the next 5 lines of code into 8 lines:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
-    #   Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W
-    #     = world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes
-    #     for it. drop_last: an epoch's remainder is dropped, not padded.
+    #   Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so
+    #     on (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01
+    #     takes for it. drop_last: an epoch's remainder is dropped, not padded.
     #   metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     #   uses torch.utils.data.distributed.DistributedSampler
     if iter_num:

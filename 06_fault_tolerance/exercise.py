@@ -122,7 +122,7 @@ def main():
     #     (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
     #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
     #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet: chapter
-    #       04's init_process_group, made safe for torchrun's restarts (--max-restarts).
+    #       04's init_process_group, safe for restarts.
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
@@ -204,9 +204,9 @@ def main():
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
-    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
-    # it. drop_last: an epoch's remainder is dropped, not padded.
+    # Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so on
+    # (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01 takes
+    # for it. drop_last: an epoch's remainder is dropped, not padded.
     sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
@@ -224,7 +224,7 @@ def main():
     #     all of them.
     #   (2 more comments in the solution)
     #   uses common.support.preempt.Preemption(signal_name: str): Listens for SIGTERM and
-    #       `signal_name`; chapter 05's ranks all-reduce signal_number() every few steps.
+    #       `signal_name`, the signals that ask the run to stop.
     #   uses common.support.preempt_ranks.stop_if_stopped_before(out_dir: str | Path, restarts: int,
     #       group: dist.ProcessGroup) -> None: A worker torchrun restarted (`restarts`, agreed by
     #       all ranks) after the run was stopped ends at once, with status 75.

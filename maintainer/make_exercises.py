@@ -1,5 +1,7 @@
-"""Make the exercises: each is the train.py of the chapter it builds on (the previous one, or the
-one common/chapters.py names as its base) with the chapter's changes marked TODO.
+"""Make the exercises: the script each chapter builds on, with the chapter's changes marked TODO.
+
+That script is the train.py of the previous chapter, or of the one common/chapters.py names as
+the chapter's base.
 
     python -m maintainer.make_exercises          # write 0N_<chapter>/exercise.py, chapter 02 on
     python -m maintainer.make_exercises --check  # exit 1 if one no longer matches the scripts
