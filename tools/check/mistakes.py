@@ -5,7 +5,10 @@ The checker (tools/check/) compares a learner's run with chapter 01's and gather
 the facts do not rule it out (ruled_out: parameters equal to chapter 01's rule out every training
 mistake, ...) and the learner's script does not already have the chapter's statement there
 (where_to_look). The first such entry wins. None fits: the checker describes what the facts show
-(describe) rather than guess.
+(describe) rather than guess, relating them to what the learner can look at: the epoch, the
+micro-batch and the resume where the first difference sits, its size against the number format
+(float32's rounding in a float64 check), and the line of the learner's script nearest it
+(nearest_line).
 
 An entry names the statements it is about by their shape (tools/statements.py: "a call to
 no_sync", "the assignment to skip"), never by a copy of the chapter's text: what the chapter has
@@ -31,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.chapters import CHAPTERS
-from tools.check.facts import Facts
-from tools.check.plan import GLOBAL_BATCH, SEED
+from tools.check.facts import ORDERS, Facts
+from tools.check.plan import GLOBAL_BATCH
 from tools.launch import REPO
 from tools.statements import Pattern as P
 from tools.statements import find, header, header_end, keys, quoted, statements
@@ -804,7 +807,9 @@ def epoch_orders(f: Facts) -> str | None:
     parts = []
     for e, k in wrong:
         if k is None:
-            parts.append(f"epoch {e} read no epoch's order (no seed {SEED} + k, k < 64, gives it)")
+            parts.append(
+                f"epoch {e} read no epoch's order (the permutation of no seed + k, k < {ORDERS})"
+            )
         else:
             parts.append(f"epoch {e} read epoch {k}'s order (the permutation of seed + {k})")
     return f"{'; '.join(parts)}: chapter 01's epoch e reads the permutation of seed + e"
@@ -865,8 +870,9 @@ def rounding_words(f: Facts) -> str | None:
     if kind == "float32":
         return (
             f"{text}: far above float64's rounding (about 1e-16), the size of float32's (its "
-            "epsilon is 1.2e-7), not a different computation: something computes in float32; "
-            "look at dtypes, autocast and mixed-precision policies"
+            "epsilon is 1.2e-7, and a norm over many numbers rounds well below it), not a "
+            "different computation: something computes in float32; look at dtypes, autocast and "
+            "mixed-precision policies"
         )
     return (
         f"{text}: the size of 16 bits' rounding (float16's epsilon is 9.8e-4, bfloat16's "
