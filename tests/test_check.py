@@ -684,6 +684,9 @@ def test_every_same_run_verdict_names_what_it_did_not_check(tmp_path):
     assert "which GPU each rank would drive: line 84's `device = cuda(local)`" in said, said
     assert "rank 1 (LOCAL_RANK 0) cuda:0" in said, said
     assert "the CPU runs drive none (their index was read, not used)" in said, said
+    assert "on one machine RANK is LOCAL_RANK" not in said, said  # chapter 05 runs two nodes
+    said = "\n".join(same_lines(Seen(Facts(plan=PLANS[4]).but(**read), run, run, None, None)))
+    assert "on one machine RANK is LOCAL_RANK, so which of the two the index follows" in said
 
 
 def test_the_probe_reads_the_gpu_index_a_cpu_never_uses(tmp_path, monkeypatch):

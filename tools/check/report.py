@@ -91,7 +91,13 @@ def gpus_read(s: Seen) -> str:
 
 def gpus_unchecked(s: Seen) -> str:
     if s.facts.ranks.gpu_read:
-        return "the GPUs themselves: the CPU runs drive none (their index was read, not used)"
+        said = "the GPUs themselves: the CPU runs drive none (their index was read, not used)"
+        if s.facts.plan.nodes == 1:
+            said += (
+                "; on one machine RANK is LOCAL_RANK, so which of the two the index follows shows "
+                "only in the checks that run two nodes"
+            )
+        return said
     why = s.facts.ranks.device_unread or "not read"
     return (
         f"which GPU each rank drives: {why} (the check reads it from a statement such as "
