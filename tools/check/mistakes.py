@@ -399,8 +399,9 @@ MISTAKES = [
     Mistake(
         name="set_epoch given the step, not the epoch",
         did="the sampler is told the steps taken so far (iter_num), not the epoch: epoch 0 starts "
-        "at step 0 and is chapter 01's, but from the first step of epoch 1 on each epoch e reads "
-        "the order of epoch e x (steps per epoch), the steps taken when it starts",
+        "at step 0 and is chapter 01's, but every later epoch reads another epoch's order, the "
+        "one numbered by the steps taken when it starts (here, with 3 steps an epoch, epoch 1 "
+        "reads epoch 3's)",
         signature=lambda f: (
             len(f.data.epoch_orders) > 1
             and f.data.first_data_diff == f.data.steps_per_epoch + 1
@@ -717,11 +718,19 @@ def diagnose(
     return None, notes, ""
 
 
+def close_to_one(value: float) -> str:
+    """A ratio in 6 digits; within 1e-5 of 1 as `1 + 1.5e-06`, which 6 digits would show as 1."""
+    if value != 1 and abs(value - 1) < 1e-5:
+        sign = "+" if value > 1 else "-"
+        return f"1 {sign} {abs(value - 1):.1e}"
+    return f"{value:.6g}"
+
+
 def ratio_words(value: float | None, f: Facts) -> str:
     """A ratio to chapter 01's, with the whole-number reading that fits it exactly, if any."""
     if value is None or math.isnan(value):
         return "not measured"
-    text = f"{value:.6g}"
+    text = close_to_one(value)
     w, k = f.ranks.world_size, f.grads.grad_accum
     names = {"W": w, "K": k, "W*K": w * k}
     if f.ranks.replicas:

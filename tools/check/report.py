@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tools.check.facts import Facts
 from tools.check.mistakes import (
+    close_to_one,
     describe,
     diagnose,
     logging_right,
@@ -48,7 +49,7 @@ def loss_line(s: Seen) -> str:
         a, b = losses[first], ref[first]
         return (
             f"the loss differs from step {first}: {a:.6f} here, {b:.6f} in chapter 01 "
-            f"(ratio {a / b:.6g})"
+            f"(ratio {close_to_one(a / b)})"
         )
     return f"steps 1-{first - 1} are chapter 01's, then the script logged no more"
 
