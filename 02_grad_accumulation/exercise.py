@@ -53,7 +53,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/6: change the next 1 line(s) of code into 4:
+    # TODO 2/6: change the next line of code into 4 lines:
     #     parser = CourseParser(chapter=2, description=__doc__)
     #     parser.add_argument(
     #         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
@@ -75,7 +75,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 3/6: change the next 1 line(s) of code:
+    # TODO 3/6: change the next line of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another.
     # One optimizer step sees `global_batch` sequences. Here that is one batch on one device.
@@ -113,9 +113,10 @@ def main():
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
-    # TODO 4/6: change the next 1 line(s) of code into 2:
+    # TODO 4/6: change the next line of code into 2 lines:
     #     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
-    #     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps ...
+    #     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per
+    #         epoch")
     print(f"global batch: {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -131,7 +132,7 @@ def main():
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
-        # TODO 5/6: change the next 1 line(s) of code:
+        # TODO 5/6: change the next line of code:
         #   micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch  # batches of this epoch a resumed run trained on
         loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
@@ -143,7 +144,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 6/6: change the next 6 line(s) of code into 10:
+            # TODO 6/6: change the next 6 lines of code into 10 lines:
             #   the mean loss over the whole global batch
             #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
             #     makes that sum the gradient of the mean over all K * B sequences

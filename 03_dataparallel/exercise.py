@@ -52,21 +52,22 @@ from common.training import (
 )
 
 
-# TODO 2/14: add 16 line(s) of code here:
+# TODO 2/14: add 16 lines of code here:
 #   class AutocastDataParallel(nn.DataParallel): nn.DataParallel whose replicas compute in the run's
 #       number format (bfloat16 or float16).
 #     overrides __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype,
 #         **kwargs)
 #     overrides parallel_apply(self, replicas, inputs, kwargs)
-#     class AutocastDataParallel(nn.DataParallel): ...
+#     (16 lines of code in the solution)
 #   uses common.dataparallel.in_autocast(module, device: torch.device, dtype: torch.dtype): `module`
-#       called inside autocast, which DataParallel's replica threads lose (the trap ...
+#       called inside autocast, which DataParallel's replica threads lose (the trap that
+#       docs/deep/AUTOCAST_TRAP.md describes).
 #   uses torch.nn.DataParallel
 def main():
-    # TODO 3/14: change the next 1 line(s) of code:
+    # TODO 3/14: change the next line of code:
     #     parser = CourseParser(chapter=3, description=__doc__)
     parser = CourseParser(chapter=2, description=__doc__)
-    # TODO 4/14: add 5 line(s) of code here:
+    # TODO 4/14: add 5 lines of code here:
     #     parser.add_argument(
     #         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     #     )
@@ -84,7 +85,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 5/14: add 3 line(s) of code here:
+    # TODO 5/14: add 3 lines of code here:
     #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
     #   The settings it cannot run with (more GPUs than visible, --device cpu on a machine with
     #     GPUs, --compile over several GPUs) are refused with one line each
@@ -102,7 +103,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 6/14: change the next 1 line(s) of code:
+    # TODO 6/14: change the next line of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, each of `batch_size` sequences per replica, which DataParallel cuts out of one
     #     big batch.
@@ -134,7 +135,7 @@ def main():
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-    # TODO 7/14: change the next 1 line(s) of code into 3:
+    # TODO 7/14: change the next line of code into 3 lines:
     #   nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
     #     it calls the model as it is
     #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
@@ -147,16 +148,17 @@ def main():
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
-    # TODO 8/14: change the next 1 line(s) of code:
+    # TODO 8/14: change the next line of code:
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 9/14: add 11 line(s) of code here:
+    # TODO 9/14: add 11 lines of code here:
     #     if replicas > 1:
     #         print(
     #             f"DataParallel: 1 process, {replicas} threads, "
     #             f"one replica per GPU on cuda:0..{replicas - 1}; "
-    #             f"each step scatters the batch, replicates the model and gathers the outputs ...
+    #             f"each step scatters the batch, replicates the model and gathers the outputs on
+    #                 cuda:0"
     #         )
     #     else:
     #         print(
@@ -167,7 +169,7 @@ def main():
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    # TODO 10/14: change the next 1 line(s) of code:
+    # TODO 10/14: change the next line of code:
     #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
     #   metrics.jsonl and the printed lines: one call per log step
     # tokens/s and MFU between log lines; metrics.jsonl and the printed lines: one call per log step
@@ -182,7 +184,7 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 11/14: change the next 1 line(s) of code:
+        # TODO 11/14: change the next line of code:
         #     loader = batch_loader(train_set, sampler, whole_batch, skip, device)
         loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
@@ -199,7 +201,7 @@ def main():
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 12/14: change the next 1 line(s) of code into 2:
+                    # TODO 12/14: change the next line of code into 2 lines:
                     #   each replica returns its own mean loss: a vector of `replicas` losses on
                     #     cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
                     #   uses micro_loss.mean
@@ -229,7 +231,7 @@ def main():
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling
-                # TODO 13/14: change the next 2 line(s) of code:
+                # TODO 13/14: change the next 2 lines of code:
                 #     val_loss = evaluate(
                 #         eval_model, val_set, val_windows, whole_batch, device, autocast
                 val_loss = evaluate(
@@ -240,7 +242,7 @@ def main():
                 save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
 
-    # TODO 14/14: add 6 line(s) of code here:
+    # TODO 14/14: add 6 lines of code here:
     #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
     #   uses torch.cuda.max_memory_allocated
     if args.sample_tokens:

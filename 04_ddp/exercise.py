@@ -59,31 +59,34 @@ from common.training import (
 
 
 def main():
-    # TODO 2/18: change the next 1 line(s) of code:
+    # TODO 2/18: change the next line of code:
     #     parser = CourseParser(chapter=4, description=__doc__)
     parser = CourseParser(chapter=2, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
-    # TODO 3/18: add 3 line(s) of code here:
+    # TODO 3/18: add 3 lines of code here:
     #     parser.add_argument(
     #         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     #     )
     args = parser.parse_args()
-    # TODO 4/18: change the next 2 line(s) of code into 13:
+    # TODO 4/18: change the next 2 lines of code into 13 lines:
     #   ---- who is who: torchrun tells each of the WORLD_SIZE copies its place
     #   started with plain `python`: one line that gives the torchrun command
     #   this process among all of them: 0 .. world_size - 1
     #   this process among those on its machine: its GPU
     #   log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
-    #   (4 more comment(s) in the solution)
+    #   (4 more comments in the solution)
     #   uses common.distributed.require_torchrun() -> None: Refuse, with one line, a DDP chapter
-    #       started without torchrun, which tells each process its ...
+    #       started without torchrun, which tells each process its place (RANK, WORLD_SIZE,
+    #       LOCAL_RANK, ...).
     #   uses common.distributed.RankLog(prefix: str, speaks: bool): Lines that say which rank wrote
-    #       them: `log(text)` from rank 0 only (it speaks for every ...
+    #       them: `log(text)` from rank 0 only (it speaks for every rank), `log.every_rank(text)`
+    #       from each.
     #   uses common.distributed.ranks_use_gpus(requested: str, local_rank: int, local_world_size:
     #       int, cuda_gpus: int) -> bool: Whether this machine's ranks each drive a GPU
-    #       (cuda:LOCAL_RANK), or all run on the CPU; the ...
+    #       (cuda:LOCAL_RANK), or all run on the CPU; the settings that cannot work are refused,
+    #       each with one line.
     #   uses common.distributed.share_cpu_cores(device: torch.device, local_world_size: int) ->
     #       None: On the CPU, give this rank its share of the cores (a GPU rank keeps torch's
     #       default).
@@ -95,7 +98,7 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 5/18: add 6 line(s) of code here:
+    # TODO 5/18: add 6 lines of code here:
     #   ---- the process group: every rank joins it; collectives run in it
     #   NCCL: GPU to GPU; gloo: CPU over TCP
     #   a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
@@ -103,11 +106,11 @@ def main():
     #   two ranks on one GPU: one line, not NCCL's traceback
     #   uses common.distributed.refuse_shared_gpus(device: torch.device, timeout:
     #       datetime.timedelta) -> None: Refuse, with one line, a job in which two ranks drive the
-    #       same GPU (a collective: every rank ...
+    #       same GPU (a collective: every rank calls it; on the CPU it does nothing).
     #   uses torch.distributed.init_process_group, log.every_rank
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 6/18: change the next 3 line(s) of code into 4:
+    # TODO 6/18: change the next 3 lines of code into 4 lines:
     #   Local rank 0 of each machine prepares the token files once; the other ranks there wait for
     #     it (every rank calls one_rank_first), then find the files ready and prepare() does no
     #     work.
@@ -118,7 +121,7 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 7/18: change the next 1 line(s) of code:
+    # TODO 7/18: change the next line of code:
     #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, on each of world_size ranks at the same time, each of `batch_size` sequences.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
@@ -128,10 +131,12 @@ def main():
     # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # TODO 8/18: change the next 1 line(s) of code:
+    # TODO 8/18: change the next line of code:
     #   the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     #   uses common.distributed.claim_out_dir_on_rank0(out_dir: Path, resume: bool) -> None: The run
-    #       folder claimed for every rank (a collective): rank 0 checks it and locks it for as ...
+    #       folder claimed for every rank (a collective): rank 0 checks it and locks it for as long
+    #       as it lives (common/support/rundir.py), then tells the others whether the run may use
+    #       it, so that a refusal is every rank's one line, not rank 0's alone.
     # ---- model and optimizer ---------------------------------------------------------------------
     # the run folder: refused if another run holds it or is using it; then locked for this run
     claim_out_dir(out_dir, resume=args.resume)
@@ -153,7 +158,7 @@ def main():
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-    # TODO 9/18: change the next 1 line(s) of code into 2:
+    # TODO 9/18: change the next line of code into 2 lines:
     #   DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     #     into backward to average the gradients over ranks (no device_ids: the model is on this
     #     rank's device). Checkpoints save model.module, whose names any chapter loads (no "module."
@@ -164,21 +169,22 @@ def main():
         model = torch.compile(model)
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
-    # TODO 10/18: change the next 1 line(s) of code:
+    # TODO 10/18: change the next line of code:
     #     log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
-    # TODO 11/18: change the next 2 line(s) of code into 3:
+    # TODO 11/18: change the next 2 lines of code into 3 lines:
     #     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
-    #     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per ...
+    #     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per
+    #         epoch")
     #     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 12/18: change the next 5 line(s) of code into 8:
+    # TODO 12/18: change the next 5 lines of code into 8 lines:
     #   ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e
-    #   Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W
-    #     = world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes
-    #     for it. drop_last: an epoch's remainder is dropped, not padded.
+    #   Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so
+    #     on (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01
+    #     takes for it. drop_last: an epoch's remainder is dropped, not padded.
     #   metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     #   uses torch.utils.data.distributed.DistributedSampler
     if iter_num:
@@ -192,7 +198,7 @@ def main():
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
-        # TODO 13/18: change the next 2 line(s) of code into 1:
+        # TODO 13/18: change the next 2 lines of code into 1 line:
         #   the permutation of seed + epoch; without this every epoch repeats epoch 0
         #   uses sampler.set_epoch
         # the data order: epoch e visits the windows in randperm(N), drawn with the seed seed + e
@@ -209,7 +215,7 @@ def main():
             lr = lr_at(iter_num, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            # TODO 14/18: change the next 9 line(s) of code into 13:
+            # TODO 14/18: change the next 9 lines of code into 13 lines:
             #   the mean loss of this rank's share
             #   DDP all-reduces the gradients inside backward(); before the last micro-step that
             #     traffic would be wasted, so no_sync() lets them add up on this rank
@@ -243,7 +249,7 @@ def main():
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
-                # TODO 15/18: change the next 1 line(s) of code into 2:
+                # TODO 15/18: change the next line of code into 2 lines:
                 #   the mean over all ranks: a collective, so every rank calls it
                 #   uses torch.distributed.all_reduce
                 loss_value = loss.item()
@@ -259,14 +265,15 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 16/18: change the next 1 line(s) of code into 2:
+                # TODO 16/18: change the next line of code into 2 lines:
                 #   one copy is enough: every rank holds the same model
                 save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 17/18: change the next 2 line(s) of code into 5:
+    # TODO 17/18: change the next 2 lines of code into 5 lines:
     #   DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     #   uses common.distributed.ranks_unlike_rank0(model: torch.nn.Module) -> int: How many ranks
-    #       hold parameters that differ from rank 0's, bit for bit (0 on every rank when ...
+    #       hold parameters that differ from rank 0's, bit for bit (0 on every rank when DDP kept
+    #       its promise: the same start and the same averaged gradients keep every copy equal).
 
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
@@ -274,7 +281,7 @@ def main():
         print(text)
 
 
-# TODO 18/18: change the next 2 line(s) of code into 6:
+# TODO 18/18: change the next 2 lines of code into 6 lines:
 #   Leave the process group on every way out, an error's too: a rank that ends without it leaves its
 #     peers' connections open until their timeout. After main() has returned, so that the model,
 #     whose DDP or FSDP state uses the group, is freed first.

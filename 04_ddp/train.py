@@ -156,9 +156,9 @@ def main():
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
-    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
-    # it. drop_last: an epoch's remainder is dropped, not padded.
+    # Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so on
+    # (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01 takes
+    # for it. drop_last: an epoch's remainder is dropped, not padded.
     sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )

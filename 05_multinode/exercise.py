@@ -68,7 +68,7 @@ from common.training import (
 
 
 def main():
-    # TODO 1/5: change the next 1 line(s) of code:
+    # TODO 1/5: change the next line of code:
     #     parser = CourseParser(chapter=5, description=__doc__)
     parser = CourseParser(chapter=4, description=__doc__)
     parser.add_argument(
@@ -77,7 +77,7 @@ def main():
     parser.add_argument(
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
-    # TODO 2/5: add 1 line(s) of code here:
+    # TODO 2/5: add 1 line of code here:
     #     parser.add_argument("--shared-fs", action="store_true",
     #         help="one file system on all nodes")
     args = parser.parse_args()
@@ -88,12 +88,12 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
-    # TODO 3/5: add 1 line(s) of code here:
+    # TODO 3/5: add 1 line of code here:
     #   torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or
     #     c10d's choice). Every line names it: "which machine?" comes first when a job of many
     #     machines fails.
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
-    # TODO 4/5: change the next 1 line(s) of code:
+    # TODO 4/5: change the next line of code:
     #     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     log = RankLog(f"[rank {rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -122,7 +122,7 @@ def main():
 
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
-    # TODO 5/5: change the next 1 line(s) of code into 4:
+    # TODO 5/5: change the next line of code into 4 lines:
     #   On node-local disks every machine needs its own token files: local rank 0 of EVERY node
     #     prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing
     #     the same files would corrupt them: global rank 0 alone prepares. The others wait for it.
@@ -181,9 +181,9 @@ def main():
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
-    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
-    # it. drop_last: an epoch's remainder is dropped, not padded.
+    # Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so on
+    # (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01 takes
+    # for it. drop_last: an epoch's remainder is dropped, not padded.
     sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )

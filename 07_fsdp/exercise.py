@@ -83,7 +83,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/15: change the next 1 line(s) of code:
+    # TODO 2/15: change the next line of code:
     #     parser = CourseParser(chapter=7, description=__doc__)
     parser = CourseParser(chapter=6, description=__doc__)
     parser.add_argument(
@@ -121,7 +121,7 @@ def main():
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/15: remove the next 1 line(s) of code:
+    # TODO 3/15: remove the next line of code:
     #   gone from the solution: autocast, autocast_context
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
@@ -168,18 +168,20 @@ def main():
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
-    # TODO 4/15: change the next 3 line(s) of code into 12:
+    # TODO 4/15: change the next 3 lines of code into 12 lines:
     #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
     #   the most memory this rank holds from here on
-    #   The chapter is for a model too large for one device, so no rank builds it whole. ...
-    #   In bfloat16 or float16 (--dtype auto on GPUs) FSDP computes in that type ...
-    #   Each transformer block becomes one FSDP unit ...
-    #   (2 more comment(s) in the solution)
+    #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
+    #     device a tensor has a shape and a type but no storage: this model costs no memory yet.
+    #   this rank's shards, on its device, not yet filled
+    #   (3 more comments in the solution)
     #   uses common.sharding.load_checkpoint_on_rank0(out_dir: str | Path, config: GPTConfig) ->
     #       dict: ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the
-    #       settings, ...
+    #       settings, the random state) with empty model and optimizer states, so no rank but rank 0
+    #       ever holds the whole model.
     #   uses common.sharding.PeakMemory(device: torch.device): The most memory this rank held since
-    #       it was made, above what it held then, in MB: on a GPU ...
+    #       it was made, above what it held then, in MB: on a GPU the tensors' bytes there, on the
+    #       CPU the process's resident memory (Linux's /proc/self).
     #   uses common.model.GPT(config: GPTConfig)
     #   uses torch.distributed.fsdp.MixedPrecisionPolicy, torch.distributed.fsdp.fully_shard,
     #       model.to_empty
@@ -193,7 +195,7 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 5/15: add 4 line(s) of code here:
+    # TODO 5/15: add 4 lines of code here:
     #   Rank 0 alone makes the whole model's state dict, in CPU memory: the checkpoint's, or a fresh
     #     model's from the seed, which is chapter 01's initialisation (the runs match chapter 01's
     #     from the first step). Every rank takes its rows of it (and of AdamW's), one tensor at a
@@ -202,14 +204,15 @@ def main():
     #     numbers than chapter 01's.
     #   uses common.sharding.shard_full_state(model: torch.nn.Module, optimizer: Optimizer,
     #       model_state: dict, checkpoint: dict | None) -> None: Fill this rank's shards from rank
-    #       0's whole tensors (a fresh model's, or ckpt.pt's and its ...
+    #       0's whole tensors (a fresh model's, or ckpt.pt's and its optimizer state), which rank 0
+    #       broadcasts one tensor at a time: each rank keeps its rows of each and frees the rest.
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 6/15: change the next 1 line(s) of code:
+    # TODO 6/15: change the next line of code:
     #   The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
     #   uses torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    # TODO 7/15: change the next 5 line(s) of code into 7:
+    # TODO 7/15: change the next 5 lines of code into 7 lines:
     #   None: AdamW is sharded
     #   rank 0's whole tensors are freed
     #   fully_shard wraps nothing: the state dict's names are unchanged
@@ -231,8 +234,9 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 8/15: change the next 1 line(s) of code:
-    #     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend ...
+    # TODO 8/15: change the next line of code:
+    #     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend
+    #         {backend}")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     if restarts:
         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
@@ -240,9 +244,9 @@ def main():
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
-    # Every rank draws that permutation and takes its positions rank, rank + W, rank + 2W, ... (W =
-    # world_size): one step's micro-batches on all ranks are the G positions chapter 01 takes for
-    # it. drop_last: an epoch's remainder is dropped, not padded.
+    # Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so on
+    # (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01 takes
+    # for it. drop_last: an epoch's remainder is dropped, not padded.
     sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
@@ -278,7 +282,7 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
-            # TODO 9/15: change the next 12 line(s) of code into 8:
+            # TODO 9/15: change the next 12 lines of code into 8 lines:
             #   FSDP reduce-scatters the gradients inside backward(); before the last micro-step
             #     that traffic would be wasted, so without sync they add up on this rank, whole and
             #     unsharded (more memory than no_sync() in chapter 04, which adds none)
@@ -317,7 +321,7 @@ def main():
             iter_num += 1
             last_step = iter_num == args.max_iters
 
-            # TODO 10/15: add 2 line(s) of code here:
+            # TODO 10/15: add 2 lines of code here:
             #     if iter_num == first_step:
             #         log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
             # ---- logging: .item() waits for the device, so only at log intervals ----
@@ -330,7 +334,7 @@ def main():
 
             # ---- evaluation and checkpoint ----
             saved = False  # whether this step's checkpoint is written (the stop below asks)
-            # TODO 11/15: change the next 4 line(s) of code into 2:
+            # TODO 11/15: change the next 4 lines of code into 2 lines:
             #   the model uncompiled (see chapter 01); every rank evaluates the same windows, and
             #     every forward gathers each block's parameters from all ranks
             if iter_num % args.eval_interval == 0 or last_step:
@@ -342,13 +346,14 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 12/15: change the next 2 line(s) of code into 1:
+                # TODO 12/15: change the next 2 lines of code into 1 line:
                 #   every rank holds a shard of every tensor, so every rank takes part; rank 0
                 #     writes
                 #   uses common.sharding.gather_and_save(out_dir: str | Path, iter_num: int, model:
                 #       torch.nn.Module, optimizer: Optimizer, scaler, train_config: dict) -> None:
                 #       ckpt.pt from a sharded model, as every chapter writes it: the whole tensors,
-                #       gathered into ...
+                #       gathered into rank 0's CPU memory one tensor at a time, and rank 0 writes
+                #       them (save_checkpoint's file).
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 saved = True
@@ -362,7 +367,7 @@ def main():
                 agreed_signal = stop_flag.item()
                 if agreed_signal:
                     # save the step (unless its evaluation just did), then the marker, a line, 75
-                    # TODO 13/15: change the next 2 line(s) of code:
+                    # TODO 13/15: change the next 2 lines of code:
                     #     if not saved:
                     #         gather_and_save(
                     if is_rank0 and not saved:
@@ -370,7 +375,7 @@ def main():
                             out_dir, iter_num, raw_model, optimizer, scaler, train_config
                         )
                     stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
-    # TODO 14/15: change the next 4 line(s) of code into 2:
+    # TODO 14/15: change the next 4 lines of code into 2 lines:
     #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
     #     state.
     #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
@@ -383,7 +388,7 @@ def main():
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 15/15: change the next 4 line(s) of code into 5:
+    # TODO 15/15: change the next 4 lines of code into 5 lines:
     #     if args.sample_tokens:
     #         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
     #         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)

@@ -161,8 +161,10 @@ def ranks_unlike_rank0(model: torch.nn.Module) -> int:
 def restart_store(
     world_size: int, restart_count: int, timeout: datetime.timedelta
 ) -> dist.Store | None:
-    """Where the ranks of this attempt meet: chapter 04's init_process_group, made safe for
-    torchrun's restarts (--max-restarts). None: init_process_group connects to MASTER_ADDR itself.
+    """Where the ranks of this attempt meet: chapter 04's init_process_group, safe for restarts.
+
+    Made safe for torchrun's restarts (--max-restarts). None: init_process_group connects to
+    MASTER_ADDR itself.
 
     Under torchrun the meeting point can be torchrun's own key-value store
     (TORCHELASTIC_USE_AGENT_STORE=True), and that store outlives a restart: the processes of a

@@ -1,5 +1,7 @@
-"""Make the exercises: each is the train.py of the chapter it builds on (the previous one, or the
-one common/chapters.py names as its base) with the chapter's changes marked TODO.
+"""Make the exercises: the script each chapter builds on, with the chapter's changes marked TODO.
+
+That script is the train.py of the previous chapter, or of the one common/chapters.py names as
+the chapter's base.
 
     python -m maintainer.make_exercises          # write 0N_<chapter>/exercise.py, chapter 02 on
     python -m maintainer.make_exercises --check  # exit 1 if one no longer matches the scripts
@@ -11,11 +13,12 @@ sits inside brackets, and `ruff format` leaves the exercises as they are; one th
 comment takes the whole comment. Above the lines each change touches, a TODO says how many lines
 to add, change or remove there, and gives a hint of at most about HINT_LINES lines:
 
-- the defs and classes the new lines add, with their signatures and their docstrings' first lines
-  (a class's methods too, each an override where it hands on to its base's);
+- the defs and classes the new lines add, with their signatures and their docstrings' first
+  sentences (a class's methods too, each an override where it hands on to its base's);
 - the comments of the solution's new lines that the exercise does not show already: they say why,
-  the learner writes the code; where there is no such comment (an import, a print), the code,
-  each line at its own indentation (too long: the first line of each statement);
+  the learner writes the code; each is whole, and those that do not fit are counted. Where there
+  is no such comment (an import, a print), the code, each line at its own indentation (too long:
+  the whole statements that fit, and how many lines more);
 - what the new lines call that the previous chapter's script never used: a helper of the course's
   package `common` with its signature, read from its source; torch's functions and classes by
   their path (the imports' TODO says from where);
@@ -59,8 +62,8 @@ from tools.statements import (
 
 WIDTH = 100  # the course's line length (ruff.toml)
 # The most lines a TODO's hint takes: more is a wall of text that the learner skims. What the TODO
-# must name (new definitions, helpers and their signatures) always goes in; the comments are
-# shortened to fit the rest.
+# must name (new definitions, helpers and their signatures) always goes in; of the comments, those
+# that fit the rest go in whole, and the hint says how many more the solution has.
 HINT_LINES = 12
 # ... but the comments or the code keep at least this many lines, however much must be named
 BODY_LINES = 6
@@ -429,7 +432,8 @@ def signature_as_written(node: ast.AST, source: str, name: str) -> str:
 
 
 def docstring_line(node: ast.AST) -> str:
-    """The first line of a def's docstring (a class without one: its __init__'s); "" if none."""
+    """The first sentence of a def's docstring, whole, on one line (a class without one: its
+    __init__'s); "" if none."""
     docstring = ""
     if isinstance(node, DEFINITIONS):
         docstring = ast.get_docstring(node) or ""
@@ -437,15 +441,19 @@ def docstring_line(node: ast.AST) -> str:
         init = init_of(node)
         if init is not None:
             docstring = ast.get_docstring(init) or ""
-    first = docstring.split("\n")[0].strip()
-    if first and not first.endswith((".", ":", "!", "?")):
-        first += " ..."  # the sentence goes on in the docstring
-    return first
+    paragraph = " ".join(docstring.split("\n\n")[0].split())
+    return sentences(paragraph)[0] if paragraph else ""
+
+
+def sentences(text: str) -> list[str]:
+    """A text's sentences, each with its full stop: a sentence ends at ".", "!" or "?" before a
+    space and a capital (`rank, rank + W, ...` ends none)."""
+    return re.split(r"(?<=[.!?])(?<!\.\.\.) +(?=[A-Z])", text)
 
 
 def helper_line(path: str) -> str:
     """A helper of the course's package as a TODO names it: `uses common.x.f(a: int) -> str: the
-    first line of its docstring`; the path alone if its def cannot be found."""
+    first sentence of its docstring`; the path alone if its def cannot be found."""
     found = definition_of(path)
     if found is None:
         return f"uses {path}"
@@ -525,7 +533,7 @@ def definition_lines(
     old: ast.Module, new: ast.Module, source: str, first: int, end: int
 ) -> list[str]:
     """The defs and classes that the lines first..end (from 0) of the new script add, as the TODO
-    names them: the signature and the docstring's first line; for a class, its base classes and
+    names them: the signature and the docstring's first sentence; for a class, its base classes and
     its methods, each an override where it hands on to the base's method of its name."""
     before = qualified_definitions(old)
     after = qualified_definitions(new)
@@ -629,33 +637,6 @@ def wrapped(text: str, prefix: str, more: str = "  ") -> list[str]:
     )
 
 
-def shortened(text: str, prefix: str, lines: int) -> list[str]:
-    """A comment in at most `lines` lines: cut after the last clause that fits (". ", "; ", ": ",
-    ", "), or else after the last word, and marked " ..." where cut."""
-    full = wrapped(text, prefix)
-    if len(full) <= lines:
-        return full
-    words = text.split(" ")
-    by_word = ""
-    for count in range(len(words) - 1, 0, -1):
-        candidate = " ".join(words[:count]) + " ..."
-        if len(wrapped(candidate, prefix)) <= lines:
-            by_word = candidate
-            break
-    by_clause = ""
-    for found in re.finditer(r"[.;:,](?= )", text):
-        candidate = text[: found.start() + 1].rstrip(",;:") + " ..."
-        if len(wrapped(candidate, prefix)) <= lines:
-            by_clause = candidate
-    # a clause's end reads better, unless it throws away more than half of what would fit
-    best = by_word
-    if by_clause and len(by_clause) * 2 >= len(by_word):
-        best = by_clause
-    if not best:
-        best = words[0] + " ..."
-    return wrapped(best, prefix)
-
-
 def string_spans(code: str) -> list[tuple[int, int]]:
     """Where the string literals of one line of code are (f-strings whole): no line breaks there.
     A line that ends inside brackets is read as far as it goes."""
@@ -680,47 +661,42 @@ def string_spans(code: str) -> list[tuple[int, int]]:
 
 def code_wrapped(code: str, prefix: str) -> list[str]:
     """A line of code quoted at `prefix`, in lines of at most WIDTH columns: broken at a space
-    outside its strings, the rest 4 columns deeper; a string too long to fit is cut, marked
-    " ...", rather than broken in two."""
+    outside its strings, the rest 4 columns deeper; inside a string only where it is too long to
+    fit otherwise. Nothing is cut."""
     if len(prefix) + len(code) <= WIDTH:
         return [prefix + code]
     spans = string_spans(code)
     fits = WIDTH - len(prefix)
-    breaks = [
-        at
-        for at, char in enumerate(code)
-        if char == " " and 0 < at <= fits and not any(a <= at < b for a, b in spans)
-    ]
-    if breaks:
-        head = code[: breaks[-1]]
-        rest = code[breaks[-1] + 1 :].lstrip()
-        return [prefix + head, *code_wrapped(rest, prefix + "    ")]
-    cut = code[: fits - len(" ...")]
-    if " " in cut:
-        cut = cut.rsplit(" ", 1)[0]
-    return [prefix + cut + " ..."]
+    spaces = [at for at, char in enumerate(code) if char == " " and 0 < at <= fits]
+    breaks = [at for at in spaces if not any(a <= at < b for a, b in spans)] or spaces
+    if not breaks:  # one word longer than the line: it stays whole, past the width
+        return [prefix + code]
+    head = code[: breaks[-1]]
+    rest = code[breaks[-1] + 1 :].lstrip()
+    return [prefix + head, *code_wrapped(rest, prefix + "    ")]
 
 
 def comment_lines(comments: list[str], prefix: str, room: int) -> list[str]:
-    """The comments within `room` lines: whole if they fit; else each cut to the same number of
-    lines, the most that lets them all fit; else the first ones, a line each, and how many more."""
+    """The comments within `room` lines, each whole: all if they fit; else, in their order, those
+    that fit with a line left to say how many more the solution has (the first, however long)."""
     full = [line for comment in comments for line in wrapped(comment, prefix)]
     if len(full) <= room:
         return full
-    for cap in range(max(len(wrapped(c, prefix)) for c in comments) - 1, 0, -1):
-        cut = [line for comment in comments for line in shortened(comment, prefix, cap)]
-        if len(cut) <= room:
-            return cut
-    shown = max(room - 1, 1)
-    lines = [line for comment in comments[:shown] for line in shortened(comment, prefix, 1)]
-    left_out = len(comments) - shown
-    return lines + [f"{prefix}({left_out} more comment(s) in the solution)"]
+    lines: list[str] = []
+    left_out = 0
+    for comment in comments:
+        text = wrapped(comment, prefix)
+        if lines and len(lines) + len(text) > room - 1:
+            left_out += 1
+            continue
+        lines += text
+    return lines + [f"{prefix}({counted(left_out, 'more comment')} in the solution)"]
 
 
 def code_lines(notes: Notes, new: list[str], prefix: str, room: int) -> list[str]:
     """The code of the new lines, each line at its indentation relative to the least indented one.
-    More than `room` lines: the first line of each outermost statement that begins in them, marked
-    " ..." where it goes on."""
+    More than `room` lines: the outermost statements that begin in them, each whole, in their order
+    while they fit, and how many more lines of code the solution has."""
     code = [line.rstrip() for line in new if not is_comment(line)]
     if not code:
         return []
@@ -737,21 +713,37 @@ def code_lines(notes: Notes, new: list[str], prefix: str, room: int) -> list[str
     starting = [
         node for node in every_statement(notes.tree) if notes.first <= node.lineno - 1 < end
     ]
-    heads = []
-    if starting:
-        outermost = min(node.col_offset for node in starting)
-        for node in starting:
-            if node.col_offset != outermost:
-                continue
-            text = notes.lines[node.lineno - 1].rstrip()
-            if node.end_lineno > node.lineno:
-                text += " ..."
-            heads += quoted(text)
-    else:  # only the middle of one statement
-        heads = lines
-    if len(heads) > room:
-        heads = heads[: room - 1] + [f"{prefix}..."]
-    return heads
+    outermost = min((node.col_offset for node in starting), default=0)
+    # each outermost statement's code lines (all of them, where no statement begins in the change)
+    pieces = [
+        [
+            line.rstrip()
+            for line in notes.lines[node.lineno - 1 : min(node.end_lineno, end)]
+            if not is_comment(line)
+        ]
+        for node in starting
+        if node.col_offset == outermost
+    ] or [[line] for line in code]
+    shown: list[str] = []
+    shown_code = 0
+    for piece in pieces:
+        quoted_piece = [line for text in piece for line in quoted(text)]
+        if len(shown) + len(quoted_piece) > room - 1:
+            break
+        shown += quoted_piece
+        shown_code += len(piece)
+    more = counted(len(code) - shown_code, "more line" if shown else "line")
+    return shown + [f"{prefix}({more} of code in the solution)"]
+
+
+def counted(count: int, noun: str) -> str:
+    """`1 line`, `3 lines`: a count as English writes it."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def the_next(count: int) -> str:
+    """`the next line`, `the next 3 lines`."""
+    return "the next line" if count == 1 else f"the next {count} lines"
 
 
 def todo_block(
@@ -771,13 +763,13 @@ def todo_block(
     code_old = sum(1 for line in old if not is_comment(line))
     code_new = sum(1 for line in new if not is_comment(line))
     if tag == "insert":
-        what = f"add {code_new} line(s) of code here"
+        what = f"add {counted(code_new, 'line')} of code here"
     elif tag == "delete":
-        what = f"remove the next {code_old} line(s) of code"
+        what = f"remove {the_next(code_old)} of code"
     else:
-        what = f"change the next {code_old} line(s) of code"
+        what = f"change {the_next(code_old)} of code"
         if code_new != code_old:
-            what += f" into {code_new}"
+            what += f" into {counted(code_new, 'line')}"
     prefix = f"{indent}#   "
     definitions = []
     for text in notes.definitions:  # a class's methods are indented under it

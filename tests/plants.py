@@ -60,7 +60,7 @@ PLANTS = {
         2, ((rewrite, P(call="lr_at"), "iter_num", "iter_num * args.grad_accum"),)
     ),
     "the gradient-sync switch off on the last micro-step": Plant(
-        6,
+        7,
         (
             (
                 rewrite,
@@ -185,5 +185,44 @@ PLANTS = {
     ),
     "the GPU chosen by RANK, not LOCAL_RANK": Plant(
         5, ((rewrite, P(assigns="device", uses="local_rank"), "local_rank", "rank"),), ranks=2
+    ),
+    "set_epoch given the step, not the epoch": Plant(
+        4, ((rewrite, P(call="set_epoch"), "epoch", "iter_num"),), ranks=2
+    ),
+    "gradients reduced in float32 in a float64 run": Plant(
+        7,
+        (
+            (
+                rewrite,
+                P(assigns="precision", code="precision = MixedPrecisionPolicy()"),
+                "MixedPrecisionPolicy()",
+                "MixedPrecisionPolicy(reduce_dtype=torch.float32)",
+            ),
+        ),
+        ranks=2,
+    ),
+}
+
+# mistakes the catalogue does not know: no entry fits, and what the checker says of them is the
+# description of what the facts show (mistakes.describe)
+UNKNOWN = {
+    # batch_loader reads the sampler's order when it is built: the loader of epoch e is built with
+    # the order of epoch e - 1
+    "set_epoch after the loader is built": Plant(
+        4, ((move, P(call="set_epoch"), P(assigns="batches")),), ranks=2
+    ),
+    # DDP sends the gradients as float16 (half the bytes) and averages them so
+    "gradients sent in float16": Plant(
+        4,
+        (
+            (
+                insert,
+                P(assigns="model", call="DDP"),
+                "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
+                "model.register_comm_hook(None, default_hooks.fp16_compress_hook)",
+                True,
+            ),
+        ),
+        ranks=2,
     ),
 }

@@ -14,6 +14,7 @@ by every check (the checker keeps it under its --out-root).
 from __future__ import annotations
 
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -21,15 +22,15 @@ import time
 from pathlib import Path
 
 import pytest
-from plants import PLANTS
+from plants import PLANTS, UNKNOWN
 
 from common.chapters import CHAPTERS, base
 from layout import REPO
 from maintainer import REGENERATE, make_exercises
-from tools.check import runner
+from tools.check import probe, runner
 from tools.check.__main__ import fresh_folder, main
 from tools.check.facts import Facts
-from tools.check.mistakes import MISTAKES, describe, diagnose, where_to_look
+from tools.check.mistakes import MISTAKES, describe, diagnose, nearest_line, where_to_look
 from tools.check.plan import PLANS
 from tools.check.report import Seen, plotted_run, same_lines
 from tools.launch import child_env
@@ -231,6 +232,69 @@ PLANT_FACTS = {
         "(line 349 of copy/train.py)",
     ),
     "the GPU chosen by RANK, not LOCAL_RANK": dict(chapter=5, devices=((0, 0, 0), (1, 0, 1))),
+    # epoch 1 reads the order of epoch 3, epoch 2 that of epoch 6
+    "set_epoch given the step, not the epoch": trained(
+        first_data_diff=4,
+        first_loss_diff=4,
+        first_grad_diff=4,
+        first_param_diff=4,
+        epoch_orders=(0, 3, 6),
+        first_data_micro=(0, 1),
+    ),
+    # step 1's loss is chapter 01's, its gradient norm differs by float32's rounding
+    "gradients reduced in float32 in a float64 run": dict(
+        chapter=7,
+        sharded=True,
+        params_equal=False,
+        distance=3.4e-9,
+        first_grad_diff=1,
+        grad_rel_diff=1.7e-9,
+        grad_ratio_at_1=1 - 1.7e-9,
+        first_param_diff=2,
+    ),
+}
+
+# the facts the plants the catalogue does not know leave (`python -m tools.check COPY --facts`)
+UNKNOWN_FACTS = {
+    # the loader of epoch 1 is built with epoch 0's order, that of epoch 2 with epoch 1's
+    "set_epoch after the loader is built": trained(
+        first_data_diff=4,
+        first_loss_diff=4,
+        first_grad_diff=4,
+        first_param_diff=4,
+        first_val_diff=8,
+        repeats_first_epoch=True,
+        epoch_orders=(0, 0, 1),
+        first_data_micro=(0, 1),
+    ),
+    # the gradients rounded to float16 on their way between the ranks
+    "gradients sent in float16": dict(
+        params_equal=False,
+        distance=2.7e-3,
+        first_grad_diff=1,
+        grad_rel_diff=1.5e-6,
+        grad_ratio_at_1=1 + 1.5e-6,
+        first_param_diff=1,
+        first_loss_diff=2,
+        loss_rel_diff=1.5e-6,
+        first_val_diff=8,
+    ),
+}
+# what the description of each must say: where the first difference sits, and the line planted
+UNKNOWN_SAYS = {
+    "set_epoch after the loader is built": (
+        "step 4 is the first step of epoch 1 (an epoch is 3 steps here)",
+        "epoch 1 read epoch 0's order (the permutation of seed + 0); epoch 2 read epoch 1's",
+        "nearest the first difference (the data order): line ",
+        ", `sampler.set_epoch(epoch)`; chapter 04 has it in another place after ",
+    ),
+    "gradients sent in float16": (
+        "the gradient norm at step 1 differs by a relative 1.5e-06 in a float64 check",
+        "the size of 16 bits' rounding",
+        "look at dtypes, autocast, mixed-precision policies and DDP's communication hooks",
+        "nearest the first difference (the number format): line ",
+        ", `model.register_comm_hook(None, default_hooks.fp16_compress_hook)`; chapter 04 has no",
+    ),
 }
 
 
@@ -270,6 +334,43 @@ def test_the_chapters_right_line_is_not_a_diagnosis():
     found, notes, _ = diagnose(facts, source, "copy.py", source)
     assert found is None
     assert any("own `dist.all_reduce(loss" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("name", list(UNKNOWN))
+def test_a_mistake_the_catalogue_does_not_know_is_described_by_where_it_shows(name):
+    """No entry fits the facts of the plant; the description places the first difference (an
+    epoch boundary, the number format) and names the planted line."""
+    plant = UNKNOWN[name]
+    facts = same_facts(**{"chapter": plant.chapter, **UNKNOWN_FACTS[name]})
+    chapter = chapter_script(plant.chapter)
+    source = plant.applied(chapter, f"{CHAPTERS[plant.chapter]}/train.py")
+    found, _, look = diagnose(facts, source, "copy.py", chapter)
+    assert found is None, (found.name, look)
+    text = "\n".join([*describe(facts), nearest_line(facts, source, "copy.py", chapter) or ""])
+    for says in UNKNOWN_SAYS[name]:
+        assert says in text, text
+
+
+def test_a_float32_sized_difference_is_named_as_float32():
+    """The parameters alone differ, by 3e-9 in a float64 check: float32's rounding."""
+    plain = dict(chapter=2, world_size=1, params_equal=False, distance=3e-9, first_param_diff=8)
+    text = "\n".join(describe(same_facts(**plain)))
+    assert "the final parameters differ by a relative 3.0e-09 in a float64 check" in text, text
+    assert "something computes in float32; look at dtypes, autocast and mixed-precision" in text
+    # other windows are no rounding, however small the difference
+    facts = same_facts(
+        chapter=2, world_size=1, params_equal=False, distance=3e-9, first_data_diff=2
+    )
+    assert "float32" not in "\n".join(describe(facts))
+
+
+def test_the_first_difference_is_placed_among_the_epochs_and_the_resume():
+    facts = same_facts(**trained(first_param_diff=5, first_loss_diff=6, first_grad_diff=5))
+    assert "step 5 is step 2 of epoch 1 (an epoch is 3 steps here)" in describe(facts)
+    resumed = same_facts(resume_at=5, resume_diff=7)
+    said = "\n".join(describe(resumed))
+    assert "after the resume at step 5: differs from step 7, 1 step(s) after the resume" in said
+    assert "(step 7 is the first step of epoch 2" in said, said
 
 
 def test_what_the_facts_show_when_nothing_fits():
@@ -365,8 +466,9 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     if chapter == 3:
         assert "split over 2 replicas" in out, out
     if chapter == 5:
-        assert "as 2 nodes" in out, out
+        assert "(2 nodes x 1 rank(s) x " in out, out
         assert "stopped at step 5 and resumed: the same end" in out, out
+        assert "rank 1 (LOCAL_RANK 0) cuda:0" in out, out  # read from its device statement
     if chapter == 6:
         assert "torchrun restarted the group, and it continued" in out, out
     if chapter == 7:
@@ -403,6 +505,8 @@ RUN = [
     "a checkpoint of rank 0's shards only",  # FSDP: the resumed run fails to load it
     "the optimizer built before fully_shard",  # FSDP: an optimizer of meta-device tensors
     "the GPU chosen by RANK, not LOCAL_RANK",  # two nodes: the GPU index each rank asked for
+    "set_epoch given the step, not the epoch",  # the order each epoch read
+    "gradients reduced in float32 in a float64 run",  # the size of a difference: float32's
 ]
 
 
@@ -422,6 +526,25 @@ def test_planted_mistakes_are_caught_and_named(capsys, out_root, tmp_path, name)
     assert f"diagnosis: {mistake.name}: " in out, out
     # the line to look at: the planted one, found in the copy, or where the removed one belongs
     assert re.search(r"look at line \d+ of |your script has no such line; ", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(UNKNOWN))
+def test_a_planted_mistake_the_catalogue_does_not_know_is_described(
+    capsys, out_root, tmp_path, name
+):
+    plant = UNKNOWN[name]
+    (tmp_path / "copy").mkdir()
+    script = tmp_path / "copy" / "train.py"
+    chapter = chapter_script(plant.chapter)
+    script.write_text(plant.applied(chapter, f"{CHAPTERS[plant.chapter]}/train.py"))
+    code, out = run_check(
+        capsys, out_root, script, "--chapter", str(plant.chapter), "--nproc-per-node", "2"
+    )
+    assert code == 1, out
+    assert "diagnosis: no known mistake fits; what the facts show:" in out, out
+    for says in UNKNOWN_SAYS[name]:
+        assert says in out, out
 
 
 def test_a_collective_on_some_ranks_only_is_named_as_a_hang(capsys, out_root, tmp_path):
@@ -548,9 +671,52 @@ def test_the_plot_shows_the_resumed_run_when_only_it_differs(tmp_path):
 
 def test_every_same_run_verdict_names_what_it_did_not_check(tmp_path):
     run = runner.Run(tmp_path, tmp_path, tmp_path / "log", 0)
+    unread = "no statement that chooses a GPU index"
     for plan in PLANS.values():
-        facts = Facts(plan=plan).but(devices=())
+        facts = Facts(plan=plan).but(devices=((0, 0, None), (1, 1, None)), device_unread=unread)
         said = "\n".join(same_lines(Seen(facts, run, run, None, None)))
         assert "  unchecked: " in said, said
         if plan.picks_gpu:
-            assert "which GPU each rank drives" in said, said
+            assert f"which GPU each rank drives: {unread}" in said, said
+    # read from the script: what was read is said, and what a CPU still cannot show
+    read = dict(devices=((0, 0, 0), (1, 0, 0)), device_statement=(84, "device = cuda(local)"))
+    said = "\n".join(same_lines(Seen(Facts(plan=PLANS[5]).but(**read), run, run, None, None)))
+    assert "which GPU each rank would drive: line 84's `device = cuda(local)`" in said, said
+    assert "rank 1 (LOCAL_RANK 0) cuda:0" in said, said
+    assert "the CPU runs drive none (their index was read, not used)" in said, said
+    assert "on one machine RANK is LOCAL_RANK" not in said, said  # chapter 05 runs two nodes
+    said = "\n".join(same_lines(Seen(Facts(plan=PLANS[4]).but(**read), run, run, None, None)))
+    assert "on one machine RANK is LOCAL_RANK, so which of the two the index follows" in said
+
+
+def test_the_probe_reads_the_gpu_index_a_cpu_never_uses(tmp_path, monkeypatch):
+    """The GPU branch does not run on a CPU: the probe evaluates the index of the device statement
+    with the script's variables where the branch is reached, and says why where it cannot."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "import torch\n\n\n"
+        "def main():\n"
+        '    rank = int(os.environ["RANK"])\n'
+        "    device = torch.device('cpu')\n"
+        "    if torch.cuda.device_count() > 64:\n"
+        "        device = torch.device('cuda', rank % 2)\n"
+        "        torch.cuda.set_device(device)\n"
+        "    if torch.cuda.device_count() > 64:\n"
+        "        gpu = rank\n"
+        '        other = torch.device(f"cuda:{gpu}")\n\n\n'
+        "main()\n"
+    )
+    monkeypatch.setenv("RANK", "3")
+    read = []
+    for source in (script.read_text(), script.read_text().replace("rank % 2", "len([rank])")):
+        script.write_text(source)
+        recorder = probe.Recorder()
+        try:
+            probe.read_devices(recorder, str(script))
+            runpy.run_path(str(script))
+        finally:
+            sys.settrace(None)
+        read.append(recorder.device)
+    assert read[0] == {"line": 9, "code": "device = torch.device('cuda', rank % 2)", "index": 1}
+    assert read[1]["error"] == "`len([rank])` calls a function: not evaluated", read[1]

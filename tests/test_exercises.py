@@ -82,7 +82,7 @@ TODO = re.compile(r"^(?P<indent> *)# TODO (?P<number>\d+)/(?P<total>\d+): (?P<wh
 
 @dataclass
 class Todo:
-    what: str  # "change the next 2 line(s) of code into 4:"
+    what: str  # "change the next 2 lines of code into 4 lines:"
     hint: list[str]  # the lines under it, without their "#" and the TODO's indentation
 
     def text(self) -> str:
@@ -253,6 +253,19 @@ def test_every_todo_gives_a_hint_that_fits(chapter):
 
 
 @pytest.mark.parametrize("chapter", EXERCISES)
+def test_every_hint_is_whole_sentences_and_its_counts_read_as_english(chapter):
+    """No hint is cut short with "..." (a comment, a docstring's sentence, a line of code), and no
+    count reads "line(s)": what does not fit is left out whole, and the hint says how much."""
+    for todo in todos_of(exercise(chapter)):
+        said = f"exercise {chapter:02d}: {todo.text()[:80]}"
+        assert "(s)" not in todo.what, said
+        assert not re.search(r"\b1 lines\b|\bnext 1 line\b", todo.what), said
+        for line in todo.hint:
+            assert not line.rstrip().endswith("..."), f"{said}: {line}"
+            assert not re.search(r"\b1 more \w+s\b|\(\d+ more \w+\(s\)", line), f"{said}: {line}"
+
+
+@pytest.mark.parametrize("chapter", EXERCISES)
 def test_every_new_helper_of_common_is_named_with_its_signature(chapter):
     todos = [todo.text() for todo in todos_of(exercise(chapter))]
     for path in newly_called(chapter, "common"):
@@ -326,7 +339,7 @@ def test_a_change_whose_comments_all_stood_before_shows_its_code():
         "    x = torch.ones(3)  # two ones\n    y = x * 2\n",
     )
     todos = todos_of(exercise_of(2, PREVIOUS_SCRIPT, solution))
-    assert [todo.what for todo in todos] == ["change the next 1 line(s) of code into 2:"]
+    assert [todo.what for todo in todos] == ["change the next line of code into 2 lines:"]
     assert todos[0].hint == ["     x = torch.ones(3)  # two ones", "     y = x * 2"]
 
 
@@ -370,5 +383,5 @@ def test_a_new_class_names_its_overrides_and_the_helpers_they_call():
 def test_lines_to_remove_say_what_leaves_the_program():
     solution = PREVIOUS_SCRIPT.replace("    torch.manual_seed(0)  # the same draw every run\n", "")
     todos = todos_of(exercise_of(2, PREVIOUS_SCRIPT, solution))
-    assert [todo.what for todo in todos] == ["remove the next 1 line(s) of code:"]
+    assert [todo.what for todo in todos] == ["remove the next line of code:"]
     assert todos[0].text().endswith("gone from the solution: torch.manual_seed")

@@ -32,8 +32,7 @@ def free_port() -> int:
 
 
 def child_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
-    """The environment of a started run: `threads` torch threads per process (None: torch's own
-    choice).
+    """The environment of a started run: `threads` torch threads a process (None: torch's choice).
 
     The tests give every process one thread, since their ranks share two cores.
     """

@@ -32,8 +32,9 @@ def stop_signal(name: str) -> str:
 
 
 class Preemption:
-    """Listens for SIGTERM and `signal_name`; chapter 06's ranks all-reduce signal_number() every
-    few steps."""
+    """Listens for SIGTERM and `signal_name`, the signals that ask the run to stop.
+
+    Chapter 06's ranks all-reduce signal_number() every few steps."""
 
     def __init__(self, signal_name: str):
         self.received: str | None = None  # the first stop signal's name

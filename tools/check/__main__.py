@@ -9,8 +9,9 @@ SCRIPT is a copy of a chapter's train.py that takes the course's flags. It runs 
 batch of 8 sequences, the same seed and a corpus of 29 windows, so that 8 steps cross two epoch
 boundaries. Equal runs then agree to the last digit. Compared: every row the script logs (loss,
 learning rate, validation loss), the optimizer steps per logged step, the windows every rank read,
-every step's gradient norm and parameters, every rank's copy of them, the GPU index each rank asks
-for, and a run stopped at step 5 and resumed. What a CPU cannot show is stood in for: chapter 03's
+every step's gradient norm and parameters, every rank's copy of them, the GPU each rank would drive
+(its device statement read and evaluated with the rank's variables, as a CPU drives none), and a
+run stopped at step 5 and resumed. What a CPU cannot show is stood in for: chapter 03's
 DataParallel splits each batch over 2 replicas; chapters 05 and 06 run as two nodes of one process
 each (so LOCAL_RANK is not RANK), and in chapter 06, instead of a plain resume, one rank is killed
 after step 6 and torchrun restarts the group. Chapter 07's ranks hold shards of the parameters

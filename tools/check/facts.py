@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from tools.check.plan import RESUME_AT, STEPS, Plan
+from tools.check.plan import GLOBAL_BATCH, RESUME_AT, SEED, STEPS, Plan
 from tools.check.runner import Run
 
 # float64: runs that take the same steps agree to about 1e-15; the order of additions differs
@@ -22,6 +22,13 @@ def relative_distance(a, b) -> float:
     if a is None or b is None or a.shape != b.shape:
         return math.inf
     return ((a - b).norm() / b.norm()).item()
+
+
+def rel_diff(a: float | None, b: float | None) -> float | None:
+    """|a / b - 1|; None where either is missing."""
+    if a is None or b is None or not b:
+        return None
+    return abs(a / b - 1)
 
 
 def differs(a: float | None, b: float | None, rtol: float) -> bool:
@@ -75,6 +82,23 @@ def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
     return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
 
 
+ORDERS = 64  # the seeds SEED + k that epoch_order tries
+
+
+def epoch_order(ranks_steps: list[list[dict]], steps: range, windows: int) -> int | None:
+    """k where these steps (one epoch's) read the sampler's order of epoch k: randperm(windows)
+    drawn with SEED + k, the global batch's 8 windows a step, in turn; None: no k < ORDERS."""
+    import torch
+
+    wanted = [windows_of(ranks_steps, s) for s in steps]
+    for k in range(ORDERS):
+        order = torch.randperm(windows, generator=torch.Generator().manual_seed(SEED + k)).tolist()
+        batches = [order[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH] for i in range(len(steps))]
+        if all(sorted(b) == w for b, w in zip(batches, wanted)):
+            return k
+    return None
+
+
 @dataclass(frozen=True)
 class Logged:
     """What metrics.jsonl and the log say, against chapter 01's."""
@@ -82,6 +106,7 @@ class Logged:
     logged_steps: int = 8  # training-loss rows in metrics.jsonl
     first_loss_diff: int | None = None  # the first step whose logged loss differs
     loss_ratio_at_1: float = 1.0  # the script's logged loss at step 1 / chapter 01's
+    loss_rel_diff: float | None = None  # |loss / chapter 01's - 1| at first_loss_diff
     first_lr_diff: int | None = None  # the first logged step whose learning rate differs
     # the logged lr of step s is chapter 01's of step (s - 1) * lr_speed + 1 (None: no such number)
     lr_speed: int | None = None
@@ -103,9 +128,11 @@ class Logged:
         if first_val is not None and vals.get(first_val) and ref_vals.get(first_val):
             val_ratio = vals[first_val] / ref_vals[first_val]
         found = re.search(r"(\d+) steps per epoch", run.output())
+        first_loss = first_diff(losses, ref_losses)
         return cls(
             logged_steps=len(losses),
-            first_loss_diff=first_diff(losses, ref_losses),
+            first_loss_diff=first_loss,
+            loss_rel_diff=rel_diff(losses.get(first_loss), ref_losses.get(first_loss)),
             loss_ratio_at_1=losses[1] / ref_losses[1] if 1 in losses else math.nan,
             first_lr_diff=first_diff(lrs, ref_lrs, rtol=1e-9),
             lr_speed=lr_speed(lrs, ref_lrs),
@@ -127,12 +154,30 @@ class Data:
     ranks_overlap: bool = False  # two ranks read the same window in epoch 0
     repeats_first_epoch: bool = False  # the second epoch's first step read epoch 0's first windows
     ranks_same_windows: bool = False  # every rank read the same windows at step 1
+    # epoch e of the run read the sampler's order of epoch epoch_orders[e] (None: of none);
+    # chapter 01's: 0, 1, 2
+    epoch_orders: tuple[int | None, ...] = (0, 1, 2)
+    train_windows: int = 29  # the windows of the training split, which each epoch permutes
+    # in the first step whose windows differ: (the rank, its micro-batch from 1) that first read a
+    # window outside chapter 01's step; None: no micro-batches, or no such step
+    first_data_micro: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, ranks_steps: list[list[dict]], ref_steps: list[dict], per_epoch: int) -> Data:
+    def of(
+        cls,
+        ranks_steps: list[list[dict]],
+        ref_steps: list[dict],
+        per_epoch: int,
+        micro: int,
+        windows: int,
+    ) -> Data:
+        """`micro`: the windows of one micro-batch (--batch-size); `windows`: the training
+        split's."""
         if not any(step["windows"] for steps in ranks_steps for step in steps):
             # the script reads its data some other way than common.data: no facts about the data
-            return cls(per_epoch, None, False, False, False, False)
+            return cls(
+                per_epoch, None, False, False, False, False, epoch_orders=(), first_data_micro=None
+            )
         done = min(map(len, ranks_steps), default=0)
         first = next(
             (
@@ -160,7 +205,30 @@ class Data:
             ranks_same_windows=len(firsts) > 1
             and all(firsts)
             and all(f == firsts[0] for f in firsts),
+            epoch_orders=tuple(
+                epoch_order(ranks_steps, range(e, min(e + per_epoch, done)), windows)
+                for e in range(0, done, per_epoch)
+            ),
+            train_windows=windows,
+            first_data_micro=first_outside(ranks_steps, ref_steps, first, micro),
         )
+
+
+def first_outside(ranks_steps, ref_steps, step: int | None, micro: int) -> tuple[int, int] | None:
+    """(rank, micro-batch from 1) of the first micro-batch in `step` (from 1) that read a window
+    outside chapter 01's step, in micro-batch order, then rank order; None where a step is one
+    batch."""
+    if step is None or step > len(ref_steps) or not micro:
+        return None
+    wanted = set(ref_steps[step - 1]["windows"])
+    reads = [steps[step - 1]["windows"] if len(steps) >= step else [] for steps in ranks_steps]
+    if max(map(len, reads), default=0) <= micro:
+        return None  # one micro-batch a step: nothing to tell apart
+    for m in range(max(map(len, reads)) // micro):
+        for rank, read in enumerate(reads):
+            if not set(read[m * micro : (m + 1) * micro]) <= wanted:
+                return rank, m + 1
+    return None
 
 
 @dataclass(frozen=True)
@@ -170,6 +238,7 @@ class Gradients:
     grad_accum: int = 2  # K: micro-batches per optimizer step on each rank
     grad_ratio_at_1: float | None = 1.0  # the gradient norm (before clipping) at step 1 / ch. 01's
     first_grad_diff: int | None = None  # the first step whose gradient norm differs
+    grad_rel_diff: float | None = None  # |norm / chapter 01's - 1| at first_grad_diff
     first_param_diff: int | None = None  # the first step after which the parameters differ
     params_equal: bool = True  # the final parameters equal chapter 01's
     optimizer_steps: int = 8  # optimizer.step() calls on rank 0
@@ -186,10 +255,17 @@ class Gradients:
         if first_param is None and distance > PARAM_RTOL:
             first_param = len(rank0) or STEPS
         syncs = [s.get("syncs") or [] for s in rank0]
+        first_grad = first_step_diff(rank0, ref_steps, grad_norm)
+        grad_rel = None
+        if first_grad is not None and first_grad <= min(len(rank0), len(ref_steps)):
+            grad_rel = rel_diff(
+                rank0[first_grad - 1]["grad_norm"], ref_steps[first_grad - 1]["grad_norm"]
+            )
         return cls(
             grad_accum=k,
             grad_ratio_at_1=rank0[0]["grad_norm"] / ref_norm if rank0 and ref_norm else None,
-            first_grad_diff=first_step_diff(rank0, ref_steps, grad_norm),
+            first_grad_diff=first_grad,
+            grad_rel_diff=grad_rel,
             first_param_diff=first_param,
             params_equal=distance <= PARAM_RTOL,
             optimizer_steps=len(rank0),
@@ -211,8 +287,11 @@ class Ranks:
     sharded: bool = False  # the optimizer's parameters are FSDP's shards (DTensors)
     fsdp_forwards: bool = False  # a module sharded by fully_shard ran forward
     replicas: int | None = None  # DataParallel's stand-in replicas used (0: never; None: no plan)
-    # each rank: (its RANK, its LOCAL_RANK, the GPU index it asked for, None: none)
+    # each rank: (its RANK, its LOCAL_RANK, the GPU index its device statement gives it, or None)
     devices: tuple[tuple[int, int, int | None], ...] = ()
+    # the device statement the probe read the indices from: (its line, its code), None: none found
+    device_statement: tuple[int, str] | None = None
+    device_unread: str | None = None  # why a rank has no index: the probe's words
     # the data ranks that read windows outside the first differing step's batch
     data_ranks: tuple[int, ...] = ()
 
@@ -222,8 +301,9 @@ class Ranks:
         return any(i is not None and i == r != lr for r, lr, i in self.devices)
 
     @property
-    def gpu_seen(self) -> bool:
-        return any(i is not None for _, _, i in self.devices)
+    def gpu_read(self) -> bool:
+        """Every rank's GPU index was read from the script's device statement."""
+        return bool(self.devices) and all(i is not None for _, _, i in self.devices)
 
     @classmethod
     def of(cls, run: Run, nproc: int, plan: Plan, first_data: int | None, ref_steps) -> Ranks:
@@ -268,7 +348,19 @@ class Ranks:
             if plan.replicas and ranks
             else None,
             devices=tuple(
-                (r["rank"], r.get("local_rank", r["rank"]), r.get("device_index")) for r in ranks
+                (r["rank"], r.get("local_rank", r["rank"]), (r.get("device") or {}).get("index"))
+                for r in ranks
+            ),
+            device_statement=next(
+                ((d["line"], d["code"]) for r in ranks if (d := r.get("device"))), None
+            ),
+            device_unread=next(
+                (
+                    (r.get("device") or {}).get("error", "no statement that chooses a GPU index")
+                    for r in ranks
+                    if (r.get("device") or {}).get("index") is None
+                ),
+                None,
             ),
             data_ranks=tuple(data_ranks),
         )
@@ -359,8 +451,10 @@ def gather(plan: Plan, nproc: int, run: Run, ref: Run, failure: str | None) -> F
     ranks_steps = [r["steps"] for r in ranks]
     per_epoch = int(re.search(r"(\d+) steps per epoch", ref.output()).group(1))
     rank0 = ranks_steps[0] if ranks_steps else []
-    data = Data.of(ranks_steps, ref_steps, per_epoch)
-    k = plan.split(nproc).get("grad_accum", 1)
+    split = plan.split(nproc)
+    windows = max((r.get("train_windows", 0) for r in ranks), default=0)
+    data = Data.of(ranks_steps, ref_steps, per_epoch, split["batch_size"], windows)
+    k = split.get("grad_accum", 1)
     return Facts(
         plan=plan,
         log=Logged.of(run, ref, failure),

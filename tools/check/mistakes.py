@@ -5,7 +5,10 @@ The checker (tools/check/) compares a learner's run with chapter 01's and gather
 the facts do not rule it out (ruled_out: parameters equal to chapter 01's rule out every training
 mistake, ...) and the learner's script does not already have the chapter's statement there
 (where_to_look). The first such entry wins. None fits: the checker describes what the facts show
-(describe) rather than guess.
+(describe) rather than guess, relating them to what the learner can look at: the epoch, the
+micro-batch and the resume where the first difference sits, its size against the number format
+(float32's rounding in a float64 check), and the line of the learner's script nearest it
+(nearest_line).
 
 An entry names the statements it is about by their shape (tools/statements.py: "a call to
 no_sync", "the assignment to skip"), never by a copy of the chapter's text: what the chapter has
@@ -31,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.chapters import CHAPTERS
-from tools.check.facts import Facts
+from tools.check.facts import ORDERS, Facts
+from tools.check.plan import GLOBAL_BATCH
 from tools.launch import REPO
 from tools.statements import Pattern as P
 from tools.statements import find, header, header_end, keys, quoted, statements
@@ -208,6 +212,24 @@ MISTAKES = [
         kind="idea",
     ),
     Mistake(
+        name="gradients reduced in float32 in a float64 run",
+        did="a MixedPrecisionPolicy with reduce_dtype=torch.float32 whatever --dtype is: in a "
+        "float64 run FSDP casts every gradient to float32 to reduce-scatter it, so from step 1 "
+        "the gradients carry float32's rounding (a relative 1e-8 or so, where float64's is "
+        "1e-16) while step 1's loss, computed in float64, is chapter 01's. The policy belongs to "
+        "the 16-bit runs (chapter 07 sets it for bfloat16 and float16 only)",
+        signature=lambda f: (
+            f.plan.shards
+            and rounding(f) == "float32"
+            and f.grads.first_grad_diff == 1
+            and f.log.first_loss_diff != 1
+        ),
+        chapter=7,
+        right=(P(assigns="precision", call="MixedPrecisionPolicy"),),
+        look_for=(P(call="MixedPrecisionPolicy"),),
+        near=P(call="fully_shard", arg="model"),
+    ),
+    Mistake(
         name="optimizer.step() inside the micro-loop",
         did="the optimizer steps after every micro-batch instead of once per global batch: more "
         "optimizer steps than logged steps, each on a part of the batch",
@@ -375,6 +397,22 @@ MISTAKES = [
         near=P(assigns="step_in_epoch"),
     ),
     Mistake(
+        name="set_epoch given the step, not the epoch",
+        did="the sampler is told the steps taken so far (iter_num), not the epoch: epoch 0 starts "
+        "at step 0 and is chapter 01's, but every later epoch reads another epoch's order, the "
+        "one numbered by the steps taken when it starts (here, with 3 steps an epoch, epoch 1 "
+        "reads epoch 3's)",
+        signature=lambda f: (
+            len(f.data.epoch_orders) > 1
+            and f.data.first_data_diff == f.data.steps_per_epoch + 1
+            and all(k == e * f.data.steps_per_epoch for e, k in enumerate(f.data.epoch_orders))
+        ),
+        chapter=4,
+        right=(P(call="set_epoch"),),
+        look_for=(P(call="set_epoch"),),
+        near=P(assigns="step_in_epoch"),
+    ),
+    Mistake(
         name="ranks' logged loss not averaged",
         did="the logged loss is not the mean over the ranks (rank 0's share alone, or the sum): "
         "the training is right (chapter 01's parameters, the same on every rank), the logged "
@@ -482,8 +520,9 @@ MISTAKES = [
         name="the GPU chosen by RANK, not LOCAL_RANK",
         did="a rank asks for the GPU of its global RANK: on every machine but the first, RANK is "
         "past the machine's GPUs (the second of two 8-GPU machines has ranks 8-15 and GPUs 0-7). "
-        "The check runs two nodes of one process each, so rank 1 has LOCAL_RANK 0 and asked for "
-        "GPU 1. On a CPU no number changes; on GPUs the run fails or stacks ranks on one GPU",
+        "The check runs two nodes of one process each, so rank 1 has LOCAL_RANK 0, yet its "
+        "device statement, evaluated with its own variables, gives cuda:1. On a CPU no number "
+        "changes; on GPUs the run fails or stacks ranks on one GPU",
         signature=lambda f: f.ranks.gpu_by_global_rank,
         chapter=5,
         right=(P(assigns="device", uses="local_rank"),),
@@ -679,11 +718,19 @@ def diagnose(
     return None, notes, ""
 
 
+def close_to_one(value: float) -> str:
+    """A ratio in 6 digits; within 1e-5 of 1 as `1 + 1.5e-06`, which 6 digits would show as 1."""
+    if value != 1 and abs(value - 1) < 1e-5:
+        sign = "+" if value > 1 else "-"
+        return f"1 {sign} {abs(value - 1):.1e}"
+    return f"{value:.6g}"
+
+
 def ratio_words(value: float | None, f: Facts) -> str:
     """A ratio to chapter 01's, with the whole-number reading that fits it exactly, if any."""
     if value is None or math.isnan(value):
         return "not measured"
-    text = f"{value:.6g}"
+    text = close_to_one(value)
     w, k = f.ranks.world_size, f.grads.grad_accum
     names = {"W": w, "K": k, "W*K": w * k}
     if f.ranks.replicas:
@@ -698,25 +745,170 @@ def ratio_words(value: float | None, f: Facts) -> str:
     return text
 
 
+# ---- what the facts show, when no entry fits ---------------------------------------------------
+
+# the differences a run can show, causes before effects: a step reads its windows, its learning rate
+# is set, its loss computed, then its gradient, then the step moves the parameters
+FIRSTS = ("windows", "learning rate", "loss", "gradient", "parameters", "validation loss")
+
+
+def first_differences(f: Facts) -> list[tuple[int, str]]:
+    """(step, what) for each column that differs, the first first."""
+    first = {
+        "windows": f.data.first_data_diff,
+        "learning rate": f.log.first_lr_diff,
+        "loss": f.log.first_loss_diff,
+        "gradient": f.grads.first_grad_diff,
+        "parameters": f.grads.first_param_diff,
+        "validation loss": f.log.first_val_diff,
+    }
+    return sorted(
+        ((s, name) for name, s in first.items() if s is not None),
+        key=lambda d: (d[0], FIRSTS.index(d[1])),
+    )
+
+
+def step_place(step: int, f: Facts) -> str:
+    """Where a step sits among the epochs: "step 4 is the first step of epoch 1"."""
+    per = f.data.steps_per_epoch
+    epoch, nth = (step - 1) // per, (step - 1) % per + 1
+    if step == 1:
+        return "step 1 is the run's first step, before any epoch boundary: every step differs"
+    if nth == 1:
+        return (
+            f"step {step} is the first step of epoch {epoch} (an epoch is {per} steps here): "
+            "look at what changes from one epoch to the next (the sampler's set_epoch, its seed, "
+            "the loader built for each epoch)"
+        )
+    return f"step {step} is step {nth} of epoch {epoch} (an epoch is {per} steps here)"
+
+
+def micro_batches(step: int, f: Facts) -> str | None:
+    """The first differing step and the accumulation: which micro-batch first read other windows,
+    and, at an epoch's first step, the micro-batches an epoch holds that its steps leave unread."""
+    k, w, per = f.grads.grad_accum, f.ranks.world_size, f.data.steps_per_epoch
+    if k < 2:
+        return None
+    said = []
+    if f.data.first_data_micro is not None and step == f.data.first_data_diff:
+        rank, m = f.data.first_data_micro
+        said.append(
+            f"rank {rank}'s micro-batch {m} of {k} is the first to read windows outside chapter "
+            f"01's step {step}"
+        )
+    if step > 1 and (step - 1) % per == 0 and f.data.train_windows:
+        batch = max(GLOBAL_BATCH // (w * k), 1)
+        held = f.data.train_windows // w // batch
+        if held > per * k:
+            said.append(
+                f"each rank's loader holds {held} micro-batches of {batch} an epoch and its {per} "
+                f"steps of K = {k} use {per * k}: the {held - per * k} left over must not reach "
+                "the next epoch's steps"
+            )
+    return "; ".join(said) or None
+
+
+def epoch_orders(f: Facts) -> str | None:
+    """Which sampler order each epoch read, where it is not the epoch's own."""
+    wrong = [(e, k) for e, k in enumerate(f.data.epoch_orders) if k != e]
+    if not wrong:
+        return None
+    parts = []
+    for e, k in wrong:
+        if k is None:
+            parts.append(
+                f"epoch {e} read no epoch's order (the permutation of no seed + k, k < {ORDERS})"
+            )
+        else:
+            parts.append(f"epoch {e} read epoch {k}'s order (the permutation of seed + {k})")
+    return f"{'; '.join(parts)}: chapter 01's epoch e reads the permutation of seed + e"
+
+
+# the relative size of a first difference, against the number format whose rounding it is (the
+# loss and the gradient norm sum over many elements, so their rounding is well below the format's
+# epsilon): below FLOAT32_SIZED, float32's (float64's is about 1e-16); below ROUNDING_SIZED, 16
+# bits'; above, a different computation
+FLOAT32_SIZED, ROUNDING_SIZED = 5e-7, 1e-3
+
+
+def first_size(f: Facts) -> tuple[str, float] | None:
+    """(what, relative size) of the first difference measured before the optimizer's steps can
+    amplify it: the loss or the gradient norm at the first step where either differs (the larger,
+    where both do), else the final parameters."""
+    early = [
+        (step, what, size)
+        for step, what, size in (
+            (f.log.first_loss_diff, "the loss", f.log.loss_rel_diff),
+            (f.grads.first_grad_diff, "the gradient norm", f.grads.grad_rel_diff),
+        )
+        if step is not None and size is not None and math.isfinite(size)
+    ]
+    if early:
+        step = min(s for s, _, _ in early)
+        size, what = max((z, w) for s, w, z in early if s == step)
+        return f"{what} at step {step}", size
+    if not f.grads.params_equal and math.isfinite(f.grads.distance):
+        return "the final parameters", f.grads.distance
+    return None
+
+
+def rounding(f: Facts) -> str | None:
+    """The number format whose rounding the first difference is the size of: "float32" or "16
+    bits" (float16, bfloat16); None: other windows or other steps, or too large for rounding."""
+    size = first_size(f)
+    if size is None or f.data.first_data_diff is not None:
+        return None
+    if f.grads.optimizer_steps != f.log.logged_steps:
+        return None
+    if size[1] < FLOAT32_SIZED:
+        return "float32"
+    if size[1] < ROUNDING_SIZED:
+        return "16 bits"
+    return None
+
+
+def rounding_words(f: Facts) -> str | None:
+    kind = rounding(f)
+    if kind is None:
+        return None
+    what, size = first_size(f)
+    verb = "differ" if what == "the final parameters" else "differs"
+    text = f"{what} {verb} by a relative {size:.1e} in a float64 check"
+    if what != "the final parameters" and not f.grads.params_equal:
+        text += f" (the final parameters by {f.grads.distance:.1e})"
+    if kind == "float32":
+        return (
+            f"{text}: far above float64's rounding (about 1e-16), the size of float32's (its "
+            "epsilon is 1.2e-7, and a norm over many numbers rounds well below it), not a "
+            "different computation: something computes in float32; look at dtypes, autocast and "
+            "mixed-precision policies"
+        )
+    return (
+        f"{text}: the size of 16 bits' rounding (float16's epsilon is 9.8e-4, bfloat16's "
+        "7.8e-3), not a different computation: something computes or communicates in float16 or "
+        "bfloat16; look at dtypes, autocast, mixed-precision policies and DDP's communication "
+        "hooks"
+    )
+
+
 def describe(f: Facts) -> list[str]:
-    """What the facts show, when no entry fits: ratios, first differences, the ranks' copies."""
+    """What the facts show, when no entry fits: ratios, first differences and where they sit
+    (epochs, micro-batches, the resume), their size against the number format, the ranks'
+    copies."""
     out = [
         f"at step 1: loss {ratio_words(f.log.loss_ratio_at_1, f)} x chapter 01's, "
         f"gradient norm {ratio_words(f.grads.grad_ratio_at_1, f)} x"
     ]
-    first = {
-        "loss": f.log.first_loss_diff,
-        "gradient": f.grads.first_grad_diff,
-        "parameters": f.grads.first_param_diff,
-        "windows": f.data.first_data_diff,
-        "learning rate": f.log.first_lr_diff,
-        "validation loss": f.log.first_val_diff,
-    }
-    differ = sorted((s, name) for name, s in first.items() if s is not None)
-    same = [name for name, s in first.items() if s is None]
+    differ = first_differences(f)
+    same = [name for name in FIRSTS if name not in {n for _, n in differ}]
     if differ:
         parts = ", ".join(f"{name} from step {s}" for s, name in differ)
         out.append(f"first differences: {parts}; the same throughout: {', '.join(same)}")
+        first = differ[0][0]
+        out.append(step_place(first, f))
+        for said in (micro_batches(first, f), epoch_orders(f), rounding_words(f)):
+            if said:
+                out.append(said)
     if f.grads.optimizer_steps != f.log.logged_steps and f.log.logged_steps:
         out.append(
             f"{f.grads.optimizer_steps} optimizer steps for {f.log.logged_steps} logged steps"
@@ -731,10 +923,122 @@ def describe(f: Facts) -> list[str]:
     if training_right(f) and not logging_right(f):
         out.append("only the logging differs: the parameters equal chapter 01's after every step")
     if f.resume.resume_diff is not None:
-        out.append(
-            f"after the resume at step {f.resume.resume_at}: differs from step "
-            f"{f.resume.resume_diff}"
-        )
+        out.append(resumed_words(f))
     if f.resume.resume_start_differs:
         out.append("the resumed run starts from other parameters than the stopped run ended with")
     return out
+
+
+def resumed_words(f: Facts) -> str:
+    at, diff = f.resume.resume_at, f.resume.resume_diff
+    text = f"after the resume at step {at}: differs from step {diff}"
+    if diff == at + 1:
+        return f"{text}, the first step the resumed run took ({step_place(diff, f)})"
+    return f"{text}, {diff - at - 1} step(s) after the resume ({step_place(diff, f)})"
+
+
+# ---- the learner's line nearest the first difference ----------------------------------------
+
+# the names a statement behind each kind of first difference is likely to use
+CONCERNS = {
+    "windows": {
+        *("sampler", "set_epoch", "batch_loader", "loader", "batches", "skip", "epoch"),
+        *("step_in_epoch", "DistributedSampler", "RandomSampler", "seed", "manual_seed"),
+    },
+    "precision": {
+        *("dtype", "float", "float32", "float16", "bfloat16", "half", "double", "to"),
+        *("autocast", "MixedPrecisionPolicy", "param_dtype", "reduce_dtype", "register_comm_hook"),
+    },
+    "learning rate": {"lr", "lr_at", "param_groups", "warmup_iters", "lr_decay_iters", "min_lr"},
+    "loss": {"loss", "micro_loss", "loss_value", "all_reduce"},
+    "gradient": {
+        *("backward", "grad", "clip_grad_norm_", "no_sync", "grad_accum", "micro_loss", "sync"),
+        *("all_reduce", "set_requires_gradient_sync", "scale", "unscale_", "DDP", "fully_shard"),
+    },
+    "parameters": {"step", "optimizer", "zero_grad", "AdamW", "weight_decay", "scaler"},
+    "validation loss": {"evaluate", "val_loss", "val_windows", "val_set"},
+}
+CONCERN_WORDS = {
+    "windows": "the data order",
+    "precision": "the number format",
+    "learning rate": "the learning rate",
+    "loss": "the loss",
+    "gradient": "the gradient",
+    "parameters": "the optimizer step",
+    "validation loss": "the evaluation",
+}
+
+
+def names_in(node: ast.stmt) -> set[str]:
+    """The names, attributes and keywords a statement (a compound one: its header) uses."""
+    used = set()
+    parts = [node.test] if isinstance(node, (ast.If, ast.While)) else [node]
+    if isinstance(node, (ast.For, ast.With, ast.Try, ast.FunctionDef, ast.ClassDef)):
+        parts = [n for n in ast.iter_child_nodes(node) if not isinstance(n, ast.stmt)]
+    for part in parts:
+        for n in ast.walk(part):
+            if isinstance(n, ast.Name):
+                used.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                used.add(n.attr)
+            elif isinstance(n, ast.keyword) and n.arg:
+                used.add(n.arg)
+    return used
+
+
+def own_statements(source: str) -> list[ast.stmt]:
+    """The statements of a source in line order, each once."""
+    seen, out = set(), []
+    for node, _ in statements(source).values():
+        if id(node) not in seen:
+            seen.add(id(node))
+            out.append(node)
+    return sorted(out, key=lambda n: (n.lineno, n.col_offset))
+
+
+def nearest_line(f: Facts, source: str, script: str, theirs: str) -> str | None:
+    """The learner's statement, of those that are not the chapter's, nearest the first difference:
+    the first that uses a name of what differs first (the number format where the differences are
+    its rounding); else the first that is not the chapter's. None where no line can be named."""
+    import difflib
+
+    if not source or not theirs:
+        return None
+    differ = first_differences(f)
+    if not differ:
+        return None
+    concern = "precision" if rounding(f) else differ[0][1]
+    mine, chapter = own_statements(source), own_statements(theirs)
+    matcher = difflib.SequenceMatcher(
+        None, [header(n) for n in chapter], [header(n) for n in mine], autojunk=False
+    )
+    changed = []  # (the learner's statement, the chapter's in its place or None)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        for j in range(j1, j2):
+            theirs_there = chapter[i1 + j - j1] if op == "replace" and i2 - i1 == j2 - j1 else None
+            changed.append((mine[j], theirs_there))
+    number = f"{f.plan.chapter:02d}"
+    if not changed:
+        return (
+            f"your script's statements are chapter {number}'s: what differs comes from elsewhere "
+            "(a module it imports, the flags)"
+        )
+    lines, their_lines = source.splitlines(), theirs.splitlines()
+    relevant = [(n, t) for n, t in changed if names_in(n) & CONCERNS[concern]]
+    node, there = (relevant or changed)[0]
+    what = (
+        f"the line of {script} nearest the first difference ({CONCERN_WORDS[concern]})"
+        if relevant
+        else f"the first line of {script} that is not chapter {number}'s"
+    )
+    text = f"{what}: line {node.lineno}, `{quoted(node, lines)}`"
+    if there is not None:
+        return f"{text}; chapter {number} has `{quoted(there, their_lines)}` there"
+    elsewhere = [n for n in chapter if header(n) == header(node)]
+    if elsewhere:
+        before = [n for n in chapter if n.lineno < elsewhere[0].lineno]
+        after = f" after `{quoted(before[-1], their_lines)}`" if before else ""
+        return f"{text}; chapter {number} has it in another place{after}"
+    return f"{text}; chapter {number} has no such line"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 8, 5, 8
+SEED = 1337  # every run's --seed: epoch e visits the windows in randperm(N) drawn with SEED + e
 REPLICAS = 2  # chapter 03: the stand-in replicas DataParallel splits each batch over
 # chapter 06: the restart check checkpoints at step 4, kills rank 1 after step 6; torchrun restarts
 RESTART_EVAL, RESTART_KILL = 4, 6
@@ -24,7 +25,7 @@ class Plan:
     replicas: int = 0  # DataParallel's batches split over this many stand-in replicas
     shards: bool = False  # the ranks' parameters must be FSDP's shards
     restart: bool = False  # after the plain run: a killed rank restarted, not a stop and resume
-    # the ranks choose a GPU by their local rank (recorded, though a CPU drives none)
+    # the ranks choose a GPU by their local rank (read from the script, though a CPU drives none)
     picks_gpu: bool = False
 
     def nproc(self, asked: int) -> int:
@@ -78,16 +79,14 @@ class Plan:
             )
         return said
 
-    def unchecked(self, gpu_seen: bool) -> list[str]:
-        """What the check cannot observe on a CPU for this chapter: every "same run" names it."""
+    def unchecked(self, gpus: str) -> list[str]:
+        """What the check cannot observe on a CPU for this chapter: every "same run" names it
+        (`gpus`: what it could not see of the GPUs the ranks choose, in words)."""
         out = ["speed and memory (the check runs on CPUs, in float64)"]
         if self.replicas:
             out.append("DataParallel's real scatter over GPUs (stand-in replicas share one model)")
-        if self.picks_gpu and not gpu_seen:
-            out.append(
-                "which GPU each rank drives: the script asked for none on the CPU (it picks "
-                "cuda:LOCAL_RANK, never RANK, on a machine with GPUs)"
-            )
+        if self.picks_gpu:
+            out.append(gpus)
         if self.distributed:
             out.append("NCCL: the ranks talk over gloo on 127.0.0.1")
         return out

@@ -6,11 +6,11 @@ The checker (tools/check/) starts the learner's script and chapter 01 through th
 compare more than the logged loss: for every optimizer step of every rank, which training windows
 were read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients
 were zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
-parameters before and after the step; the GPU index each rank asked for; at the end, every rank's
-parameters. Under FSDP a rank's parameters and gradients are shards (DTensors): the probe gathers
-them whole on every rank (a collective, at the optimizer step every rank takes), so the norm, the
-checksums and the final parameters are the whole model's. It only watches: nothing of the
-script's run changes, with three exceptions the checker asks for by environment variable:
+parameters before and after the step; the GPU index each rank would ask for (below); at the end,
+every rank's parameters. Under FSDP a rank's parameters and gradients are shards (DTensors): the
+probe gathers them whole on every rank (a collective, at the optimizer step every rank takes), so
+the norm, the checksums and the final parameters are the whole model's. It only watches: nothing of
+the script's run changes, with three exceptions the checker asks for by environment variable:
 
 - CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
   as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
@@ -20,6 +20,15 @@ script's run changes, with three exceptions the checker asks for by environment 
 - CHECK_HANG_AFTER=S: a rank that waits in a collective for S seconds writes where it waits (its
   line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
 
+The GPU index: on a CPU the script's GPU branch (`if ranks_use_gpus(...):`) never runs, so the probe
+reads the index instead. It finds the script's statements that choose a GPU by their shape
+(`torch.device("cuda", N)`, `torch.device(f"cuda:{N}")`, `torch.cuda.set_device(N)`) and, while
+the script runs, evaluates each one's N with the script's own variables whenever a line of the
+statement, or the header of a statement around it, is reached (on a CPU: the `if`), until the first
+optimizer step. It evaluates only names, attributes, subscripts, arithmetic and calls to int, get
+and getenv, so the script's run does not change. The last index found is the rank's; where none
+was found, the rank's facts give the first reason.
+
 Each rank writes FACTS_DIR/rank<R>.json and FACTS_DIR/rank<R>.pt, even when the script fails.
 Where this torch lacks what the probe hooks (a private function of torch.distributed.checkpoint),
 the rank's facts say so ("unsupported") and the checker gives no verdict.
@@ -27,6 +36,7 @@ the rank's facts say so ("unsupported") and the checker gives no verdict.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import runpy
@@ -39,6 +49,7 @@ import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
 
 from tools.check.hangs import watch_for_hangs
+from tools.statements import Pattern, calls_in, find, header_end, quoted
 
 # torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
 # state before loading into it) is not a training step: the probe must see it to ignore it. It is a
@@ -55,6 +66,7 @@ class Recorder:
     def __init__(self):
         self.steps: list[dict] = []
         self.windows: list[int] = []  # training windows read since the last optimizer step
+        self.train_windows = 0  # the training split's windows (the sampler permutes this many)
         self.zero_grads = 0  # zero_grad calls since the last optimizer step
         self.clip_norm: float | None = None  # the norm clip_grad_norm_ measured before clipping
         self.syncs: list[bool] = []  # per DDP forward since the last step: will backward average?
@@ -68,8 +80,9 @@ class Recorder:
         self.ignoring = False
         self.replicated = 0  # forwards split over stand-in replicas
         self.fsdp_forwards = False  # a module sharded by fully_shard ran its forward
-        # the GPU index this rank asked for (rank_device's LOCAL_RANK, torch.cuda.set_device's)
-        self.device_index: int | None = None
+        # the GPU index the script's device statement gives this rank: {"line", "code", "index"}
+        # or {"line", "code", "error"}; None: the script has no such statement
+        self.device: dict | None = None
         self.unsupported: str | None = None  # what this torch lacks for the probe, if anything
         self.params: list[torch.Tensor] = []
 
@@ -112,7 +125,8 @@ class Recorder:
             "replicated": self.replicated,
             "sharded": self.sharded,
             "fsdp_forwards": self.fsdp_forwards,
-            "device_index": self.device_index,
+            "device": self.device,
+            "train_windows": self.train_windows,
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "unsupported": self.unsupported,
             # torchrun's restarts of this rank's process before this one (--max-restarts)
@@ -153,6 +167,7 @@ def watch(recorder: Recorder) -> None:
     def reading(self, i):
         if self.path.name == "train.bin":
             recorder.windows.append(int(i))
+            recorder.train_windows = len(self)
         return read(self, i)
 
     TokenWindows.__getitem__ = reading
@@ -176,7 +191,6 @@ def watch(recorder: Recorder) -> None:
     torch.nn.utils.clip_grad_norm_ = clipping
     watch_sync(recorder)
     ignore_dcp_optimizer_init(recorder)
-    watch_devices(recorder)
     optim_hooks.register_optimizer_step_pre_hook(recorder.pre_step)
     optim_hooks.register_optimizer_step_post_hook(recorder.post_step)
 
@@ -246,35 +260,104 @@ def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
     setattr(module, name, initializing)
 
 
-def watch_devices(recorder: Recorder) -> None:
-    """The GPU index the rank asks for, on a CPU too: the local rank it gives rank_device (which
-    then picks the CPU, there being no GPU), or what it gives torch.cuda.set_device."""
-    import inspect
+def gpu_index(call: ast.Call) -> ast.expr | None:
+    """The GPU index a call chooses, as code: N of torch.device("cuda", N), of
+    torch.device(f"cuda:{N}") or "cuda:N", of torch.cuda.set_device(N); None: it chooses none."""
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    if name == "set_device" and call.args:
+        return call.args[0]
+    if name != "device" or not call.args:
+        return None
+    first = call.args[0]
+    index = call.args[1] if len(call.args) > 1 else None
+    index = next((k.value for k in call.keywords if k.arg == "index"), index)
+    if isinstance(first, ast.Constant) and first.value == "cuda":
+        return index
+    if isinstance(first, ast.Constant) and str(first.value).startswith("cuda:"):
+        number = str(first.value).removeprefix("cuda:")
+        return ast.Constant(int(number)) if number.isdigit() else None
+    if isinstance(first, ast.JoinedStr) and len(first.values) == 2:
+        prefix, value = first.values
+        if isinstance(prefix, ast.Constant) and prefix.value == "cuda:":
+            return value.value
+    return None
 
-    import common.distributed
 
-    choose = getattr(common.distributed, "rank_device", None)
-    names = list(inspect.signature(choose).parameters) if choose is not None else []
-    if "local_rank" in names:  # a script that chooses its device itself is seen by set_device
-        at = names.index("local_rank")
+def evaluable(expr: ast.expr) -> bool:
+    """Names, attributes, subscripts, arithmetic, and calls to int, get and getenv only."""
+    allowed = {"int", "get", "getenv"}
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name not in allowed:
+                return False
+        elif isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.comprehension)):
+            return False
+    return True
 
-        def choosing(*args, **kwargs):
-            index = kwargs.get("local_rank", args[at] if len(args) > at else None)
-            recorder.device_index = int(index) if index is not None else None
-            return choose(*args, **kwargs)
 
-        common.distributed.rank_device = choosing
-    set_device = torch.cuda.set_device
+def read_devices(recorder: Recorder, script: str) -> None:
+    """Evaluate each device statement's GPU index (gpu_index) with the script's variables, at each
+    line of it or of a statement around it that runs, until the first optimizer step."""
+    source = Path(script).read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    chosen = []  # (the lines whose run evaluates it, the statement's line, its code, the index)
+    for node in find(source, Pattern()):
+        for call in calls_in(node):
+            index = gpu_index(call)
+            if index is None:
+                continue
+            around = [
+                a
+                for a in ast.walk(tree)
+                if isinstance(a, ast.stmt)
+                and not isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and a.lineno <= node.lineno <= (a.end_lineno or 0)
+            ]
+            # the statement's own lines and the header lines of the statements it sits in
+            at = {n for a in around for n in range(a.lineno, header_end(a) + 1)}
+            chosen.append((at, node.lineno, quoted(node, lines), index))
+    if not chosen:
+        return
+    paths = {script, str(Path(script).resolve())}  # the script's frames: their code's file
 
-    def setting(device) -> None:
-        recorder.device_index = (
-            torch.device("cuda", device).index
-            if isinstance(device, int)
-            else torch.device(device).index
-        )
-        return set_device(device)
+    def evaluate(frame) -> None:
+        for at, line, code, index in chosen:
+            if frame.f_lineno not in at:
+                continue
+            said = {"line": line, "code": code}
+            if not evaluable(index):
+                said["error"] = f"`{ast.unparse(index)}` calls a function: not evaluated"
+            else:
+                try:
+                    value = eval(ast.unparse(index), frame.f_globals, frame.f_locals)
+                except Exception as err:  # a name not yet assigned there, ...
+                    said["error"] = f"`{ast.unparse(index)}`: {type(err).__name__}: {err}"
+                else:
+                    if isinstance(value, torch.device) and value.type == "cuda":
+                        value = value.index
+                    if not isinstance(value, int) or isinstance(value, bool):
+                        continue  # set_device(device) before the GPU branch: not an index yet
+                    said["index"] = value
+            if recorder.device is None or "index" in said:  # the first why, the last index
+                recorder.device = said
 
-    torch.cuda.set_device = setting
+    def local(frame, event, arg):
+        if recorder.steps:
+            return None  # this frame traced no more
+        if event == "line":
+            evaluate(frame)
+        return local
+
+    def calls(frame, event, arg):
+        if recorder.steps:  # training began: every device was chosen before it
+            sys.settrace(None)
+            return None
+        return local if frame.f_code.co_filename in paths else None
+
+    sys.settrace(calls)
 
 
 def stand_in_replicas(recorder: Recorder, replicas: int) -> None:
@@ -341,6 +424,7 @@ def main() -> None:
     if os.environ.get("CHECK_KILL"):
         rank, step = os.environ["CHECK_KILL"].split(":")
         kill_after(recorder, int(rank), int(step))
+    read_devices(recorder, script)
     watching = None
     if os.environ.get("CHECK_HANG_AFTER"):
         hang_after = float(os.environ["CHECK_HANG_AFTER"])

@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 from common.chapters import CHAPTERS
-from tools.check.plan import GLOBAL_BATCH, STEPS
+from tools.check.plan import GLOBAL_BATCH, SEED, STEPS
 from tools.check.runner import RUN_TIMEOUT, CannotRun, Launch, Run, failure_line, run_one
 from tools.launch import REPO, flags
 
 CORPUS_CHARS = 3500  # the first 3500 characters of the first play: 29 training windows of 32 tokens
+# its last tenth, common.data's validation split, is 3 windows, fewer than the one whole batch of
+# 8 an evaluation reads: the check's validation split is the play's next 1200 characters instead
+VAL_CHARS = 1200
 REFERENCE = REPO / CHAPTERS[1] / "train.py"
 
 
@@ -37,6 +40,7 @@ def run_flags(corpus: Path, data: Path, out: Path, iters: int = STEPS, **more) -
         "eval_batches": 1,
         "sample_tokens": 0,
         "dropout": 0,
+        "seed": SEED,
         **more,
     }
     return flags(**values)
@@ -47,6 +51,36 @@ def corpus_text() -> str:
     from common.support.corpus import shakespeare_texts
 
     return shakespeare_texts()[0][:CORPUS_CHARS]
+
+
+def held_out_text() -> str:
+    """The check's validation text: what follows the corpus in the play."""
+    from common.support.corpus import shakespeare_texts
+
+    return shakespeare_texts()[0][CORPUS_CHARS : CORPUS_CHARS + VAL_CHARS]
+
+
+def hold_out(folder: Path) -> None:
+    """The prepared folder's val.bin made of held_out_text()'s tokens (ending with <|endoftext|>,
+    as prepare() ends a document), and meta.json saying so; train.bin stays prepare()'s."""
+    import json
+
+    import numpy as np
+
+    from common.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    ids = np.array(tokenizer.encode_ordinary(held_out_text()) + [tokenizer.eot_token], np.uint16)
+    val = folder / "val.bin"
+    if val.exists() and np.array_equal(np.fromfile(val, dtype=np.uint16), ids):
+        return
+    ids.tofile(folder / "val.bin.tmp")
+    os.replace(folder / "val.bin.tmp", val)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["val_tokens"] = len(ids)
+    meta["val_source"] = f"tools/check: characters {CORPUS_CHARS}-{CORPUS_CHARS + VAL_CHARS}"
+    (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(folder / "meta.json.tmp", folder / "meta.json")
 
 
 def prepared_corpus(root: Path) -> tuple[Path, Path, str]:
@@ -60,7 +94,7 @@ def prepared_corpus(root: Path) -> tuple[Path, Path, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second check waits here until the files are written
         if not corpus.exists() or corpus.read_text(encoding="utf-8") != text:
             corpus.write_text(text, encoding="utf-8")
-        prepare(str(corpus), data, log=lambda *a: None)
+        hold_out(prepare(str(corpus), data, log=lambda *a: None))
     return corpus, data, text
 
 
@@ -71,6 +105,7 @@ def version(corpus: str) -> str:
     for path in [REFERENCE, *checker, *sorted((REPO / "common").rglob("*.py"))]:
         digest.update(path.read_bytes())
     digest.update(corpus.encode())
+    digest.update(held_out_text().encode())
     digest.update(" ".join(run_flags(Path("c"), Path("d"), Path("o"))).encode())
     return digest.hexdigest()[:16]
 

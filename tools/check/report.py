@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.check.facts import Facts
-from tools.check.mistakes import describe, diagnose, logging_right, resume_right, training_right
+from tools.check.mistakes import (
+    close_to_one,
+    describe,
+    diagnose,
+    logging_right,
+    nearest_line,
+    resume_right,
+    training_right,
+)
 from tools.check.plan import RESTART_KILL, RESUME_AT, STEPS
 from tools.check.runner import Run
 
@@ -41,7 +49,7 @@ def loss_line(s: Seen) -> str:
         a, b = losses[first], ref[first]
         return (
             f"the loss differs from step {first}: {a:.6f} here, {b:.6f} in chapter 01 "
-            f"(ratio {a / b:.6g})"
+            f"(ratio {close_to_one(a / b)})"
         )
     return f"steps 1-{first - 1} are chapter 01's, then the script logged no more"
 
@@ -75,11 +83,31 @@ def data_line(s: Seen) -> str:
     )
 
 
-def devices_line(s: Seen) -> str:
-    asked = ", ".join(
-        f"rank {r} (LOCAL_RANK {lr}) asked for GPU {i}" for r, lr, i in s.facts.ranks.devices
+def gpus_read(s: Seen) -> str:
+    """Each rank's GPU, as the probe read it from the script's device statement."""
+    line, code = s.facts.ranks.device_statement
+    each = ", ".join(f"rank {r} (LOCAL_RANK {lr}) cuda:{i}" for r, lr, i in s.facts.ranks.devices)
+    return f"line {line}'s `{code}`, evaluated with each rank's own variables there: {each}"
+
+
+def gpus_unchecked(s: Seen) -> str:
+    if s.facts.ranks.gpu_read:
+        said = "the GPUs themselves: the CPU runs drive none (their index was read, not used)"
+        if s.facts.plan.nodes == 1:
+            said += (
+                "; on one machine RANK is LOCAL_RANK, so which of the two the index follows shows "
+                "only in the checks that run two nodes"
+            )
+        return said
+    why = s.facts.ranks.device_unread or "not read"
+    return (
+        f"which GPU each rank drives: {why} (the check reads it from a statement such as "
+        '`torch.device("cuda", local_rank)`)'
     )
-    return f"the GPUs: {asked}"
+
+
+def devices_line(s: Seen) -> str:
+    return f"the GPUs the ranks would drive: {gpus_read(s)}"
 
 
 def fsdp_line(s: Seen) -> str:
@@ -163,7 +191,9 @@ def same_lines(s: Seen) -> list[str]:
     if s.resumed is not None:
         lines.append(f"  stopped at step {RESUME_AT} and resumed: the same end")
     lines += [f"  {line}" for line in plan.checked_more(s.restarted)]
-    lines.append(f"  unchecked: {'; '.join(plan.unchecked(s.facts.ranks.gpu_seen))}")
+    if plan.picks_gpu and s.facts.ranks.gpu_read:
+        lines.append(f"  which GPU each rank would drive: {gpus_read(s)}")
+    lines.append(f"  unchecked: {'; '.join(plan.unchecked(gpus_unchecked(s)))}")
     return lines
 
 
@@ -175,6 +205,9 @@ def different_lines(s: Seen, source: str, script: str, theirs: str, facts_file: 
     if mistake is None:
         lines.append("diagnosis: no known mistake fits; what the facts show:")
         lines += [f"  {line}" for line in describe(s.facts)]
+        near = nearest_line(s.facts, source, script, theirs)
+        if near is not None:
+            lines.append(f"  {near}")
         lines.append(f"  (all the facts: {facts_file})")
     else:
         lines += [f"diagnosis: {mistake.name}: {mistake.did}", f"  {look}"]
