@@ -43,6 +43,7 @@ from common.support.errors import CourseError
 from common.training import check_finite
 from layout import REPO
 from tools.check import corpus_text
+from tools.check.reference import hold_out
 from tools.launch import child_env, run_python, torchrun_command, two_node_commands
 
 ITERS, RESUME_AT = 8, 5
@@ -140,6 +141,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     path = root / "act1.txt"
     path.write_text(corpus_text(), encoding="utf-8")  # the checker's corpus (tools/check/)
     folder = prepare(str(path), root / "data", log=lambda *a: None)
+    hold_out(folder)  # the checker's validation split: a whole batch of 8 windows and more
     train_set, _ = load_splits(folder, 32)  # the tiny preset's block size
     assert len(train_set) == N_WINDOWS
     assert N_WINDOWS % GLOBAL_BATCH
