@@ -157,6 +157,12 @@ make_machine() {
         for ((j = 0; j < machines; j++)); do
             echo "$(machine_address "$j") machine$j"
         done
+        # Torch's store looks up the name of each client's address, which its IPv6 socket sees as
+        # ::ffff:10.0.0.2; a DNS server would answer that, this file must say it (under a name of
+        # its own, so that a look-up of machineI still finds its IPv4 address first).
+        for ((j = 0; j < machines; j++)); do
+            echo "::ffff:$(machine_address "$j") machine$j.v4mapped"
+        done
     } > "/etc/netns/$ns/hosts"
     limit "$ns" eth0  # what machine I sends
     limit "$switch" "m$i"  # what it receives
