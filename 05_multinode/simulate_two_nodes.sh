@@ -43,8 +43,10 @@ SHARED_FS="${SHARED_FS:-0}"
 MACHINES="${MACHINES:-}"
 address=127.0.0.1  # where the nodes meet: node 0's address
 on_node=()  # what starts a node's recipe on its machine: nothing, here
+export SAME_MACHINE=1  # the recipes' network check: both nodes on this machine, loopback and all
 if [[ -n "$MACHINES" ]]; then
     address=$(bash 05_multinode/machines.sh address --prefix "$MACHINES" 0)
+    SAME_MACHINE=0
 fi
 # a short CPU run of the tiny model; the processes share this machine's cores, one thread each
 DEFAULTS=(--preset tiny --max-iters 200 --eval-interval 50 --log-interval 10 --device cpu --dtype float32)
