@@ -90,6 +90,14 @@ class MachineSet:
         return [name for name in namespaces() if name.startswith(f"{self.prefix}-")]
 
 
+def static_launch(script: str, node: int, port: int, master: str = "10.0.0.1") -> list[str]:
+    """launch_static.sh on a node of 2, one process, starting `script`: the command as a reader
+    types it on that machine (with MachineSet.run_command in front)."""
+    settings = [f"NODE_RANK={node}", f"MASTER_ADDR={master}", f"MASTER_PORT={port}"]
+    settings += ["NNODES=2", "NPROC_PER_NODE=1", f"SCRIPT={script}"]
+    return ["env", *settings, "bash", "05_multinode/launch_static.sh"]
+
+
 def new_prefix() -> str:
     """A name for a set of machines that nobody else uses: t and 8 random hex digits."""
     return "t" + secrets.token_hex(4)

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 from helpers import outputs_of, start
-from machines import machine_set
+from machines import machine_set, static_launch
 
 from layout import REPO
 from tools.launch import TORCHRUN, child_env, free_port, run_python, two_node_commands
@@ -129,11 +129,9 @@ def on_machines(machines, commands: list[list[str]], timeout: float = 180, **env
     ]
 
 
-def static_launch(node: int, master: str = "10.0.0.1", port: int = 29500) -> list[str]:
-    """launch_static.sh on a node, as a reader types it, starting the preflight."""
-    settings = [f"NODE_RANK={node}", f"MASTER_ADDR={master}", f"MASTER_PORT={port}"]
-    settings += ["NPROC_PER_NODE=1", "SCRIPT=05_multinode/preflight.py"]
-    return ["env", *settings, "bash", "05_multinode/launch_static.sh"]
+def launch(node: int, port: int, master: str = "10.0.0.1") -> list[str]:
+    """launch_static.sh on a node, starting the preflight."""
+    return static_launch("05_multinode/preflight.py", node, port, master)
 
 
 PREFLIGHT_ARGS = ["--sizes-mb", "0.5,2", "--iters", "2", "--timeout", "60"]
@@ -147,7 +145,7 @@ def bus_bandwidths(out: str) -> dict[float, float]:
 
 def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_holds(machines):
     port = free_port()
-    nodes = on_machines(machines, [[*static_launch(n, port=port), *PREFLIGHT_ARGS] for n in (0, 1)])
+    nodes = on_machines(machines, [[*launch(n, port), *PREFLIGHT_ARGS] for n in (0, 1)])
     for node in nodes:
         assert node.returncode == 0, node.stdout
     first, second = nodes[0].stdout, nodes[1].stdout
@@ -165,9 +163,7 @@ def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_hold
     # at 100 Mbit/s on both directions of every link: at most 110 Mbit/s, 0.01375 GB/s
     machines.up(machines=2, rate="100mbit")
     try:
-        limited = on_machines(
-            machines, [[*static_launch(n, port=port), *PREFLIGHT_ARGS] for n in (0, 1)]
-        )
+        limited = on_machines(machines, [[*launch(n, port), *PREFLIGHT_ARGS] for n in (0, 1)])
     finally:
         machines.up(machines=2, rate="unlimited")
     assert limited[0].returncode == 0, limited[0].stdout
@@ -229,16 +225,16 @@ def test_a_wrong_address_or_interface_is_one_line_before_torchrun(
     machines, node, master, env, line
 ):
     port = free_port()
-    launch = subprocess.run(
-        machines.run_command(node, static_launch(node, master, port)),
+    started = subprocess.run(
+        machines.run_command(node, launch(node, port, master)),
         cwd=REPO,
         env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert launch.returncode == 2
-    said = launch.stderr.strip().splitlines()
+    assert started.returncode == 2
+    said = started.stderr.strip().splitlines()
     assert said[0].startswith("launch_static: ")  # the recipe's own line, then the check's
     assert said[1:] == [line.format(port=port)]
 
