@@ -574,7 +574,7 @@ def main():
             )
             print(f"{'size (MB)':>12} {'time (ms)':>12} {'algbw (GB/s)':>14} {'busbw (GB/s)':>14}")
             for size, ms, algbw, busbw in rows:
-                print(f"{size:>12.2f} {ms:>12.3f} {algbw:>14.3f} {busbw:>14.3f}")
+                print(f"{size:>12.2f} {ms:>12.3f} {algbw:>14.4f} {busbw:>14.4f}")
             verdict = (
                 "PASSED" if failed_ranks.item() == 0 else f"FAILED on {failed_ranks.item()} rank(s)"
             )
