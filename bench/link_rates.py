@@ -11,7 +11,8 @@ For each rate in turn, on the same two machines, with one process on each:
     the link    both directions of each machine's link limited to the rate (tc's tbf)
     busbw       05_multinode/preflight.py between the machines: all-reduces of 1 MB, of the
                 model's gradients (what every step sends) and of 25 MB (DDP's bucket cap)
-    compute     the bare step of one rank's share of the batch (bench/bare_step.py), just before
+    compute     the bare step of one rank's share of the batch (bench/bare_step.py), just before,
+                on both machines at once (their two processes share the cores as the ranks do)
     measured    chapter 05 across the machines (simulate_two_nodes.sh with MACHINES): the median
                 step time of its log intervals, the first (the warm-up) left out
     predicted   scaling_model.link_step(compute, preset, busbw at the gradients' size, 2 ranks)
@@ -96,16 +97,32 @@ def preflight(prefix: str, sizes_mb: list[float], iters: int, work: Path, env: d
     }
 
 
-def bare_step(preset: str, batch_size: int, iters: int, data_dir: Path, work: Path, env) -> dict:
-    """bench/bare_step.py for one rank's share, with the threads a rank has."""
-    out = work / "bare.json"
-    command = [sys.executable, "-m", "bench.bare_step", "--preset", preset]
-    command += ["--batch-size", str(batch_size), "--iters", str(iters), "--warmup", "5"]
-    command += ["--data-dir", str(data_dir), "--out", str(out)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: the bare step failed:\n{done.stdout}{done.stderr}")
-    return {"command": shown_command(command), **json.loads(out.read_text())}
+def bare_step(prefix: str, args, work: Path, env: dict) -> dict:
+    """bench/bare_step.py for one rank's share, on both machines at once: the two processes share
+    the cores as the run's two ranks do. The mean of the two medians."""
+    commands = []
+    for node in range(WORLD):
+        command = [sys.executable, "-m", "bench.bare_step", "--preset", args.preset]
+        command += ["--batch-size", str(args.batch_size), "--iters", str(args.bare_iters)]
+        command += [
+            "--warmup",
+            "5",
+            "--data-dir",
+            args.data_dir,
+            "--out",
+            work / f"bare{node}.json",
+        ]
+        commands.append([str(word) for word in command])
+    status = on_both(prefix, commands, work / "bare.log", env, timeout=900)
+    if status != 0:
+        raise SystemExit(f"error: the bare step failed:\n{(work / 'bare.log').read_text()}")
+    each = [json.loads((work / f"bare{node}.json").read_text()) for node in range(WORLD)]
+    return {
+        "command": shown_command(commands[0]).replace(str(work), "WORK") + " (on both at once)",
+        "step_ms": statistics.mean(result["step_ms"] for result in each),
+        "step_ms_each": [result["step_ms"] for result in each],
+        "threads": each[0]["threads"],
+    }
 
 
 def chapter_run(prefix: str, args, work: Path, env: dict) -> dict:
@@ -149,7 +166,7 @@ def measure_rate(prefix: str, rate: str, args, layout: dict) -> dict:
     sizes = [1.0, round(layout["grad_bytes"] / 1e6, 3), 25.0]
     link = preflight(prefix, sizes, args.preflight_iters, work, env)
     loads.append(load_average())
-    bare = bare_step(args.preset, args.batch_size, args.bare_iters, Path(args.data_dir), work, env)
+    bare = bare_step(prefix, args, work, env)
     loads.append(load_average())
     run = chapter_run(prefix, args, work, env)
     loads.append(load_average())
@@ -164,7 +181,7 @@ def measure_rate(prefix: str, rate: str, args, layout: dict) -> dict:
         "rate": rate,
         "preflight": link,
         "busbw_gbs": busbw,
-        "bare": {k: bare[k] for k in ("command", "step_ms", "group_ms", "threads")},
+        "bare": bare,
         "run": run,
         "predicted_ms": {k: 1000 * v for k, v in predicted.items() if k.endswith("_s")},
         "load_average": [round(load, 2) for load in loads if load is not None],
