@@ -223,10 +223,9 @@ def gloo_address(found: dict[str, str | None]) -> tuple[str, str]:
     except socket.gaierror:
         resolved = []
     for *_, sockaddr in resolved:
-        if can_bind(sockaddr[0]):
-            return sockaddr[
-                0
-            ], f"{interface_of(sockaddr[0], found)}, the address of the host name {host}"
+        address = sockaddr[0]
+        if can_bind(address):
+            return address, f"{interface_of(address, found)}, the address of the host name {host}"
     return "127.0.0.1", f"the loopback: the host name {host} has no address of this machine"
 
 
@@ -316,6 +315,12 @@ def check_meeting_point(args: argparse.Namespace) -> int:
         raise CourseError(
             f"MASTER_ADDR={host} is this machine ({here}) itself, not node 0: set it to node 0's "
             "address, the same on every node"
+        )
+    if local and several and is_loopback(address):
+        raise CourseError(
+            f"the meeting point {host} is the loopback ({address}), where no other machine can "
+            f"reach this one: give its address on the network between the nodes ({here} has: "
+            f"{shown(found)})"
         )
     if local:
         meeting = f"the meeting point {host}:{port} is this machine's"

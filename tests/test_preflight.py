@@ -197,6 +197,14 @@ def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_hold
             "one of its addresses that every node reaches",
         ),
         (
+            0,
+            "localhost",
+            {},
+            "error: the meeting point localhost is the loopback (127.0.0.1), where no other "
+            "machine can reach this one: give its address on the network between the nodes "
+            "(machine0 has: lo 127.0.0.1, eth0 10.0.0.1)",
+        ),
+        (
             1,
             "10.0.0.1",
             {"GLOO_SOCKET_IFNAME": "lo"},
@@ -219,7 +227,15 @@ def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_hold
             "machine can reach: set NCCL_SOCKET_IFNAME=eth0",
         ),
     ],
-    ids=["unreachable", "loopback-master", "not-node-0", "gloo-lo", "gloo-missing", "nccl-lo"],
+    ids=[
+        "unreachable",
+        "loopback-master",
+        "not-node-0",
+        "loopback-on-node-0",
+        "gloo-lo",
+        "gloo-missing",
+        "nccl-lo",
+    ],
 )
 def test_a_wrong_address_or_interface_is_one_line_before_torchrun(
     machines, node, master, env, line
