@@ -28,6 +28,7 @@ import datetime
 import json
 import re
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,7 +160,10 @@ def chapter_run(prefix: str, args, work: Path, env: dict) -> dict:
 
 def measure_rate(prefix: str, rate: str, args, layout: dict) -> dict:
     work = Path(args.work_dir) / rate
-    work.mkdir(parents=True, exist_ok=True)
+    # this script's own folder, from an earlier measurement: start it afresh (a chapter refuses a
+    # folder that holds a run)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     env = child_env(threads=1)
     machines("up", "--prefix", prefix, "--machines", str(WORLD), "--rate", rate)
     loads = [load_average()]
