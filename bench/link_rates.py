@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     result = {
-        "made_by": "python -m bench.link_rates " + " ".join(argv or sys.argv[1:]),
+        "made_by": " ".join(["python -m bench.link_rates", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(),
         "wall_s": round(time.perf_counter() - started),
         "machine": machine_description("cpu"),
