@@ -40,7 +40,7 @@ from common.data import prepare
 from common.metrics import read_metrics
 from layout import REPO
 from maintainer.make_plots import load_average, machine_description
-from tools.launch import child_env, flags, measured_run_flags, shown_command
+from tools.launch import child_env, flags, measured_run_flags, run_together, shown_command
 
 MACHINES = ["bash", "05_multinode/machines.sh"]
 WORLD = 2  # one process on each of the two machines
@@ -56,23 +56,11 @@ def machines(*args: str) -> str:
 
 def on_both(prefix: str, commands: list[list[str]], log: Path, env: dict, timeout: float) -> int:
     """Command i on machine i, at once, into one log; the first non-zero exit status, else 0."""
+    on_machines = [
+        [*MACHINES, "run", "--prefix", prefix, str(i), *c] for i, c in enumerate(commands)
+    ]
     with open(log, "w") as sink:
-        procs = [
-            subprocess.Popen(
-                [*MACHINES, "run", "--prefix", prefix, str(i), *command],
-                cwd=REPO,
-                env=env,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-            )
-            for i, command in enumerate(commands)
-        ]
-        try:
-            statuses = [proc.wait(timeout=timeout) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-    return next((status for status in statuses if status), 0)
+        return run_together(on_machines, env, [sink] * len(commands), timeout)
 
 
 def preflight(prefix: str, sizes_mb: list[float], iters: int, work: Path, env: dict) -> dict:
