@@ -44,15 +44,21 @@ MACHINES="${MACHINES:-}"
 address=127.0.0.1  # where the nodes meet: node 0's address
 on_node=()  # what starts a node's recipe on its machine: nothing, here
 export SAME_MACHINE=1  # the recipes' network check: both nodes on this machine, loopback and all
+as_user=()  # what makes the run's folder and logs: this script's user, here
 if [[ -n "$MACHINES" ]]; then
     address=$(bash 05_multinode/machines.sh address --prefix "$MACHINES" 0)
     SAME_MACHINE=0
+    # under sudo the nodes run as the user who ran it (machines.sh run): the folder is theirs too
+    if [[ -n "${SUDO_UID:-}" && "$SUDO_UID" != 0 ]]; then
+        as_user=(setpriv --reuid="$SUDO_UID" --regid="$SUDO_GID" --init-groups)
+    fi
 fi
 # a short CPU run of the tiny model; the processes share this machine's cores, one thread each
 DEFAULTS=(--preset tiny --max-iters 200 --eval-interval 50 --log-interval 10 --device cpu --dtype float32)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-mkdir -p "$RUN_DIR"
+"${as_user[@]}" mkdir -p "$RUN_DIR"
+"${as_user[@]}" touch "$RUN_DIR/node0.log" "$RUN_DIR/node1.log"
 # One simulation per run folder, and never over another run: the node logs below would be the
 # first files lost. (train.py's rank 0 also refuses and locks the folder, but only after both
 # nodes have started and their logs have been opened.)
@@ -71,7 +77,7 @@ fi
 pids=()
 log_lines=()  # the node logs are appended to (a --resume continues them): follow only what is new
 for NODE in 0 1; do
-    touch "$RUN_DIR/node$NODE.log"
+    "${as_user[@]}" touch "$RUN_DIR/node$NODE.log"
     log_lines+=("$(wc -l < "$RUN_DIR/node$NODE.log")")
 done
 for NODE in 0 1; do
