@@ -6,7 +6,7 @@
 #
 #   sudo bash 05_multinode/machines.sh up                      # 2 machines, the link unlimited
 #   sudo bash 05_multinode/machines.sh up --machines 2 --rate 100mbit   # or 1gbit, or unlimited
-#   sudo bash 05_multinode/machines.sh run 1 ping -c 1 10.0.0.1  # a command on machine 1
+#   sudo bash 05_multinode/machines.sh run 1 ip -4 -br addr    # a command on machine 1
 #   sudo bash 05_multinode/machines.sh list                    # the machines, addresses and rate
 #   sudo bash 05_multinode/machines.sh address 0               # machine 0's address: 10.0.0.1
 #   sudo bash 05_multinode/machines.sh down                    # stop what runs there, remove all
