@@ -2,9 +2,9 @@
 machines of machines.sh, and predicted by bench/scaling_model.py from the bus bandwidth that the
 preflight measures between them. Needs root (network namespaces).
 
-    sudo flock /tmp/course-measure.lock python -m bench.link_rates        # minutes
-    python -m bench.link_rates --rates unlimited,100mbit --iters 20       # a shorter one
-    python -m maintainer.link_picture                                     # then its figure
+    sudo env "PATH=$PATH" python -m bench.link_rates                        # minutes
+    sudo env "PATH=$PATH" python -m bench.link_rates --rates 100mbit --iters 20   # a shorter one
+    python -m maintainer.link_picture                                      # then its figure
 
 For each rate in turn, on the same two machines, with one process on each:
 
