@@ -10,10 +10,17 @@ classic mistake at step 2; --fixed runs the loop with the mistake corrected, and
     dies           one rank raises an exception and ends (the fix is in the launch line:
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts=1 ...)
 
+Two more are mistakes in how the ranks meet, made before the first step by a setup written on one
+machine. There the loopback reaches every rank and they do no harm; across machines
+(05_multinode/machines.sh, and HANG_LAB.md's commands) no rank ever meets another:
+
+    interface      gloo is told to listen on the loopback (GLOO_SOCKET_IFNAME=lo)
+    address        every rank meets at localhost instead of node 0 (MASTER_ADDR=localhost)
+
     torchrun --standalone --nproc_per_node=2 05_multinode/hangs.py --case eval-on-rank0
     torchrun --standalone --nproc_per_node=2 05_multinode/hangs.py --case eval-on-rank0 --fixed
 
-Each rank prints its PID first. To find the cause (05_multinode/README.md tells the whole story):
+Each rank prints its PID first. To find the cause (docs/deep/HANG_LAB.md tells the whole story):
 
     --timeout S                       the process group's timeout: a hang becomes an error after S s
     TORCH_DISTRIBUTED_DEBUG=DETAIL    every collective is first checked against the other ranks'
@@ -45,7 +52,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.support.errors import CourseError, run_main
 
-CASES = ["eval-on-rank0", "order", "shape", "stuck", "dies"]
+CASES = ["eval-on-rank0", "order", "shape", "stuck", "dies", "interface", "address"]
+# the two mistakes in how the ranks meet, made before the first step: right on one machine
+MEETING_CASES = ["interface", "address"]
 BUG_STEP = 2  # the mistake strikes after two good steps, in the middle of training
 VAL_WINDOWS = 5  # validation examples: 3 for rank 0 and 2 for rank 1, as rank r takes r, r+W, ...
 
@@ -167,6 +176,17 @@ def case_stuck(args, model, rank, world, step, flag: Path):
         evaluate(model, rank, world)
 
 
+def meet_as_on_one_machine(case: str) -> None:
+    """The ranks' meeting, as a script written on one machine sets it up: right there, where the
+    loopback reaches every rank, and wrong across machines."""
+    if case == "interface":
+        # the mistake: gloo listens on the loopback, where no other machine can reach it
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if case == "address":
+        # the mistake: every rank meets at its own machine, not at node 0 (torchrun's MASTER_ADDR)
+        os.environ["MASTER_ADDR"] = "localhost"
+
+
 def case_dies(args, model, rank, world, step):
     # A fault on one rank, such as a GPU that falls off the bus: on the first attempt only, so a
     # group that torchrun restarts (--max-restarts=1) gets through.
@@ -265,16 +285,36 @@ def main() -> None:
         f"timeout {args.timeout:g} s, TORCH_DISTRIBUTED_DEBUG={debug}",
         flush=True,
     )
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    cases = CASES if args.case == "all" else [args.case]
+    one_machine = os.environ["LOCAL_WORLD_SIZE"] == str(world)
+    for case in MEETING_CASES:
+        if case not in cases or args.fixed:
+            continue
+        meet_as_on_one_machine(case)
+        if rank == 0 and one_machine:
+            print(
+                f"[rank 0] case {case}: on one machine the loopback reaches every rank; the "
+                "mistake shows across machines (05_multinode/machines.sh)",
+                flush=True,
+            )
     try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         train(args, rank, world)
     except Exception as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(f"[rank {rank}] failed: {type(err).__name__}: {first_line}", flush=True)
+        where = ""
+        if not dist.is_initialized():  # the ranks never met: say where this one looked
+            interface = os.environ.get("GLOO_SOCKET_IFNAME", "unset")
+            where = (
+                f" (this rank met at MASTER_ADDR={os.environ['MASTER_ADDR']}:"
+                f"{os.environ['MASTER_PORT']}, gloo with GLOO_SOCKET_IFNAME={interface})"
+            )
+        print(f"[rank {rank}] failed: {type(err).__name__}: {first_line}{where}", flush=True)
         dump_flight_recorder(args.out_dir, rank)
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # not when the ranks never met
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

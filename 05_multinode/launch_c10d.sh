@@ -16,6 +16,8 @@
 #   MAX_RESTARTS     restarts of the whole group after a failure (0; chapter 06)
 #   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to
 #                    check the nodes first; 06_fault_tolerance/train.py for chapter 06)
+#   SAME_MACHINE     1: every node runs on this one machine (simulate_two_nodes.sh), so the
+#                    loopback is right (0)
 #
 # exec: torchrun takes this script's place, so a signal sent to it (as Kubernetes sends SIGTERM to a
 # container's first process) reaches torchrun, which passes it on to the training processes.
@@ -38,6 +40,11 @@ SCRIPT="${SCRIPT:-05_multinode/train.py}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 echo "launch_c10d: $NNODES node(s) x $NPROC_PER_NODE process(es), job '$RDZV_ID' meeting at $RDZV_ENDPOINT" >&2
+# Can this node take part? torchrun would retry an unreachable endpoint until its timeout; the
+# preflight's network check says in one line what is wrong, in a moment (preflight.py, --meet).
+same_machine=()
+[[ "${SAME_MACHINE:-0}" != 1 ]] || same_machine=(--same-machine)
+python 05_multinode/preflight.py --meet "$RDZV_ENDPOINT" --nnodes "$NNODES" "${same_machine[@]}"
 exec torchrun --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
     --max-restarts="$MAX_RESTARTS" \

@@ -16,6 +16,8 @@
 #                    chapter 06)
 #   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to
 #                    check the nodes first; 06_fault_tolerance/train.py for chapter 06)
+#   SAME_MACHINE     1: every node runs on this one machine (simulate_two_nodes.sh), so
+#                    MASTER_ADDR may be this machine's own address (0)
 #
 # exec: torchrun takes this script's place, so a signal sent to it (as Kubernetes sends SIGTERM to a
 # container's first process) reaches torchrun, which passes it on to the training processes.
@@ -34,6 +36,12 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 SCRIPT="${SCRIPT:-05_multinode/train.py}"
 
 echo "launch_static: node $NODE_RANK of $NNODES, $NPROC_PER_NODE process(es), meeting at $MASTER_ADDR:$MASTER_PORT" >&2
+# Can this node take part? torchrun would retry an unreachable MASTER_ADDR for 15 minutes; the
+# preflight's network check says in one line what is wrong, in a moment (preflight.py, --meet).
+same_machine=()
+[[ "${SAME_MACHINE:-0}" != 1 ]] || same_machine=(--same-machine)
+python 05_multinode/preflight.py --meet "$MASTER_ADDR:$MASTER_PORT" --node-rank "$NODE_RANK" \
+    --nnodes "$NNODES" "${same_machine[@]}"
 exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE" \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --max-restarts="$MAX_RESTARTS" \
     "$SCRIPT" "$@"

@@ -9,6 +9,11 @@
 #   SHARED_FS=1 bash 05_multinode/simulate_two_nodes.sh            # both nodes share one data folder
 #   SCRIPT=06_fault_tolerance/train.py MAX_RESTARTS=1 bash 05_multinode/simulate_two_nodes.sh
 #                                                                  # chapter 06: then kill -9 a rank
+#   sudo MACHINES=course bash 05_multinode/simulate_two_nodes.sh   # across two machines of their own
+#
+# With MACHINES (the machines that `sudo bash 05_multinode/machines.sh up` made), node I runs on
+# machine I, with its own network stack and address, and the nodes meet at machine 0's address
+# instead of 127.0.0.1, as real machines do.
 #
 # Each node runs the chapter's own recipe (launch_static.sh or launch_c10d.sh). Arguments go to
 # train.py after these defaults, so they override them.
@@ -23,6 +28,8 @@
 #   SHARED_FS        1: one data folder for both nodes and --shared-fs (0: a folder per node,
 #                    as node-local disks would be)
 #   MAX_RESTARTS     how often torchrun restarts the processes after one fails (0; chapter 06)
+#   MACHINES         run node I on machine I of this set of machines.sh (its --prefix, e.g.
+#                    course); needs root. Unset: both nodes on this machine, over 127.0.0.1
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 
@@ -33,11 +40,25 @@ PORT="${PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0
 SCRIPT="${SCRIPT:-05_multinode/train.py}"
 RUN_DIR="${RUN_DIR:-out/$(basename "$(dirname "$SCRIPT")")/two_nodes}"
 SHARED_FS="${SHARED_FS:-0}"
+MACHINES="${MACHINES:-}"
+address=127.0.0.1  # where the nodes meet: node 0's address
+on_node=()  # what starts a node's recipe on its machine: nothing, here
+export SAME_MACHINE=1  # the recipes' network check: both nodes on this machine, loopback and all
+as_user=()  # what makes the run's folder and logs: this script's user, here
+if [[ -n "$MACHINES" ]]; then
+    address=$(bash 05_multinode/machines.sh address --prefix "$MACHINES" 0)
+    SAME_MACHINE=0
+    # under sudo the nodes run as the user who ran it (machines.sh run): the folder is theirs too
+    if [[ -n "${SUDO_UID:-}" && "$SUDO_UID" != 0 ]]; then
+        as_user=(setpriv --reuid="$SUDO_UID" --regid="$SUDO_GID" --init-groups)
+    fi
+fi
 # a short CPU run of the tiny model; the processes share this machine's cores, one thread each
 DEFAULTS=(--preset tiny --max-iters 200 --eval-interval 50 --log-interval 10 --device cpu --dtype float32)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-mkdir -p "$RUN_DIR"
+"${as_user[@]}" mkdir -p "$RUN_DIR"
+"${as_user[@]}" touch "$RUN_DIR/node0.log" "$RUN_DIR/node1.log"
 # One simulation per run folder, and never over another run: the node logs below would be the
 # first files lost. (train.py's rank 0 also refuses and locks the folder, but only after both
 # nodes have started and their logs have been opened.)
@@ -56,7 +77,7 @@ fi
 pids=()
 log_lines=()  # the node logs are appended to (a --resume continues them): follow only what is new
 for NODE in 0 1; do
-    touch "$RUN_DIR/node$NODE.log"
+    "${as_user[@]}" touch "$RUN_DIR/node$NODE.log"
     log_lines+=("$(wc -l < "$RUN_DIR/node$NODE.log")")
 done
 for NODE in 0 1; do
@@ -66,12 +87,15 @@ for NODE in 0 1; do
         data=(--data-dir "$RUN_DIR/node$NODE/data")  # this "node's" local disk
     fi
     args=("${DEFAULTS[@]}" --out-dir "$RUN_DIR" "${data[@]}" "$@")
+    if [[ -n "$MACHINES" ]]; then
+        on_node=(bash 05_multinode/machines.sh run --prefix "$MACHINES" "$NODE")
+    fi
     if [[ "$RDZV" == c10d ]]; then
-        NNODES=2 NPROC_PER_NODE="$NPROC_PER_NODE" RDZV_ENDPOINT="127.0.0.1:$PORT" RDZV_ID="two-nodes-$PORT" \
-            MAX_RESTARTS="${MAX_RESTARTS:-0}" SCRIPT="$SCRIPT" bash 05_multinode/launch_c10d.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
+        NNODES=2 NPROC_PER_NODE="$NPROC_PER_NODE" RDZV_ENDPOINT="$address:$PORT" RDZV_ID="two-nodes-$PORT" \
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" SCRIPT="$SCRIPT" "${on_node[@]}" bash 05_multinode/launch_c10d.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
     elif [[ "$RDZV" == static ]]; then
-        NNODES=2 NODE_RANK="$NODE" NPROC_PER_NODE="$NPROC_PER_NODE" MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT" \
-            MAX_RESTARTS="${MAX_RESTARTS:-0}" SCRIPT="$SCRIPT" bash 05_multinode/launch_static.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
+        NNODES=2 NODE_RANK="$NODE" NPROC_PER_NODE="$NPROC_PER_NODE" MASTER_ADDR="$address" MASTER_PORT="$PORT" \
+            MAX_RESTARTS="${MAX_RESTARTS:-0}" SCRIPT="$SCRIPT" "${on_node[@]}" bash 05_multinode/launch_static.sh "${args[@]}" >> "$RUN_DIR/node$NODE.log" 2>&1 &
     else
         echo "error: RDZV must be static or c10d, not '$RDZV'" >&2
         exit 2
@@ -81,7 +105,9 @@ done
 # a background job ignores Ctrl-C in a script: pass it on, so no node is left running
 trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
 
-echo "two nodes x $NPROC_PER_NODE process(es), $RDZV rendezvous on 127.0.0.1:$PORT; following both logs:"
+where="this machine"
+[[ -z "$MACHINES" ]] || where="machines 0 and 1 of '$MACHINES'"
+echo "two nodes x $NPROC_PER_NODE process(es) on $where, $RDZV rendezvous on $address:$PORT; following both logs:"
 tail -q -n +$((log_lines[0] + 1)) -F "$RUN_DIR/node0.log" 2>/dev/null &
 follower0=$!
 tail -q -n +$((log_lines[1] + 1)) -F "$RUN_DIR/node1.log" 2>/dev/null &

@@ -33,8 +33,10 @@ the tied embedding's bucket overlap, and counts lm_head's and attention's FLOPs.
 cancel, so the near match of the two figures is largely a coincidence.
 
 bench/benchmark.py runs this with its own measured inputs and prints the prediction beside the
-measured 2-rank figures (`against_benchmark`); this command prints the tables for hardware we do
-not have. The bandwidths and FLOP/s are from the sources named in HARDWARE and in bench/README.md.
+measured 2-rank figures (`against_benchmark`); bench/link_rates.py predicts chapter 05's step
+across two machines from the busbw measured between them at each rate of their link (`link_step`,
+also `--busbw GB/s --compute-ms MS` here); this command prints the tables for hardware we do not
+have. The bandwidths and FLOP/s are from the sources named in HARDWARE and in bench/README.md.
 """
 
 from __future__ import annotations
@@ -134,6 +136,15 @@ def predict(
         "comm_share": exposed / step,
         "efficiency": compute_s / step,
     }
+
+
+def link_step(compute_s: float, preset: str, busbw: float, world: int) -> dict:
+    """Chapter 05's step on `world` ranks across machines, the course GPT of `preset` with its
+    float32 gradients in DDP's buckets: the model above, with the busbw measured between the
+    machines (bytes/s). The link between the machines is the ring's slowest hop, so its busbw is
+    the one that counts."""
+    layout = gradient_layout(preset)
+    return predict(compute_s, layout["grad_bytes"], layout["last_bucket_bytes"], busbw, world)
 
 
 # ---- against the benchmark's measurements (bench/benchmark.py) -----------------------------------
@@ -367,7 +378,27 @@ def main(argv=None) -> int:
         default=Path(__file__).parent / "results" / "benchmark.json",
         help="the benchmark run whose measured point goes on the plot",
     )
+    p.add_argument(
+        "--busbw",
+        type=float,
+        default=None,
+        help="GB/s measured between machines: print chapter 05's predicted step (with "
+        "--compute-ms, --preset, --world) instead of the tables",
+    )
+    p.add_argument("--compute-ms", type=float, default=None, help="the bare step of a rank's share")
+    p.add_argument("--preset", default="tiny", help="with --busbw: the model")
+    p.add_argument("--world", type=int, default=2, help="with --busbw: the ranks")
     args = p.parse_args(argv)
+    if args.busbw is not None:
+        if args.compute_ms is None:
+            p.error("--busbw needs --compute-ms, the bare step of one rank's share")
+        step = link_step(args.compute_ms / 1000, args.preset, args.busbw * 1e9, args.world)
+        print(
+            f"predicted step {1000 * step['step_s']:.1f} ms: compute {args.compute_ms:.1f} ms + "
+            f"all-reduce not hidden {1000 * step['exposed_s']:.1f} ms "
+            f"({args.preset}, {args.world} ranks, busbw {args.busbw:g} GB/s)"
+        )
+        return 0
     hw = HARDWARE | {"mfu": args.mfu}
     print(paper_markdown(args.tokens_per_gpu, hw))
     layout = gradient_layout("gpt2")

@@ -101,6 +101,8 @@ NOT_MEASURED = {
     "(common/distributed.py)",
     "10 minutes": "the test suite's time budget (a goal)",
     "30 minutes": "gloo's default process-group timeout in torch",
+    "15 minutes": "how long torchrun's static rendezvous retries its store (timeout=900000ms in "
+    "its retry lines, torch 2.13)",
     "90 s": "the NFSv4 lease, the default of Linux's NFS server (nfsv4leasetime)",
     "4 bytes": "one float32 number's size (AdamW's `step` per parameter tensor)",
     "16 bytes": "per parameter under DDP: float32 weight, gradient and AdamW's two averages "

@@ -1153,10 +1153,26 @@ ALT = {  # each picture's alternative text
 }
 
 
+def write_section(figures: Path, begin: str, end: str, lines: list[str]) -> Path:
+    """docs/figures/CAPTIONS.md with its section from `begin` to `end` replaced by `lines`, or
+    with them appended where it has no such section yet; the other sections stay as they are.
+    Every figure drawn outside maintainer/make_plots.py keeps its captions in a section so marked
+    (make_plots keeps all of them: everything after this script's)."""
+    path = figures / "CAPTIONS.md"
+    old = path.read_text() if path.exists() else "# Figures\n"
+    section = "\n".join([begin, *lines, end])
+    if begin in old:
+        before = old.split(begin)[0]
+        after = old.split(end, 1)[1] if end in old else ""
+    else:
+        before, after = old.rstrip("\n") + "\n\n", ""
+    path.write_text(before + section + after.rstrip("\n") + "\n")
+    return path
+
+
 def write_captions(figures: Path, entries: dict[str, dict], texts: dict[str, str]) -> Path:
     """The pictures' section of docs/figures/CAPTIONS.md, the rest of it left as it is."""
     lines = [
-        CAPTIONS_BEGIN,
         "",
         "## Inside one step",
         "",
@@ -1184,16 +1200,7 @@ def write_captions(figures: Path, entries: dict[str, dict], texts: dict[str, str
             if key == "memory":
                 line = entries[key]["machine"] + f"; torch {entries[key]['torch']}"
             lines += [f"Made on: {line}.", ""]
-    lines.append(CAPTIONS_END)
-    path = figures / "CAPTIONS.md"
-    old = path.read_text() if path.exists() else "# Figures\n"
-    if CAPTIONS_BEGIN in old:
-        before = old.split(CAPTIONS_BEGIN)[0]
-        after = old.split(CAPTIONS_END, 1)[1] if CAPTIONS_END in old else ""
-    else:
-        before, after = old.rstrip("\n") + "\n\n", ""
-    path.write_text(before + "\n".join(lines) + after.rstrip("\n") + "\n")
-    return path
+    return write_section(figures, CAPTIONS_BEGIN, CAPTIONS_END, lines)
 
 
 def recorded(results: dict) -> dict[str, dict]:

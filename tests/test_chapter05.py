@@ -3,7 +3,8 @@
 `simulate_two_nodes.sh` starts two torchrun invocations on 127.0.0.1 (through launch_static.sh or
 launch_c10d.sh), as two machines would. A short corpus (part of one play) keeps the per-node data
 preparation cheap. The run takes 12 steps of a global batch of 8 sequences, so its losses can be
-compared with chapter 01's.
+compared with chapter 01's. The same simulation runs across two machines of machines.sh too (as
+root: skipped without root or network namespaces, and with CI=true it fails instead).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_run_args
+from machines import machine_set
 from two_nodes import (
     EVAL_EVERY,
     ITERS,
@@ -85,8 +87,52 @@ def test_simulation_static_rendezvous_ranks_node_local_preparation_and_losses(
     assert "parameters identical on all 4 rank(s): yes" in logs[0]
 
 
+@pytest.fixture(scope="module")
+def machines():
+    """Two machines of their own (05_multinode/machines.sh); skipped without root (a laptop)."""
+    with machine_set(machines=2) as made:
+        yield made
+
+
+def assert_on_own_machines(logs: list[str]) -> None:
+    """Node N's processes ran on machine N: the host name each process prints."""
+    for node, log in enumerate(logs):
+        hosts = set(re.findall(rf"\[node {node} rank \d+ local \d+\] process \d+ on (\w+):", log))
+        assert hosts == {f"machine{node}"}, log
+
+
+def test_across_two_machines_static_rendezvous_node_local_data_equals_chapter01(
+    machines, corpus, chapter01, tmp_path
+):
+    run_dir = tmp_path / "run"
+    out, logs, _ = simulate(run_dir, corpus, MACHINES=machines.prefix)
+    assert "on machines 0 and 1 of " in out
+    assert "static rendezvous on 10.0.0.1:" in out  # machine 0's address, not 127.0.0.1
+    assert_two_nodes_of_two(logs)
+    assert_on_own_machines(logs)
+    prepared = sorted(m for log in logs for m in PREPARING.findall(log))
+    assert [m[:3] for m in prepared] == [("0", "0", "0"), ("1", "2", "0")]
+    assert losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
+    assert "parameters identical on all 4 rank(s): yes" in logs[0]
+
+
+@pytest.mark.slow
+def test_across_two_machines_c10d_rendezvous_shared_fs_equals_chapter01(
+    machines, corpus, chapter01, tmp_path
+):
+    run_dir = tmp_path / "run"
+    out, logs, _ = simulate(run_dir, corpus, MACHINES=machines.prefix, RDZV="c10d", SHARED_FS="1")
+    assert "c10d rendezvous on 10.0.0.1:" in out
+    assert_two_nodes_of_two(logs)
+    assert_on_own_machines(logs)  # c10d orders the nodes by host name: machine0 first
+    # one file system: global rank 0 alone prepared the token files
+    prepared = [m for log in logs for m in PREPARING.findall(log)]
+    assert [m[:3] for m in prepared] == [("0", "0", "0")]
+    assert losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
+
+
 def test_launch_scripts_parse_and_name_existing_files():
-    for name in ("launch_static.sh", "launch_c10d.sh", "simulate_two_nodes.sh"):
+    for name in ("launch_static.sh", "launch_c10d.sh", "simulate_two_nodes.sh", "machines.sh"):
         script = CHAPTER / name
         subprocess.run(["bash", "-n", str(script)], check=True)
         # every repository path the script names exists (paths are relative to the repository root)

@@ -1,5 +1,6 @@
 """05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed,
-and is fixed.
+and is fixed. The two mistakes in how the ranks meet run across two machines of machines.sh
+(skipped without root or network namespaces; with CI=true they fail).
 
 The launches are slow to start (each imports torch three times) and the hang cases spend most of
 their time waiting for a timeout, so the module starts all of them at once and each test reads
@@ -9,6 +10,7 @@ limit on the whole launch, so no case can hang the suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -20,9 +22,10 @@ import time
 
 import pytest
 from helpers import start
+from machines import machine_set, require_machines, static_launch, why_no_machines
 
 from layout import REPO
-from tools.launch import stop_launchers, torchrun_command
+from tools.launch import free_port, stop_launchers, torchrun_command
 
 HANGS = REPO / "05_multinode" / "hangs.py"
 PG_TIMEOUT = 3  # seconds a collective waits before it fails
@@ -33,8 +36,14 @@ LAUNCH_LIMIT = 150  # seconds a whole launch may take, start-up of three process
 class Launch:
     """One torchrun of hangs.py in the background; its output is read line by line as it comes."""
 
-    def __init__(self, args: list, tmp_path, extra: list | None = None, **env: str):
-        cmd = torchrun_command(HANGS, 2, [*args, "--out-dir", tmp_path], extra=extra)
+    def __init__(
+        self, args: list, tmp_path, extra: list | None = None, command: list | None = None, **env
+    ):
+        """torchrun of 2 ranks on this machine, or `command` followed by hangs.py's args."""
+        hangs_args = [*args, "--out-dir", tmp_path]
+        cmd = torchrun_command(HANGS, 2, hangs_args, extra=extra)
+        if command is not None:
+            cmd = [*command, *hangs_args]
         self.started = time.monotonic()
         self.proc = start(cmd, **env)
         self.lines: list[str] = []
@@ -78,6 +87,8 @@ def launches(tmp_path_factory):
         "order": Launch(["--case", "order", *timeout], tmp / "order", TORCH_FR_BUFFER_SIZE="100"),
         "stuck": Launch(["--case", "stuck", "--timeout", STUCK_TIMEOUT], tmp / "stuck", **detail),
         "dies": Launch(["--case", "dies", *timeout], tmp / "dies"),
+        # on one machine, a mistake in how the ranks meet does no harm
+        "address-one-machine": Launch(["--case", "address", *timeout], tmp / "address-one"),
         # every fix in one run; the dying rank's fix is the launch line: torchrun restarts the group
         "fixed": Launch(
             ["--case", "all", "--fixed", *timeout],
@@ -90,8 +101,26 @@ def launches(tmp_path_factory):
     alone = start(
         [sys.executable, HANGS, "--case", "order"], stderr=subprocess.PIPE, new_session=False
     )
-    yield runs | {"alone": alone}
-    stop_launchers([run.proc for run in runs.values()] + [alone])
+    with contextlib.ExitStack() as machines_made:
+        # where machines can be made: the two mistakes in how the ranks meet, each on two
+        # machines, one torchrun on each, started by the chapter's launch_static.sh with node 0's
+        # right address (the mistake is in the script)
+        across = {}
+        if why_no_machines() is None:
+            machines = machines_made.enter_context(machine_set(machines=2))
+            for case in ("interface", "address"):
+                port = free_port()
+                across[case] = [
+                    Launch(
+                        ["--case", case, *timeout],
+                        tmp / f"{case}-machines",
+                        command=machines.run_command(node, static_launch(HANGS, node, port)),
+                    )
+                    for node in (0, 1)
+                ]
+        yield runs | {"alone": alone, "across machines": across}
+        nodes = [run.proc for pair in across.values() for run in pair]
+        stop_launchers([run.proc for run in runs.values()] + [alone] + nodes)
 
 
 def ended_with_failure(run: Launch) -> str:
@@ -194,3 +223,51 @@ def test_hangs_outside_torchrun_is_one_clear_error(launches):
         "error: hangs.py runs under torchrun, e.g. torchrun --standalone "
         "--nproc_per_node=2 05_multinode/hangs.py --case eval-on-rank0"
     ]
+
+
+def test_a_mistake_in_how_the_ranks_meet_does_no_harm_on_one_machine(launches):
+    status, out, _ = launches["address-one-machine"].finish()
+    assert status == 0, out
+    assert (
+        "[rank 0] case address: on one machine the loopback reaches every rank; the mistake shows "
+        "across machines (05_multinode/machines.sh)"
+    ) in out
+    assert "[rank 1] finished 4 steps" in out
+
+
+def failed_lines(nodes: list[Launch]) -> dict[int, str]:
+    """Each rank's one line on the way out: rank -> what it says, once each node has ended."""
+    outputs = [ended_with_failure(node) for node in nodes]
+    found = dict(re.findall(r"^\[rank (\d)\] failed: (.*)$", "".join(outputs), re.MULTILINE))
+    assert found.keys() == {"0", "1"}, outputs
+    return {int(rank): line for rank, line in found.items()}
+
+
+def test_gloo_on_the_loopback_across_machines_ends_naming_the_address(launches):
+    require_machines()
+    lines = failed_lines(launches["across machines"]["interface"])
+    for line in lines.values():
+        assert line.startswith("RuntimeError: Gloo connectFullMesh failed with ")
+        assert line.endswith(", gloo with GLOO_SOCKET_IFNAME=lo)")
+    # the rank that connects finds nobody at the other's address, 127.0.0.1 on its own machine;
+    # the other waits for a connection that never comes
+    connecting = [line for line in lines.values() if "Connection refused" in line]
+    assert len(connecting) == 1, lines
+    assert re.search(r"Connection refused, remote=\[127\.0\.0\.1\]:\d+", connecting[0])
+
+
+def test_meeting_at_localhost_across_machines_ends_naming_the_address(launches):
+    require_machines()
+    lines = failed_lines(launches["across machines"]["address"])
+    port = re.search(r"MASTER_ADDR=localhost:(\d+)", lines[1]).group(1)
+    # rank 1 is on machine 1, where nothing listens at localhost
+    assert lines[1].startswith(
+        f"DistNetworkError: The client socket has timed out after {PG_TIMEOUT * 1000}ms while "
+        f"trying to connect to (localhost, {port})."
+    )
+    # rank 0 met torchrun's store on its own machine, and waited there for rank 1
+    assert lines[0].startswith(f"DistStoreError: wait timeout after {PG_TIMEOUT * 1000}ms")
+    for line in lines.values():
+        assert line.endswith(
+            f"(this rank met at MASTER_ADDR=localhost:{port}, gloo with GLOO_SOCKET_IFNAME=unset)"
+        )

@@ -1,14 +1,22 @@
-"""05_multinode/preflight.py: run under real torchrun, two nodes of one process on 127.0.0.1."""
+"""05_multinode/preflight.py: run under real torchrun, two nodes of one process on 127.0.0.1 and
+across two machines of machines.sh (the link unlimited and at 100 Mbit/s); and its network check
+before torchrun (--meet), as the launch recipes run it, with every wrong address and interface.
+
+The tests across machines skip without root or network namespaces (with CI=true they fail).
+"""
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 
+import pytest
 from helpers import outputs_of, start
+from machines import machine_set, static_launch
 
 from layout import REPO
-from tools.launch import run_python, two_node_commands
+from tools.launch import TORCHRUN, child_env, free_port, run_python, two_node_commands
 
 PREFLIGHT = REPO / "05_multinode" / "preflight.py"
 
@@ -49,6 +57,8 @@ def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
     # the static rendezvous: torchrun's store, prefixed per attempt
     assert "TORCHELASTIC_USE_AGENT_STORE=True" in out
 
+    # before the process group: every rank reached every other where gloo listens
+    assert len(re.findall(r"gloo addresses: every rank reaches every other$", out, re.M)) == 2
     # the known sum (1 + 2 = 3) arrived on both ranks
     assert len(re.findall(r"all-reduce check: OK \(sum of rank\+1 = 3\)", out)) == 2
     assert len(re.findall(r"gloo group check: OK$", out, re.MULTILINE)) == 2
@@ -72,3 +82,199 @@ def test_preflight_outside_torchrun_is_one_clear_error():
         "error: preflight.py runs under torchrun, e.g. "
         "torchrun --standalone --nproc_per_node=2 05_multinode/preflight.py"
     ]
+
+
+def test_preflight_network_check_on_one_machine():
+    """--meet without torchrun: the meeting point on this machine, right for node 0 and for the
+    simulation (--same-machine), wrong for node 1 of real machines."""
+    port = str(free_port())
+    meet = ["05_multinode/preflight.py", "--meet", f"127.0.0.1:{port}", "--nnodes", "2"]
+    ok = run_python([*meet, "--node-rank", "0", "--same-machine"])
+    assert ok.stderr.startswith(
+        f"preflight on {socket.gethostname()}: the meeting point 127.0.0.1:{port} "
+        "is this machine's; gloo listens on "
+    )
+    wrong = run_python([*meet, "--node-rank", "1"], check=False)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines() == [
+        f"error: MASTER_ADDR=127.0.0.1 is this machine ({socket.gethostname()}) "
+        "itself, not node 0: set it to node 0's address, the same on every node"
+    ]
+
+
+@pytest.fixture(scope="module")
+def machines():
+    """Two machines of their own (05_multinode/machines.sh); skipped without root (a laptop)."""
+    with machine_set(machines=2) as made:
+        yield made
+
+
+def on_machines(machines, commands: list[list[str]], timeout: float = 180, **env: str) -> list:
+    """Each command on its machine (command i on machine i), all at once: their outputs."""
+    procs = [
+        subprocess.Popen(
+            machines.run_command(i, command),
+            cwd=REPO,
+            env=child_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for i, command in enumerate(commands)
+    ]
+    outputs = outputs_of(procs, timeout)
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outputs)
+    ]
+
+
+def launch(node: int, port: int, master: str = "10.0.0.1") -> list[str]:
+    """launch_static.sh on a node, starting the preflight."""
+    return static_launch("05_multinode/preflight.py", node, port, master)
+
+
+PREFLIGHT_ARGS = ["--sizes-mb", "0.5,2", "--iters", "2", "--timeout", "60"]
+
+
+def bus_bandwidths(out: str) -> dict[float, float]:
+    """Rank 0's table: size (MB) -> busbw (GB/s)."""
+    rows = re.findall(r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", out, re.MULTILINE)
+    return {float(size): float(busbw) for size, busbw in rows}
+
+
+def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_holds(machines):
+    port = free_port()
+    nodes = on_machines(machines, [[*launch(n, port), *PREFLIGHT_ARGS] for n in (0, 1)])
+    for node in nodes:
+        assert node.returncode == 0, node.stdout
+    first, second = nodes[0].stdout, nodes[1].stdout
+    # the launch's network check, on each machine, before torchrun
+    assert (
+        f"preflight on machine0: the meeting point 10.0.0.1:{port} is this machine's; gloo listens "
+        "on 10.0.0.1 (eth0, the address of the host name machine0); NCCL may use eth0 "
+        "(NCCL_SOCKET_IFNAME unset: NCCL's own choice)"
+    ) in first
+    assert f"preflight on machine1: it reaches 10.0.0.1:{port} from 10.0.0.2 (eth0); " in second
+    assert re.search(r"^\[node 1 rank 1 local 0\] host machine1 pid \d+", second, re.MULTILINE)
+    assert "preflight PASSED: 2 ranks on 2 node(s)" in first
+    assert set(bus_bandwidths(first)) == {0.5, 2.0}
+
+    # at 100 Mbit/s on both directions of every link: at most 110 Mbit/s, 0.01375 GB/s
+    machines.up(machines=2, rate="100mbit")
+    try:
+        limited = on_machines(machines, [[*launch(n, port), *PREFLIGHT_ARGS] for n in (0, 1)])
+    finally:
+        machines.up(machines=2, rate="unlimited")
+    assert limited[0].returncode == 0, limited[0].stdout
+    for size, busbw in bus_bandwidths(limited[0].stdout).items():
+        assert busbw <= 0.110 / 8, f"{size} MB at {busbw} GB/s"
+
+
+@pytest.mark.parametrize(
+    "node, master, env, line",
+    [
+        (
+            1,
+            "10.0.0.9",
+            {},
+            "error: this machine (machine1) cannot reach the meeting point 10.0.0.9:{port} "
+            "(No route to host): give node 0's address on the network that every node shares",
+        ),
+        (
+            1,
+            "127.0.0.1",
+            {},
+            "error: MASTER_ADDR=127.0.0.1 is this machine (machine1) itself, not node 0: set it "
+            "to node 0's address, the same on every node",
+        ),
+        (
+            0,
+            "10.0.0.2",
+            {},
+            "error: MASTER_ADDR=10.0.0.2 is not an address of this machine (machine0 has: lo "
+            "127.0.0.1, eth0 10.0.0.1): node 0 hosts the meeting point, so MASTER_ADDR must be "
+            "one of its addresses that every node reaches",
+        ),
+        (
+            0,
+            "localhost",
+            {},
+            "error: the meeting point localhost is the loopback (127.0.0.1), where no other "
+            "machine can reach this one: give its address on the network between the nodes "
+            "(machine0 has: lo 127.0.0.1, eth0 10.0.0.1)",
+        ),
+        (
+            1,
+            "10.0.0.1",
+            {"GLOO_SOCKET_IFNAME": "lo"},
+            "error: gloo would listen on 127.0.0.1 (lo, from GLOO_SOCKET_IFNAME=lo), which no "
+            "other machine can reach: set GLOO_SOCKET_IFNAME=eth0, the interface toward 10.0.0.1",
+        ),
+        (
+            1,
+            "10.0.0.1",
+            {"GLOO_SOCKET_IFNAME": "eth1"},
+            "error: GLOO_SOCKET_IFNAME=eth1, but this machine (machine1) has no interface eth1 "
+            "with an IPv4 address (it has: lo 127.0.0.1, eth0 10.0.0.2): name one of those, the "
+            "one on the network between the nodes",
+        ),
+        (
+            1,
+            "10.0.0.1",
+            {"NCCL_SOCKET_IFNAME": "lo"},
+            "error: NCCL_SOCKET_IFNAME=lo leaves NCCL only the loopback (lo), which no other "
+            "machine can reach: set NCCL_SOCKET_IFNAME=eth0",
+        ),
+    ],
+    ids=[
+        "unreachable",
+        "loopback-master",
+        "not-node-0",
+        "loopback-on-node-0",
+        "gloo-lo",
+        "gloo-missing",
+        "nccl-lo",
+    ],
+)
+def test_a_wrong_address_or_interface_is_one_line_before_torchrun(
+    machines, node, master, env, line
+):
+    port = free_port()
+    started = subprocess.run(
+        machines.run_command(node, launch(node, port, master)),
+        cwd=REPO,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode == 2
+    said = started.stderr.strip().splitlines()
+    assert said[0].startswith("launch_static: ")  # the recipe's own line, then the check's
+    assert said[1:] == [line.format(port=port)]
+
+
+def test_an_unreachable_gloo_address_fails_the_preflight_in_seconds(machines):
+    """torchrun started directly (as a job script may), with no check before it: the preflight's
+    own probe of the addresses gloo will listen on names the one that cannot be reached."""
+    port = free_port()
+    commands = [
+        [*TORCHRUN, "--nnodes=2", f"--node-rank={n}", "--nproc-per-node=1"]
+        + ["--master-addr=10.0.0.1", f"--master-port={port}", "05_multinode/preflight.py"]
+        + PREFLIGHT_ARGS
+        for n in (0, 1)
+    ]
+    nodes = on_machines(machines, commands, timeout=120, GLOO_SOCKET_IFNAME="lo")
+    for node in nodes:
+        assert node.returncode != 0, node.stdout
+    out = nodes[0].stdout + nodes[1].stdout
+    for rank, peer, host in ((0, 1, "machine1"), (1, 0, "machine0")):
+        assert re.search(
+            rf"FAILED: rank {rank} on machine{rank} cannot reach rank {peer}'s gloo address "
+            rf"127\.0\.0\.1:\d+ on {host} \(lo, from GLOO_SOCKET_IFNAME=lo\): Connection refused; "
+            rf"set GLOO_SOCKET_IFNAME on {host} to its interface",
+            out,
+        ), out
+    assert "preflight FAILED: a rank cannot reach another's gloo address" in nodes[0].stdout
+    assert "all-reduce check" not in out  # it stopped before the process group
