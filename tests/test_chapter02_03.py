@@ -286,7 +286,7 @@ def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("error: --gpus 2"), lines[0]
-    assert "0 CUDA GPU" in lines[0], lines[0]
+    assert "DataParallel splits over CUDA GPUs" in lines[0], lines[0]
 
 
 # ---- the memory measurement of chapter 02 --------------------------------------------------------

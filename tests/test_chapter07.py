@@ -97,7 +97,7 @@ def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(c
     # chapter 01 ends with, and the optimizer state numbered as chapter 01 numbers it
     saved = checkpoint(out)
     assert saved["iter_num"] == ITERS
-    assert saved["train_config"]["chapter"] == 6
+    assert saved["train_config"]["chapter"] == 7
     assert_same_model(saved["model"], checkpoint(reference)["model"], 1e-4, 1e-5)
     assert not any(name.startswith(("module.", "_fsdp")) for name in saved["model"])
     assert saved["model"]["lm_head.weight"].shape == (50304, 32)  # whole, not a shard
