@@ -204,6 +204,7 @@ def entries(measured: dict) -> list[dict]:
 def caption(measured: dict) -> str:
     settings = measured["settings"]
     return (
+        "*Chapter 05's step against the link's rate, predicted and measured.* "
         "Chapter 05's step time across two machines of `05_multinode/machines.sh` (one process "
         f"each, gloo, the `{settings['preset']}` model, batch {settings['batch_size_per_rank']} "
         "per rank), with both directions of each machine's link limited by tc's tbf, or not "
