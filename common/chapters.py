@@ -12,17 +12,19 @@ FOLDERS = [
     "05_multinode",
     "06_fault_tolerance",
     "07_fsdp",
+    "08_slow_link",
 ]
 CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (train.py, README.md)
 
 # The chapter whose train.py a chapter's page and exercise start from, where it is not the one
 # before it: chapter 04's DDP replaces chapter 03's DataParallel, so its diff against 02 is DDP
-# alone.
-BASES = {4: 2}
+# alone; chapter 08 replaces chapter 05's DDP with DiLoCo's rare syncs (restarts and FSDP, 06
+# and 07, are not its idea).
+BASES = {4: 2, 8: 5}
 
 # The chapters whose run is not chapter 01's, step for step (their own tests say what they match
 # instead): maintainer/make_plots.py leaves them out of the parity figure.
-NOT_CHAPTER_01S_RUN: set[int] = set()
+NOT_CHAPTER_01S_RUN = {8}  # DiLoCo's copies train apart between syncs
 
 
 def base(chapter: int) -> int:

@@ -27,9 +27,11 @@ def save_checkpoint(
     optimizer: Optimizer,
     scaler: torch.amp.GradScaler,
     train_config: dict,
+    more: dict | None = None,
 ) -> None:
     """<out_dir>/ckpt.pt after step `iter_num`: all a resumed run needs (the model's weights and
-    shape, AdamW's averages, the loss scale, the random state and the run's settings)."""
+    shape, AdamW's averages, the loss scale, the random state and the run's settings), and `more`
+    that a chapter needs besides (chapter 08: every rank's own copy)."""
     write_checkpoint(
         out_dir,
         model_state=model.state_dict(),
@@ -38,6 +40,7 @@ def save_checkpoint(
         model_config=model.config,
         train_config=train_config,
         scaler_state=scaler.state_dict(),
+        more=more,
     )
 
 
@@ -50,6 +53,7 @@ def write_checkpoint(
     model_config: GPTConfig,
     train_config: dict,
     scaler_state: dict | None = None,
+    more: dict | None = None,
 ) -> None:
     """Write <out_dir>/ckpt.pt through a temporary file: a crash while it writes leaves the old
     checkpoint intact."""
@@ -75,6 +79,7 @@ def write_checkpoint(
         "rng_cuda_all": every_gpu_rng,
         # float16's loss scale: a resumed run must not restart at 65,536
         "scaler": scaler_state or {},
+        **(more or {}),
     }
     try:
         with open(tmp, "wb") as f:

@@ -158,6 +158,43 @@ def ranks_unlike_rank0(model: torch.nn.Module) -> int:
     return int(differing.item())
 
 
+def gather_copies(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int
+) -> list[dict] | None:
+    """Every rank's model and optimizer state, gathered on rank 0 (None on the others), in rank
+    order, on the CPU: for a checkpoint of copies that differ (chapter 08, mid-round). Every rank
+    must call it."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    state = _to_cpu(state)
+    gathered = None
+    if rank == 0:
+        gathered = [None] * world_size
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def _to_cpu(value):
+    """A state dict's tensors on the CPU, the rest as it is: a checkpoint loads anywhere."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def check_copies(copies: list[dict] | None, world_size: int) -> None:
+    """Refuse to resume a checkpoint of per-rank copies with another number of ranks."""
+    if copies is None:
+        raise CourseError("this checkpoint holds no per-rank copies: resume it with its chapter")
+    if len(copies) != world_size:
+        raise CourseError(
+            f"the checkpoint holds the copies of {len(copies)} ranks, and this run has "
+            f"{world_size}: resume with {len(copies)} ranks, or start a new run in a new --out-dir"
+        )
+
+
 def restart_store(
     world_size: int, restart_count: int, timeout: datetime.timedelta
 ) -> dist.Store | None:
