@@ -370,6 +370,9 @@ def main() -> None:
         )
         if args.note:
             entry["notes"] = args.note
+        # read again: another record may have finished while the command ran
+        results = load()
+        store(results, entry)
         RESULTS_JSON.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         print(f"recorded {entry['name']}: {entry['value']}")
     if args.scan:
