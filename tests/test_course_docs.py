@@ -226,6 +226,9 @@ AFTER_MAIN_LINE = [f"{chapter}/README.md" for chapter in FOLDERS[5:]]
 
 MAIN_PATH_WORDS = 14_000
 CHAPTER_AFTER_MAIN_LINE_WORDS = 2_500
+# chapter 08's whole diff replaces DDP (2,000 words, as chapter 04's replaces DataParallel), and its
+# page carries the table of what it measured on the slow link
+LONGER_CHAPTER_WORDS = {"08_slow_link/README.md": 3_300}
 PARTS = ["## The idea", "## Run it", "## The diff", "## Check it yourself", "## Deep dives"]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 PAGES = ["docs/TROUBLESHOOTING.md", "docs/WORKSHOP.md", *MAIN_PATH, *AFTER_MAIN_LINE, *DEEP_DIVES]
@@ -261,7 +264,7 @@ def test_the_main_path_stays_short_and_every_chapter_reads_in_five_parts():
     assert words <= MAIN_PATH_WORDS, f"the main path has {words} words, more than {MAIN_PATH_WORDS}"
     for page in AFTER_MAIN_LINE:
         words = len((REPO / page).read_text().split())
-        limit = CHAPTER_AFTER_MAIN_LINE_WORDS
+        limit = LONGER_CHAPTER_WORDS.get(page, CHAPTER_AFTER_MAIN_LINE_WORDS)
         assert words <= limit, f"{page} has {words} words, more than {limit}"
     for chapter in FOLDERS:
         text = (REPO / chapter / "README.md").read_text()

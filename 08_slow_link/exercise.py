@@ -1,0 +1,349 @@
+# Exercise: chapter 08 (08_slow_link). This is chapter 05's train.py; add chapter 08's idea where
+# the 15 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
+# solution there (or its code), the defs it adds and the helpers it first calls, with their
+# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
+# tests read only this one). Then check your copy:
+#     cp -n 08_slow_link/exercise.py 08_slow_link/my_exercise.py
+#     python -m tools.check 08_slow_link/my_exercise.py --nproc-per-node 2
+# The solution is 08_slow_link/train.py (its README shows the diff). `cp -n` never overwrites a
+# copy; to start again, copy this file under another name. This file is made by
+# maintainer/make_exercises.py from the two scripts.
+"""Chapter 05: the same job on several machines ("nodes"), one torchrun on each.
+
+Chapter 04's program with the same step: DDP averages the gradients over every process, wherever
+it runs. Several machines are mostly a launch problem: each node's torchrun is told the number of
+nodes, this node's rank and where node 0 listens (README.md in this folder). In the code, every
+line names its node, and the token files are prepared once per node's disk (or once, --shared-fs).
+
+    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
+"""
+
+# TODO 1/15: the imports: remove (-) and add (+)
+#     - import contextlib
+#     - from torch.nn.parallel import DistributedDataParallel as DDP
+#     + import copy
+#     + from common.config import fraction, non_negative_float
+#     + from common.distributed import check_copies, gather_copies
+import contextlib
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+# lets `import common` work from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.config import CourseParser, gpt_config_from_args, positive_int
+from common.data import (
+    batch_loader,
+    count_steps_per_epoch,
+    load_splits,
+    prepare,
+    validation_windows,
+)
+from common.device import autocast_context, describe, pick_dtype, setup_math
+from common.distributed import (
+    RankLog,
+    claim_out_dir_on_rank0,
+    one_rank_first,
+    ranks_unlike_rank0,
+    ranks_use_gpus,
+    refuse_shared_gpus,
+    require_torchrun,
+    share_cpu_cores,
+)
+from common.metrics import RunLog, Throughput
+from common.support.errors import run_main
+from common.training import (
+    build_model,
+    check_finite,
+    check_resume,
+    evaluate,
+    lr_at,
+    sample_text,
+)
+
+
+def main():
+    # TODO 2/15: change the next line of code:
+    #     parser = CourseParser(chapter=8, description=__doc__)
+    parser = CourseParser(chapter=5, description=__doc__)
+    parser.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
+    )
+    parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
+    # TODO 3/15: add 15 lines of code here:
+    #   the names torchft's LocalSGD and DiLoCo use; the defaults are the DiLoCo paper's
+    args = parser.parse_args()
+    # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
+    require_torchrun()  # started with plain `python`: one line that gives the torchrun command
+    rank = int(os.environ["RANK"])  # this process among all of them: 0 .. world_size - 1
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    is_rank0 = rank == 0
+    # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
+    # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
+    node_rank = int(os.environ["GROUP_RANK"])
+    # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
+    log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
+    torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
+
+    # Each process drives one GPU: the LOCAL_RANK-th of its own machine, never the RANK-th (on a
+    # second machine of 8 GPUs RANK starts at 8, but its GPUs are 0..7). Without GPUs, the CPU.
+    device = torch.device("cpu")
+    if ranks_use_gpus(args.device, local_rank, local_world_size, torch.cuda.device_count()):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # or all CUDA work would land on cuda:0
+    share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
+    dtype = pick_dtype(args.dtype, device)
+    setup_math(device, dtype)
+    autocast = autocast_context(device, dtype)
+    out_dir = Path(args.out_dir)
+
+    # ---- the process group: every rank joins it; collectives run in it ---------------------------
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
+    # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    dist.init_process_group(backend, timeout=timeout)
+    refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
+    place = f"rank {rank} of {world_size}, local rank {local_rank}"
+    log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
+
+    # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
+    model_config = gpt_config_from_args(args)
+    # On node-local disks every machine needs its own token files: local rank 0 of EVERY node
+    # prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing the
+    # same files would corrupt them: global rank 0 alone prepares. The others wait for it.
+    preparer = local_rank == 0
+    if args.shared_fs:
+        preparer = is_rank0
+    with one_rank_first(preparer):
+        data_folder = prepare(
+            args.dataset, args.data_dir, args.num_proc, args.text_column, log=log.every_rank
+        )
+    train_set, val_set = load_splits(data_folder, model_config.block_size)
+
+    # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another,
+    # on each of world_size ranks at the same time, each of `batch_size` sequences.
+    global_batch = args.batch_size * args.grad_accum * world_size
+    tokens_per_step = global_batch * model_config.block_size
+    steps_per_epoch = count_steps_per_epoch(train_set, global_batch)
+    # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
+    val_windows = validation_windows(val_set, args.eval_batches, global_batch)
+
+    # ---- model and optimizer ---------------------------------------------------------------------
+    # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
+    # TODO 4/15: change the next 6 lines of code into 18 lines:
+    #   The global parameters, the same on every rank: they change only at a sync. The checkpoint's
+    #     model is this one, which any chapter loads.
+    #   every copy starts as rank 0's (DDP did this broadcast for chapter 05)
+    #   This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
+    #   The inner optimizer, this rank's own. AdamW keeps two running averages per parameter; plain
+    #   SGD (--inner-optimizer sgd, no momentum) makes H = 1 the same run as DDP with SGD.
+    #   The outer optimizer moves the global parameters along the ranks' mean pseudo-gradient, as if
+    #     it were a gradient. Nesterov momentum 0.9 and lr 0.7 are the DiLoCo paper's; momentum 0
+    #     and lr 1 make a sync plain parameter averaging (local SGD).
+    #   uses torch.distributed.broadcast, torch.optim.SGD
+    model = build_model(model_config, args.init_from, checkpoint).to(device)
+    # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
+    optimizer = torch.optim.AdamW(
+        model.optimizer_groups(args.weight_decay),
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=device.type == "cuda",
+    )
+    # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    iter_num = 0
+    # TODO 5/15: add 1 line of code here:
+    #   the step after which this round's inner steps began (the last sync's)
+    # TODO 6/15: change the next 5 lines of code into 9 lines:
+    #   resuming needs the same global batch and seed; the outer momentum and RNG go on
+    #   mid-round, every copy has moved on its own: each rank takes back its own and its AdamW
+    #   uses common.distributed.check_copies(copies: list[dict] | None, world_size: int) -> None:
+    #       Refuse to resume a checkpoint of per-rank copies with another number of ranks.
+    #   uses checkpoint.get, raw_model.load_state_dict
+    if checkpoint is not None:
+        # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
+        check_resume(checkpoint, global_batch, args.seed)
+        iter_num = restore_training_state(checkpoint, optimizer, scaler)
+    # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
+    # into backward to average the gradients over ranks (no device_ids: the model is on this rank's
+    # device). Checkpoints save model.module, whose names any chapter loads (no "module." prefix).
+    model = DDP(model)
+    raw_model = model.module
+    # TODO 7/15: change the next 2 lines of code:
+    #     if args.compile:
+    #         model = torch.compile(raw_model)
+    if args.compile:
+        model = torch.compile(model)
+
+    model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
+    log(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
+    per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
+    split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
+    log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
+    # TODO 8/15: change the next line of code into 3 lines:
+    #     every = f"a sync every {args.sync_every} steps"
+    #     outer = f"outer SGD lr {args.outer_lr}, momentum {args.outer_momentum}"
+    #     log(f"DiLoCo: {world_size} copies, {args.inner_optimizer} each, {every}, {outer},
+    #         {backend}")
+    log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
+    if iter_num:
+        log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
+
+    # ---- the data order: epoch e visits the windows in randperm(N) seeded with seed + e ----------
+    # Every rank draws that permutation and takes its positions: rank, rank + W, rank + 2W and so on
+    # (W = world_size). One step's micro-batches on all ranks are the G positions chapter 01 takes
+    # for it. drop_last: an epoch's remainder is dropped, not padded.
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+
+    train_config = vars(args) | {"global_batch": global_batch, "world_size": world_size}
+    speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
+    # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
+    report = RunLog(out_dir, iter_num, speed, log)
+
+    # TODO 9/15: add 2 lines of code here:
+    #   what this rank handed to all-reduce for the pseudo-gradients, in bytes
+    while iter_num < args.max_iters:
+        epoch = iter_num // steps_per_epoch
+        step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
+        # the permutation of seed + epoch; without this every epoch repeats epoch 0
+        sampler.set_epoch(epoch)
+        # micro-batches of this epoch a resumed run trained on
+        skip = step_in_epoch * args.grad_accum
+        loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if iter_num >= args.max_iters:
+                break
+            # ---- one training step ----
+            lr = lr_at(iter_num, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = torch.zeros((), device=device)  # the mean loss of this rank's share
+            # TODO 10/15: change the next 12 lines of code into 8 lines:
+            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
+            #     makes that sum the gradient of the mean over this rank's
+            #   K * B sequences
+            #   this rank's gradient only: nothing is sent, whatever the link
+            for micro_step in range(args.grad_accum):
+                # DDP all-reduces the gradients inside backward(); before the last micro-step that
+                # traffic would be wasted, so no_sync() lets them add up on this rank
+                sync = contextlib.nullcontext()
+                if micro_step < args.grad_accum - 1:
+                    sync = model.no_sync()
+                with sync:
+                    x, y = next(batches)  # (B, T) each, built in CPU memory
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    with autocast:
+                        _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
+                        # backward() adds into .grad, so K micro-steps sum K gradients; each
+                        # loss divided by K makes that sum the gradient of the mean over this
+                        # rank's K * B sequences, which DDP then averages over the ranks
+                        micro_loss = micro_loss / args.grad_accum
+                    # the last backward all-reduces bucket after bucket of gradients while it still
+                    # computes the rest; this micro-batch's activations are freed here
+                    scaler.scale(micro_loss).backward()
+                loss += micro_loss.detach()
+            # clipping, the optimizer step and the learning rate act once per global batch
+            # TODO 11/15: change the next 4 lines of code:
+            #     if args.grad_clip > 0:
+            #         scaler.unscale_(optimizer)
+            #         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
+            #     scaler.step(optimizer)
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)  # parameters move against their gradients
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            last_step = iter_num == args.max_iters
+
+            # TODO 12/15: add 21 lines of code here:
+            #   ---- the sync: every H steps (and at the end), the copies meet
+            #   The pseudo-gradient: how far this copy moved from the global parameters in the
+            #     round, pointing back (as a gradient points uphill). One flat tensor, so that the
+            #     round's communication is one all-reduce.
+            #   (num_params,)
+            #   half the bytes on the link
+            #   the only traffic of the round
+            #   the outer step: the mean pseudo-gradient is the global parameters' gradient
+            #   every copy starts the next round from the new global parameters
+            #   uses torch.cat, torch.no_grad, m.flatten, sent.numel, sent.element_size,
+            #       chunk.view_as, p.copy_
+            # ---- logging: .item() waits for the device, so only at log intervals ----
+            if iter_num % args.log_interval == 0 or last_step:
+                # the mean over all ranks: a collective, so every rank calls it
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                loss_value = loss.item() / world_size
+                check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
+                report.step(iter_num, loss_value, lr)
+
+            # ---- evaluation and checkpoint ----
+            if iter_num % args.eval_interval == 0 or last_step:
+                # the model uncompiled: eval mode would be compiled anew, which takes longer than
+                # evaluating without compiling. Every rank evaluates the same windows with its own
+                # copy: all get the same loss, with no collective.
+                # TODO 13/15: change the next 2 lines of code:
+                #     val_loss = evaluate(
+                #         global_model, val_set, val_windows, args.batch_size, device, autocast
+                val_loss = evaluate(
+                    raw_model, val_set, val_windows, args.batch_size, device, autocast
+                ).item()
+                # before the save: a diverged model never replaces a good checkpoint
+                check_finite(iter_num, val_loss, "validation loss")
+                # TODO 14/15: change the next 2 lines of code into 6 lines:
+                #   Mid-round every copy differs, and so does its AdamW: rank 0 gathers them all, so
+                #     that a resumed run goes on with each rank's own (a collective: every rank).
+                #   uses common.distributed.gather_copies(model: torch.nn.Module, optimizer:
+                #       torch.optim.Optimizer, rank: int, world_size: int) -> list[dict] | None:
+                #       Every rank's model and optimizer state, gathered on rank 0 (None on the
+                #       others), in rank order, on the CPU: for a checkpoint of copies that differ
+                #       (chapter 08, mid-round).
+                if is_rank0:  # one copy is enough: every rank holds the same model
+                    save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
+                report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+    # TODO 15/15: change the next 0 lines of code into 5 lines:
+    #   the last sync reset every copy to the global parameters: they are equal, bit for bit
+    # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
+    differing = ranks_unlike_rank0(raw_model)
+    verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
+    log(f"parameters identical on all {world_size} rank(s): {verdict}")
+
+    if args.sample_tokens and is_rank0:
+        log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
+        text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        print(text)
+
+
+if __name__ == "__main__":
+    try:
+        run_main(main, resumable=True)
+    finally:
+        # Leave the process group on every way out, an error's too: a rank that ends without it
+        # leaves its peers' connections open until their timeout. After main() has returned, so
+        # that the model, whose DDP or FSDP state uses the group, is freed first.
+        if dist.is_initialized():
+            dist.destroy_process_group()
