@@ -325,7 +325,7 @@ def main():
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 15/15: change the next 0 lines of code into 5 lines:
+    # TODO 15/15: add 5 lines of code here:
     #   the last sync reset every copy to the global parameters: they are equal, bit for bit
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
