@@ -61,8 +61,8 @@ def chapter01(corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["static", pytest.param("c10d", marks=pytest.mark.slow)])
 def killed_run(request, corpus, tmp_path_factory):
     """Chapter 06 in the simulation, with torchrun --max-restarts 1 and one data folder for both
-    nodes (SHARED_FS=1: --shared-fs); once a checkpoint exists, global rank 3 is killed
-    (SIGKILL)."""
+    nodes (SHARED_FS=1: --shared-fs); once a checkpoint exists, global rank 3 is killed (SIGKILL).
+    """
     run_dir = tmp_path_factory.mktemp(f"killed-{request.param}")
     out, logs, killed_at = simulate(
         run_dir,
