@@ -201,6 +201,40 @@ PLANTS = {
         ),
         ranks=2,
     ),
+    # chapter 08: DiLoCo's sync
+    "the pseudo-gradient's sign flipped": Plant(
+        8,
+        ((rewrite, P(assigns="moved"), "g.detach() - p.detach()", "p.detach() - g.detach()"),),
+        ranks=2,
+    ),
+    "the outer step on the local copy": Plant(
+        8,
+        (
+            (
+                rewrite,
+                P(assigns="outer_optimizer"),
+                "global_model.parameters()",
+                "raw_model.parameters()",
+            ),
+        ),
+        ranks=2,
+    ),
+    "the copies not reset after the outer step": Plant(
+        8, ((replace, P(call="copy_"), "pass"),), ranks=2
+    ),
+    # the sum of the copies' parameters, divided by world_size, made the global parameters
+    "the parameters averaged, not the pseudo-gradients": Plant(
+        8,
+        (
+            (rewrite, P(assigns="moved"), "g.detach() - p.detach()", "p.detach()"),
+            (replace, P(assigns="grad"), "g.data.copy_(chunk.view_as(g))"),
+            (replace, P(call="step", uses="outer_optimizer"), ""),
+        ),
+        ranks=2,
+    ),
+    "the sync on some ranks only": Plant(
+        8, ((wrap, P(call="all_reduce", arg="sent"), "if is_rank0:"),), ranks=2
+    ),
 }
 
 # mistakes the catalogue does not know: no entry fits, and what the checker says of them is the

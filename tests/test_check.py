@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from plants import PLANTS, UNKNOWN
 
-from common.chapters import CHAPTERS, base
+from common.chapters import CHAPTERS, NOT_CHAPTER_01S_RUN, base
 from layout import REPO
 from maintainer import REGENERATE, make_exercises
 from tools.check import probe, runner
@@ -32,6 +32,7 @@ from tools.check.__main__ import fresh_folder, main
 from tools.check.facts import Facts
 from tools.check.mistakes import MISTAKES, describe, diagnose, nearest_line, where_to_look
 from tools.check.plan import PLANS
+from tools.check.reference import reference_of
 from tools.check.report import Seen, plotted_run, same_lines
 from tools.launch import child_env
 from tools.statements import Pattern, find, header, rewrite, statements
@@ -252,6 +253,59 @@ PLANT_FACTS = {
         grad_ratio_at_1=1 - 1.7e-9,
         first_param_diff=2,
     ),
+    # chapter 08, against its own run: a sync after steps 2, 4, 6 and 8
+    "the sync on some ranks only": dict(
+        chapter=8,
+        params_equal=False,
+        stopped_after=1,
+        failure="[enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. "
+        "934992 vs 8. Received data size doesn't match expected size. Is there a distributed "
+        "collective mismatch in your code?",
+    ),
+    "the pseudo-gradient's sign flipped": trained(
+        chapter=8,
+        first_param_diff=3,
+        first_loss_diff=3,
+        first_grad_diff=3,
+        outer_steps=4,
+        ref_outer_steps=4,
+        first_sync=2,
+        sync_move_ratio=-1 + 2e-12,
+    ),
+    "the outer step on the local copy": trained(
+        chapter=8,
+        first_param_diff=3,
+        first_loss_diff=3,
+        first_grad_diff=3,
+        outer_steps=4,
+        ref_outer_steps=4,
+        first_sync=2,
+        sync_move_ratio=-0.0,
+    ),
+    "the copies not reset after the outer step": trained(
+        chapter=8,
+        first_param_diff=3,
+        first_loss_diff=3,
+        first_grad_diff=3,
+        ranks_drift_from=2,
+        drifting=(1,),
+        outer_steps=4,
+        ref_outer_steps=4,
+        first_sync=2,
+        sync_move_ratio=-1.3158,
+        kept_own_copy=True,
+    ),
+    # 1 / (0.7 x (1 + 0.9)): the average is an outer step of lr 1 without momentum
+    "the parameters averaged, not the pseudo-gradients": trained(
+        chapter=8,
+        first_param_diff=3,
+        first_loss_diff=3,
+        first_grad_diff=3,
+        outer_steps=0,
+        ref_outer_steps=4,
+        first_sync=2,
+        sync_move_ratio=0.75188,
+    ),
 }
 
 # the facts the plants the catalogue does not know leave (`python -m tools.check COPY --facts`)
@@ -380,7 +434,7 @@ def test_what_the_facts_show_when_nothing_fits():
     assert "gradient norm 1 (equal)" in text, text
     assert "loss from step 1, learning rate from step 3" in text, text
     assert "only the logging differs" in text, text
-    assert "the ranks' copies agree" in text, text
+    assert "the ranks' copies: equal on all 2 ranks at every step" in text, text
 
 
 def test_a_relative_script_path_keeps_its_line_number(tmp_path):
@@ -450,13 +504,14 @@ def test_an_exercise_with_only_its_chapter_set_fails_until_solved(
         pytest.param(5, marks=pytest.mark.slow),
         pytest.param(6, marks=pytest.mark.slow),
         pytest.param(7, marks=pytest.mark.slow),
+        pytest.param(8, marks=pytest.mark.slow),
     ],
 )
 def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     """02 and 03 without the resume phase (chapter 04's test below runs it); 05 as two nodes,
     stopped and resumed; 06 as two nodes, with a killed rank and torchrun's restart; 07 with its
     shards gathered whole, and resumed from its ckpt.pt (where "a checkpoint of rank 0's shards
-    only" must not fire)."""
+    only" must not fire); 08 against its own run, stopped at a sync and resumed."""
     nproc = ["--nproc-per-node", "2"] if chapter >= 4 else []
     resume = ["--no-resume"] if chapter < 5 else []
     script = REPO / CHAPTERS[chapter] / "train.py"
@@ -474,6 +529,10 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
     if chapter == 7:
         assert "gathered whole from the shards of all 2 ranks" in out, out
         assert "stopped at step 5 and resumed: the same end" in out, out
+    if chapter == 8:  # against its own run, whose copies train apart between the syncs
+        assert "against chapter 08's own train.py, run the same way" in out, out
+        assert "equal chapter 08's, on all 2 ranks" in out, out
+        assert "stopped at step 4 and resumed: the same end" in out, out
 
 
 def test_chapter_04_with_two_ranks_is_the_same_run_and_resumes(capsys, out_root):
@@ -507,6 +566,12 @@ RUN = [
     "the GPU chosen by RANK, not LOCAL_RANK",  # two nodes: the GPU index each rank asked for
     "set_epoch given the step, not the epoch",  # the order each epoch read
     "gradients reduced in float32 in a float64 run",  # the size of a difference: float32's
+    # chapter 08, against its own run: the outer steps and where each round's copy starts
+    "the pseudo-gradient's sign flipped",  # the first sync's move, -1 times chapter 08's
+    "the outer step on the local copy",  # the sync moved nothing
+    "the copies not reset after the outer step",  # the next round starts from the copy's own
+    "the parameters averaged, not the pseudo-gradients",  # no outer step; moved 0.75 times
+    "the sync on some ranks only",  # gloo's collective mismatch, where NCCL hangs
 ]
 
 
@@ -561,6 +626,46 @@ def test_a_collective_on_some_ranks_only_is_named_as_a_hang(capsys, out_root, tm
     assert re.search(r"rank 1 waits in DDP's _pre_forward at line \d+ of .*: `_, micro_loss", out)
     assert "diagnosis: a collective called by only some ranks" in out, out
     print(f"the hang was named in {took:.0f} s")
+
+
+def test_a_ranks_abort_is_the_failure_not_the_others_lost_connection(tmp_path):
+    """gloo ends a rank whose collective receives more than it holds (a C++ abort); the others
+    then fail on their lost connection: the abort's message is the failure, which the catalogue
+    names as collectives that do not match."""
+    log = tmp_path / "run.log"
+    log.write_text(
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+        "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 934992 vs 8. "
+        "Received data size doesn't match expected size. Is there a distributed collective "
+        "mismatch in your code?\n"
+        "[rank0]: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:19878: Connection reset by "
+        "peer.\n"
+    )
+    run = runner.Run(tmp_path, tmp_path, log, 1)
+    line = runner.failure_line(run, Path("08_slow_link/train.py"))
+    assert line.startswith("[enforce fail at pair.cc:456] "), line
+    facts = same_facts(chapter=8, failure=line, stopped_after=1, params_equal=False)
+    found, _, _ = diagnose(facts)
+    assert found is BY_NAME["the sync on some ranks only"]
+    found, _, _ = diagnose(same_facts(chapter=4, failure=line, stopped_after=1))
+    assert found is BY_NAME["a collective called by only some ranks"]
+
+
+def test_a_chapter_whose_run_is_not_chapter_01s_is_compared_with_its_own():
+    """Chapter 08's reference is its own train.py, run as the check runs the script: the same
+    ranks and flags (a sync every 2 steps, the outer momentum on); the others' is chapter 01's."""
+    for number, plan in PLANS.items():
+        ranks = 2 if plan.distributed else 1
+        script, launch, flags = reference_of(plan, ranks)
+        if number in NOT_CHAPTER_01S_RUN:
+            assert script == REPO / CHAPTERS[number] / "train.py"
+            assert (launch.nproc, launch.torchrun) == (2, True)
+            assert flags == {**plan.split(2), **plan.extra_flags()}
+        else:
+            assert script == REPO / CHAPTERS[1] / "train.py"
+            assert (launch.nproc, flags) == (1, {"batch_size": 8})
+    assert PLANS[8].extra_flags()["sync_every"] == 2
+    assert PLANS[8].extra_flags()["outer_momentum"] > 0
 
 
 def test_a_script_that_fails_is_one_line_without_a_traceback(capsys, out_root, tmp_path):

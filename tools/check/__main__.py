@@ -36,9 +36,9 @@ from pathlib import Path
 
 from common.chapters import CHAPTERS
 from tools.check import facts as gather
-from tools.check.mistakes import BY_NAME, known_failure, same_run, where_to_look
-from tools.check.plan import GLOBAL_BATCH, PLANS, RESTART_EVAL, RESTART_KILL, RESUME_AT, Plan
-from tools.check.reference import prepared_corpus, reference_run, run_flags
+from tools.check.mistakes import MISTAKES, fits, known_failure, mismatched, same_run, where_to_look
+from tools.check.plan import GLOBAL_BATCH, PLANS, RESTART_EVAL, RESTART_KILL, Plan
+from tools.check.reference import checked_launch, prepared_corpus, reference_run, run_flags
 from tools.check.report import Seen, different_lines, plot, same_lines
 from tools.check.runner import (
     CannotRun,
@@ -133,7 +133,7 @@ class Check:
 
     @property
     def launch(self) -> Launch:
-        return Launch(self.nproc, self.plan.nodes, self.plan.env(), torchrun=self.plan.distributed)
+        return checked_launch(self.plan, self.nproc)
 
     def flags(self, out: str, iters: int | None = None, **more) -> list[str]:
         split, extra = self.plan.split(self.nproc), self.plan.extra_flags()
@@ -176,7 +176,7 @@ def planned(args) -> tuple[Plan, int, str]:
 def resumed_run(c: Check) -> Run:
     """Stopped at step 5, then resumed to the end: the resumed run, or the failed one where the
     catalogue names its failure."""
-    first = c.run("resumed", iters=RESUME_AT)
+    first = c.run("resumed", iters=c.plan.resume_at)
     if first.status == 0:
         resumed = c.run("resumed", resume=True)
     failed = first if first.status != 0 else resumed
@@ -191,7 +191,7 @@ def resumed_run(c: Check) -> Run:
 
 def restart_check(c: Check, ref: Run) -> str | None:
     """Kill rank 1 after step 6 (checkpoint at step 4); torchrun restarts the group, which must
-    continue from the checkpoint to chapter 01's end. None: it did."""
+    continue from the checkpoint to the reference's end. None: it did."""
     env = (*c.launch.env, ("CHECK_KILL", f"1:{RESTART_KILL}"))
     launch = Launch(c.nproc, c.plan.nodes, env, ("--max-restarts=1",), torchrun=True)
     run = c.run("restarted", launch, eval_interval=RESTART_EVAL)
@@ -203,18 +203,29 @@ def restart_check(c: Check, ref: Run) -> str | None:
     if diff is not None:
         return f"the restarted run's loss differs from step {diff}"
     if gather.relative_distance(run.params(), ref.params()) > gather.PARAM_RTOL:
-        return "the restarted run ends with other parameters than chapter 01's"
+        return f"the restarted run ends with other parameters than {c.plan.against}'s"
     return None
 
 
-def hung(c: Check, run: Run) -> int:
-    print("not the same run: the ranks hang, each waiting for the others in a collective")
-    print(*hang_report(run, c.script, c.source, c.nproc), sep="\n")
-    print(
-        "  nothing is known to differ: the run was stopped at the hang "
-        f"(the whole output: {shown(run.log)})"
-    )
-    hang = BY_NAME["a collective called by only some ranks"]
+def hung(c: Check, run: Run, failure: str | None) -> int:
+    """The ranks hang in collectives that do not match, or gloo saw them not match and ended the
+    run (where NCCL would hang): each rank's line, and the plan's hang entry."""
+    if run.hangs():
+        print("not the same run: the ranks hang, each waiting for the others in a collective")
+        print(*hang_report(run, c.script, c.source, c.nproc), sep="\n")
+        print(
+            "  nothing is known to differ: the run was stopped at the hang "
+            f"(the whole output: {shown(run.log)})"
+        )
+    else:
+        print(
+            "not the same run: the ranks' collectives do not match (gloo saw it and ended the "
+            "run; on GPUs, NCCL's ranks would wait for each other forever)"
+        )
+        print(f"  {failure}")
+        print(f"  (the whole output: {shown(run.log)})")
+    facts = gather.Facts(plan=c.plan).but(hung=bool(run.hangs()), failure=failure)
+    hang = next(m for m in MISTAKES if m.kind == "hang" and fits(m, facts))
     print(f"diagnosis: {hang.name}: {hang.did}")
     look = where_to_look(hang, c.source, shown(c.script), c.theirs)
     if look.text.startswith("look at"):  # the statement around the collective that differs
@@ -241,11 +252,12 @@ def failed_early(c: Check, run: Run, when: str = "it stopped before step 1") -> 
 def verdict(c: Check, run: Run, ref: Run, args) -> int:
     if run.unsupported():
         raise CannotRun(run.unsupported())
-    if run.status != 0 and run.hangs():
-        return hung(c, run)
+    failure = failure_line(run, c.script) if run.status != 0 else None
+    stopped = gather.Facts(plan=c.plan).but(hung=bool(run.hangs()), failure=failure)
+    if run.status != 0 and mismatched(stopped):
+        return hung(c, run, failure)
     if not run.losses():
         return failed_early(c, run)
-    failure = failure_line(run, c.script) if run.status != 0 else None
     facts = gather.gather(c.plan, c.nproc, run, ref, failure)
     resumed = None
     restarted = False
@@ -270,7 +282,7 @@ def verdict(c: Check, run: Run, ref: Run, args) -> int:
         print(*different_lines(seen, c.source, shown(c.script), c.theirs, facts_file), sep="\n")
     if not args.no_plot:
         png = c.folder / "losses.png"
-        drawn = plot(png, seen, f"{shown(c.script)} against chapter 01")
+        drawn = plot(png, seen, f"{shown(c.script)} against {c.plan.against}")
         print(f"plot: {shown(png)}" if drawn else "plot: none (matplotlib is not installed)")
     return 0 if same_run(facts) else 1
 
@@ -290,11 +302,15 @@ def check(args) -> int:
     theirs = (REPO / CHAPTERS[plan.chapter] / "train.py").read_text()
     c = Check(script, source, plan, nproc, folder, corpus_file, data, not args.no_resume, theirs)
     shape = plan.shape(nproc)
-    print(f"checking {shown(script)} as chapter {plan.chapter:02d} ({shape}) against chapter 01")
+    against = plan.against
+    if plan.reference == plan.chapter:  # its run is not chapter 01's
+        against = f"chapter {plan.chapter:02d}'s own train.py, run the same way"
+    print(f"checking {shown(script)} as chapter {plan.chapter:02d} ({shape}) against {against}")
     print(f"  float64, tiny model, 8 steps over 3 epochs of a small corpus; in {shown(folder)}/")
     started = start(script, c.launch, c.flags("run"), folder, "run")
     try:
-        ref = reference_run(root, corpus_file, data, corpus)  # meanwhile, unless already made
+        # meanwhile, unless already made
+        ref = reference_run(root, corpus_file, data, corpus, plan, nproc)
     except BaseException:
         stop(started)
         raise

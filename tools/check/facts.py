@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from tools.check.plan import GLOBAL_BATCH, RESUME_AT, SEED, STEPS, Plan
+from tools.check.plan import GLOBAL_BATCH, SEED, STEPS, Plan
 from tools.check.runner import Run
 
 # float64: runs that take the same steps agree to about 1e-15; the order of additions differs
@@ -80,6 +80,19 @@ def checksum(step: dict):
 def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
     """Every rank's windows of step i (from 0), together, sorted."""
     return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
+
+
+def reference_steps(ref: Run) -> list[dict]:
+    """The reference's steps as rank 0 took them, each with the windows that every rank of the
+    reference read in it (chapter 01's one process: its own)."""
+    ranks_steps = [r["steps"] for r in ref.ranks()]
+    return [step | {"windows": windows_of(ranks_steps, i)} for i, step in enumerate(ranks_steps[0])]
+
+
+def unlike_rank0(ranks_steps: list[list[dict]], i: int, key: str) -> list[int]:
+    """The ranks whose checksum `key` of step i (from 0) is not rank 0's."""
+    sums = [steps[i].get(key) if i < len(steps) else None for steps in ranks_steps]
+    return [r for r, s in enumerate(sums) if s != sums[0]]
 
 
 ORDERS = 64  # the seeds SEED + k that epoch_order tries
@@ -280,7 +293,9 @@ class Ranks:
     """The ranks against each other: their copies, what they did, the GPU each asked for."""
 
     world_size: int = 2
-    ranks_drift_from: int | None = None  # the first step after which a rank's copy differs
+    # the first step after which a rank's copy differs from rank 0's where the reference's copies
+    # are equal (chapter 01's, one copy: always; chapter 08's: at each sync); 0: before step 1
+    ranks_drift_from: int | None = None
     drifting: tuple[int, ...] = ()  # the ranks whose copies differ from rank 0's there
     ranks_clip_differ: bool = False  # some ranks clipped the gradient and others did not
     ranks_steps_differ: bool = False  # the ranks took different numbers of optimizer steps
@@ -306,16 +321,24 @@ class Ranks:
         return bool(self.devices) and all(i is not None for _, _, i in self.devices)
 
     @classmethod
-    def of(cls, run: Run, nproc: int, plan: Plan, first_data: int | None, ref_steps) -> Ranks:
+    def of(
+        cls, run: Run, ref: Run, nproc: int, plan: Plan, first_data: int | None, ref_steps
+    ) -> Ranks:
         ranks = run.ranks()
         ranks_steps = [r["steps"] for r in ranks]
+        ref_ranks_steps = [r["steps"] for r in ref.ranks()]
         drift, drifting = None, []
         for step in range(1, min(map(len, ranks_steps), default=0) + 1):
-            sums = [steps[step - 1].get("checksum") for steps in ranks_steps]
-            drifting = [r for r, s in enumerate(sums) if s != sums[0]]
-            if drifting:
-                drift = step
+            # the copies a step starts from (after a sync, chapter 08's), then the step's own
+            for key, after in (("checksum_before", step - 1), ("checksum", step)):
+                drifting = unlike_rank0(ranks_steps, step - 1, key)
+                if drifting and not unlike_rank0(ref_ranks_steps, step - 1, key):
+                    drift = after
+                    break
+            if drift is not None:
                 break
+        if drift is None:
+            drifting = []
         if drift is None and ranks_steps:  # every rank's final copy, whole, against rank 0's
             import torch
 
@@ -368,7 +391,8 @@ class Ranks:
 
 @dataclass(frozen=True)
 class Resume:
-    """The run stopped at step 5 and resumed (or, where the plan says, killed and restarted)."""
+    """The run stopped (after the plan's resume_at) and resumed, or, where the plan says, killed and
+    restarted."""
 
     resume_at: int | None = None  # where the resume check stopped and resumed; None: not run
     resume_diff: int | None = None  # the first step after resuming that differs
@@ -381,22 +405,24 @@ class Resume:
     restart: str | None = None  # what the killed-and-restarted run did wrong
 
     @classmethod
-    def of(cls, resumed: Run, ref: Run, rank0: list[dict], per_epoch: int) -> Resume:
-        ref_steps = ref.ranks()[0]["steps"]
-        diff = first_diff(resumed.losses(), ref.losses(), after=RESUME_AT)
+    def of(cls, resumed: Run, ref: Run, rank0: list[dict], per_epoch: int, at: int) -> Resume:
+        """`at`: the step after which the run was stopped."""
+        ref_steps = reference_steps(ref)
+        diff = first_diff(resumed.losses(), ref.losses(), after=at)
         if diff is None and relative_distance(resumed.params(), ref.params()) > PARAM_RTOL:
             diff = STEPS
         steps = [r["steps"] for r in resumed.ranks()]
         if not steps or not all(steps):
-            return cls(resume_at=RESUME_AT, resume_diff=diff)
+            return cls(resume_at=at, resume_diff=diff)
         mine = steps[0]
-        ended = rank0[RESUME_AT - 1].get("checksum") if len(rank0) >= RESUME_AT else None
+        # where the uninterrupted run's next step starts: after step `at`, and after its sync
+        ended = rank0[at].get("checksum_before") if len(rank0) > at else None
         start = mine[0].get("checksum_before")
         first_read = {w for s in steps for w in s[0]["windows"]}
-        epoch = RESUME_AT // per_epoch
+        epoch = at // per_epoch
         done = min(map(len, steps))
         return cls(
-            resume_at=RESUME_AT,
+            resume_at=at,
             resume_diff=diff,
             resume_reads_steps=tuple(
                 s + 1
@@ -405,22 +431,68 @@ class Resume:
             ),
             resume_first_data_diff=next(
                 (
-                    RESUME_AT + i + 1
+                    at + i + 1
                     for i in range(done)
-                    if RESUME_AT + i < len(ref_steps)
-                    and windows_of(steps, i) != sorted(ref_steps[RESUME_AT + i]["windows"])
+                    if at + i < len(ref_steps)
+                    and windows_of(steps, i) != sorted(ref_steps[at + i]["windows"])
                 ),
                 None,
             ),
-            resume_first_grad_diff=first_step_diff(mine, ref_steps, grad_norm, offset=RESUME_AT),
-            resume_first_param_diff=first_step_diff(mine, ref_steps, checksum, offset=RESUME_AT),
+            resume_first_grad_diff=first_step_diff(mine, ref_steps, grad_norm, offset=at),
+            resume_first_param_diff=first_step_diff(mine, ref_steps, checksum, offset=at),
             resume_start_differs=ended is not None
             and start is not None
             and any(differs(a, b, 1e-12) for a, b in zip(start, ended)),
         )
 
 
-GROUPS = {"log": Logged, "data": Data, "grads": Gradients, "ranks": Ranks, "resume": Resume}
+@dataclass(frozen=True)
+class Syncs:
+    """DiLoCo's syncs (chapter 08) on rank 0, against the reference's: the outer optimizer's steps
+    (another optimizer than the training one, the probe's outer_steps) and where each round's copy
+    starts."""
+
+    outer_steps: int = 0  # the outer optimizer's steps
+    ref_outer_steps: int = 0  # the reference's
+    first_sync: int | None = None  # the training step after which the reference first syncs
+    # how far the first sync moved the copy (the sum of its parameters, from the first round's
+    # start to the second's) as a multiple of the reference's: -1: as far the other way; 0: not
+    sync_move_ratio: float | None = None
+    # the second round starts where this copy ended the first: the copy was not reset
+    kept_own_copy: bool = False
+
+    @classmethod
+    def of(cls, run: Run, ref: Run) -> Syncs:
+        ref_outer = ref.ranks()[0].get("outer_steps") or []
+        ranks = run.ranks()
+        if not ref_outer or not ranks:
+            return cls()
+        outer = ranks[0].get("outer_steps") or []
+        mine, theirs = ranks[0]["steps"], ref.ranks()[0]["steps"]
+        h = ref_outer[0]["after"]
+        ratio, kept = None, False
+        if 0 < h < len(mine) and h < len(theirs):
+            moved = mine[h]["checksum_before"][0] - mine[0]["checksum_before"][0]
+            ref_moved = theirs[h]["checksum_before"][0] - theirs[0]["checksum_before"][0]
+            ratio = moved / ref_moved if ref_moved else None
+            kept = mine[h]["checksum_before"] == mine[h - 1].get("checksum")
+        return cls(
+            outer_steps=len(outer),
+            ref_outer_steps=len(ref_outer),
+            first_sync=h,
+            sync_move_ratio=ratio,
+            kept_own_copy=kept,
+        )
+
+
+GROUPS = {
+    "log": Logged,
+    "data": Data,
+    "grads": Gradients,
+    "ranks": Ranks,
+    "resume": Resume,
+    "syncs": Syncs,
+}
 
 
 @dataclass(frozen=True)
@@ -431,6 +503,7 @@ class Facts:
     grads: Gradients = field(default_factory=Gradients)
     ranks: Ranks = field(default_factory=Ranks)
     resume: Resume = field(default_factory=Resume)
+    syncs: Syncs = field(default_factory=Syncs)
 
     def but(self, **changes) -> Facts:
         """These facts with some fields changed, each named alone (`first_loss_diff=1`): every
@@ -447,7 +520,7 @@ class Facts:
 
 def gather(plan: Plan, nproc: int, run: Run, ref: Run, failure: str | None) -> Facts:
     """The facts of a plain run (no resume yet) against chapter 01's."""
-    ranks, ref_steps = run.ranks(), ref.ranks()[0]["steps"]
+    ranks, ref_steps = run.ranks(), reference_steps(ref)
     ranks_steps = [r["steps"] for r in ranks]
     per_epoch = int(re.search(r"(\d+) steps per epoch", ref.output()).group(1))
     rank0 = ranks_steps[0] if ranks_steps else []
@@ -460,13 +533,15 @@ def gather(plan: Plan, nproc: int, run: Run, ref: Run, failure: str | None) -> F
         log=Logged.of(run, ref, failure),
         data=data,
         grads=Gradients.of(rank0, ref_steps, run, ref, k),
-        ranks=Ranks.of(run, nproc, plan, data.first_data_diff, ref_steps),
+        ranks=Ranks.of(run, ref, nproc, plan, data.first_data_diff, ref_steps),
+        syncs=Syncs.of(run, ref),
     )
 
 
 def with_resume(facts: Facts, run: Run, resumed: Run, ref: Run) -> Facts:
     rank0 = run.ranks()[0]["steps"] if run.ranks() else []
-    return replace(facts, resume=Resume.of(resumed, ref, rank0, facts.data.steps_per_epoch))
+    per_epoch, at = facts.data.steps_per_epoch, facts.plan.resume_at
+    return replace(facts, resume=Resume.of(resumed, ref, rank0, per_epoch, at))
 
 
 def with_restart(facts: Facts, restart: str | None) -> Facts:

@@ -115,7 +115,7 @@ def same_run(f: Facts) -> bool:
 
 def averaged(f: Facts) -> str | None:
     if near(f.grads.grad_ratio_at_1, 1, 1e-9):
-        return "rank 0's gradient at step 1 equals chapter 01's: the gradients were averaged"
+        return f"rank 0's gradient at step 1 equals {f.plan.against}'s: the gradients were averaged"
     return None
 
 
@@ -127,13 +127,104 @@ MICRO_LOOP = P(kind="for", uses="micro_step")
 SYNC_SWITCH = P(kind="if", uses="micro_step")
 SAMPLER = P(assigns="sampler", call="DistributedSampler")
 STEP = P(call="step")  # scaler.step(optimizer), optimizer.step()
+OUTER_STEP = P(call="step", uses="outer_optimizer")  # chapter 08's outer SGD moves the global model
+# gloo's words when a rank's collective receives more than it holds: the collectives do not match
+MISMATCH = re.compile(r"collective mismatch|doesn't match expected size")
+
+
+def mismatched(f: Facts) -> bool:
+    """The ranks called collectives that do not match: they hang (NCCL), or gloo saw it."""
+    return f.log.hung or (f.log.failure is not None and MISMATCH.search(f.log.failure) is not None)
+
+
+def moved_by(f: Facts, ratio: float, rel: float = 1e-6) -> bool:
+    """Chapter 08: the first sync moved the copy `ratio` times as far as the reference's did
+    (within rel, of 1 where the ratio is 0)."""
+    value = f.syncs.sync_move_ratio
+    return f.plan.rounds and value is not None and abs(value - ratio) <= rel * max(abs(ratio), 1)
+
 
 MISTAKES = [
+    # chapter 08's sync, first: its signatures hold only where the plan has DiLoCo's rounds
+    Mistake(
+        name="the sync on some ranks only",
+        did="the sync (the all-reduce of the pseudo-gradient) is called by some ranks only: the "
+        "others go on to their next collective (the logged loss's all-reduce), which does not "
+        "match it. On GPUs the ranks wait for each other forever; gloo sees that the sizes differ "
+        '("a distributed collective mismatch") and ends the run. Every rank must reach the sync, '
+        "at the same step",
+        signature=lambda f: f.plan.rounds and mismatched(f),
+        chapter=8,
+        right=(P(call="all_reduce", arg="sent"),),
+        look_for=(P(call="all_reduce"), P(call="broadcast"), P(call="barrier")),
+        near=P(assigns="pseudo_grad"),
+        kind="hang",
+    ),
+    Mistake(
+        name="the pseudo-gradient's sign flipped",
+        did="the pseudo-gradient is the copy's parameters minus the global ones (local - global), "
+        "which points the way the copy moved; the outer SGD steps against it, as against a "
+        "gradient, so the global parameters move back the other way. The steps before the first "
+        "sync are chapter 08's; the sync then moves the parameters exactly as far as chapter "
+        "08's, in the opposite direction (-1 times its move). The pseudo-gradient is global - "
+        "local",
+        signature=lambda f: moved_by(f, -1),
+        chapter=8,
+        right=(P(assigns="moved"),),
+        look_for=(P(assigns="moved"), P(assigns="pseudo_grad")),
+        near=P(assigns="pseudo_grad"),
+    ),
+    Mistake(
+        name="the outer step on the local copy",
+        did="the outer optimizer steps this rank's own copy (built on raw_model's parameters, or "
+        "given the copy's gradients), not the global parameters: the global parameters never "
+        "move, so every sync resets the copies to where the run began. The first round is chapter "
+        "08's; the second starts from the first one's start (the sync moved the copy 0 times as "
+        "far as chapter 08's). The outer optimizer is built on global_model's parameters, whose "
+        "gradients are the mean pseudo-gradient",
+        signature=lambda f: moved_by(f, 0, rel=1e-9),
+        chapter=8,
+        right=(P(assigns="outer_optimizer"),),
+        look_for=(P(assigns="outer_optimizer"), OUTER_STEP),
+        near=P(assigns="raw_model"),
+    ),
+    Mistake(
+        name="the copies not reset after the outer step",
+        did="after the outer step each rank's copy goes on from where its own round ended, not "
+        "from the new global parameters: the first round is chapter 08's, then the ranks' copies "
+        "start the next round apart (chapter 08's start it equal) and the outer step never reaches "
+        "them. Every copy starts each round from the global parameters (copied into it)",
+        signature=lambda f: f.plan.rounds and f.syncs.kept_own_copy,
+        chapter=8,
+        right=(P(call="copy_"),),
+        look_for=(P(call="copy_"), P(call="load_state_dict", uses="raw_model")),
+        near=P(call="zero_grad", uses="outer_optimizer"),
+    ),
+    Mistake(
+        name="the parameters averaged, not the pseudo-gradients",
+        did="the sync averages the copies' parameters and makes them the global parameters, with "
+        "no outer optimizer: that is an outer SGD of lr 1 without momentum (local SGD), not the "
+        "outer step of --outer-lr and Nesterov --outer-momentum. With the check's 0.7 and 0.9 the "
+        "first sync moves the parameters 1 / (0.7 x 1.9) = 0.75 times as far as chapter 08's, and "
+        "no momentum carries over to the next. Average the pseudo-gradients (global - local), "
+        "make them the global parameters' gradients and step the outer optimizer",
+        signature=lambda f: (
+            f.plan.rounds
+            and f.syncs.outer_steps == 0 < f.syncs.ref_outer_steps
+            and f.syncs.sync_move_ratio is not None
+            and f.syncs.sync_move_ratio > 0
+        ),
+        chapter=8,
+        right=(P(assigns="moved"), OUTER_STEP),
+        look_for=(OUTER_STEP, P(assigns="moved")),
+        near=P(call="all_reduce", arg="sent"),
+    ),
     Mistake(
         name="a collective called by only some ranks",
         did="a collective (all_reduce, barrier, ...) that every rank must call is called by some "
-        "only, or by each at a different place: the ranks wait for each other forever",
-        signature=lambda f: f.log.hung,
+        "only, or by each at a different place: the ranks wait for each other forever (or gloo "
+        "sees that the sizes differ and ends the run)",
+        signature=mismatched,
         chapter=4,
         right=(P(call="all_reduce", arg="loss"),),
         look_for=(
@@ -538,9 +629,9 @@ BY_NAME = {mistake.name: mistake for mistake in MISTAKES}
 def ruled_out(mistake: Mistake, f: Facts) -> str | None:
     """Why the facts rule the entry out although its signature fits, or None."""
     if mistake.kind == "training" and training_right(f):
-        return "the parameters equal chapter 01's after every step: the training is right"
+        return f"the parameters equal {f.plan.against}'s after every step: the training is right"
     if mistake.kind in ("logging", "evaluation") and not training_right(f):
-        return "the parameters differ from chapter 01's: more than the logging differs"
+        return f"the parameters differ from {f.plan.against}'s: more than the logging differs"
     return mistake.unless(f) if mistake.unless is not None else None
 
 
@@ -774,6 +865,12 @@ def step_place(step: int, f: Facts) -> str:
     epoch, nth = (step - 1) // per, (step - 1) % per + 1
     if step == 1:
         return "step 1 is the run's first step, before any epoch boundary: every step differs"
+    h = f.syncs.first_sync
+    if f.plan.rounds and h and (step - 1) % h == 0:
+        return (
+            f"step {step} is the first step after a sync (one every {h} steps here): look at the "
+            "sync (the pseudo-gradient, its all-reduce, the outer step, the copies' reset)"
+        )
     if nth == 1:
         return (
             f"step {step} is the first step of epoch {epoch} (an epoch is {per} steps here): "
@@ -793,8 +890,8 @@ def micro_batches(step: int, f: Facts) -> str | None:
     if f.data.first_data_micro is not None and step == f.data.first_data_diff:
         rank, m = f.data.first_data_micro
         said.append(
-            f"rank {rank}'s micro-batch {m} of {k} is the first to read windows outside chapter "
-            f"01's step {step}"
+            f"rank {rank}'s micro-batch {m} of {k} is the first to read windows outside "
+            f"{f.plan.against}'s step {step}"
         )
     if step > 1 and (step - 1) % per == 0 and f.data.train_windows:
         batch = max(GLOBAL_BATCH // (w * k), 1)
@@ -896,7 +993,7 @@ def describe(f: Facts) -> list[str]:
     (epochs, micro-batches, the resume), their size against the number format, the ranks'
     copies."""
     out = [
-        f"at step 1: loss {ratio_words(f.log.loss_ratio_at_1, f)} x chapter 01's, "
+        f"at step 1: loss {ratio_words(f.log.loss_ratio_at_1, f)} x {f.plan.against}'s, "
         f"gradient norm {ratio_words(f.grads.grad_ratio_at_1, f)} x"
     ]
     differ = first_differences(f)
@@ -916,17 +1013,62 @@ def describe(f: Facts) -> list[str]:
     if f.ranks.world_size > 1:
         if f.ranks.sharded:
             out.append("the ranks hold shards of the parameters (FSDP), compared whole")
-        elif f.ranks.ranks_drift_from is None:
-            out.append("the ranks' copies agree at every step")
         else:
-            out.append(f"the ranks' copies differ from step {f.ranks.ranks_drift_from}")
+            out.append(f"the ranks' copies: {copies_words(f)}")
     if training_right(f) and not logging_right(f):
-        out.append("only the logging differs: the parameters equal chapter 01's after every step")
+        out.append(
+            f"only the logging differs: the parameters equal {f.plan.against}'s after every step"
+        )
+    if syncs_differ(f):
+        out.append(syncs_words(f))
     if f.resume.resume_diff is not None:
         out.append(resumed_words(f))
     if f.resume.resume_start_differs:
         out.append("the resumed run starts from other parameters than the stopped run ended with")
     return out
+
+
+def syncs_differ(f: Facts) -> bool:
+    """Chapter 08: the syncs are not the reference's (the outer steps, the first sync's move, the
+    copy the next round starts from)."""
+    y = f.syncs
+    return f.plan.rounds and (
+        y.outer_steps != y.ref_outer_steps or not moved_by(f, 1) or y.kept_own_copy
+    )
+
+
+def syncs_words(f: Facts) -> str:
+    """Chapter 08's syncs against the reference's, in words."""
+    y, against = f.syncs, f.plan.against
+    ratio = "?" if y.sync_move_ratio is None else close_to_one(y.sync_move_ratio)
+    if y.sync_move_ratio is not None and abs(y.sync_move_ratio) < 1e-9:
+        ratio = "0"  # not -0
+    text = (
+        f"the syncs: {y.outer_steps} outer optimizer step(s) on rank 0 ({against}: "
+        f"{y.ref_outer_steps}); the first sync, after step {y.first_sync}, moved rank 0's copy "
+        f"{ratio} times as far as {against}'s"
+    )
+    if y.kept_own_copy:
+        text += "; the next round started from the copy's own parameters, not the global ones"
+    return text
+
+
+def copies_words(f: Facts) -> str:
+    """The ranks' copies against each other, where the reference's are equal: at every step
+    (chapter 01's one copy), after every sync (chapter 08's)."""
+    r, plan = f.ranks, f.plan
+    own = plan.reference == plan.chapter
+    if r.ranks_drift_from is None:
+        if own:
+            return f"equal on all {r.world_size} ranks wherever {plan.against}'s are"
+        return f"equal on all {r.world_size} ranks at every step"
+    others = ", ".join(map(str, r.drifting))
+    since = r.ranks_drift_from
+    when = "before step 1" if since == 0 else f"from step {since}"
+    if own:
+        when = "before step 1" if since == 0 else f"after step {since}"
+        when += f", where {plan.against}'s copies are equal"
+    return f"rank(s) {others} differ from rank 0's {when}"
 
 
 def resumed_words(f: Facts) -> str:

@@ -7,10 +7,13 @@ compare more than the logged loss: for every optimizer step of every rank, which
 were read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients
 were zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
 parameters before and after the step; the GPU index each rank would ask for (below); at the end,
-every rank's parameters. Under FSDP a rank's parameters and gradients are shards (DTensors): the
-probe gathers them whole on every rank (a collective, at the optimizer step every rank takes), so
-the norm, the checksums and the final parameters are the whole model's. It only watches: nothing of
-the script's run changes, with three exceptions the checker asks for by environment variable:
+every rank's parameters. The training steps are those of the first optimizer that steps; another
+optimizer's (chapter 08's outer SGD, which moves the global parameters at each sync) are recorded
+apart: after which training step, the norm of its gradient, the checksums of its parameters. Under
+FSDP a rank's parameters and gradients are shards (DTensors): the probe gathers them whole on every
+rank (a collective, at the optimizer step every rank takes), so the norm, the checksums and the
+final parameters are the whole model's. It only watches: nothing of the script's run changes, with
+three exceptions the checker asks for by environment variable:
 
 - CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
   as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
@@ -42,6 +45,7 @@ import os
 import runpy
 import signal
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -84,12 +88,33 @@ class Recorder:
         # or {"line", "code", "error"}; None: the script has no such statement
         self.device: dict | None = None
         self.unsupported: str | None = None  # what this torch lacks for the probe, if anything
-        self.params: list[torch.Tensor] = []
+        self.params: list[torch.Tensor] = []  # the training optimizer's
+        self.training: weakref.ref | None = None  # the training optimizer (trains)
+        self.outer_steps: list[dict] = []  # every other optimizer's steps
+
+    def trains(self, optimizer) -> bool:
+        """The optimizer of the training steps: the first that steps. Another (chapter 08's outer
+        optimizer, which moves the global parameters at a sync) has its steps recorded apart."""
+        if self.training is None:
+            self.training = weakref.ref(optimizer)
+        return self.training() is optimizer
 
     def pre_step(self, optimizer, args, kwargs):
         if self.ignoring:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self.trains(optimizer):
+            norms = [p.grad.detach().double().norm() for p in params if p.grad is not None]
+            self.outer_steps.append(
+                {
+                    "after": len(self.steps),  # the training steps taken before it
+                    "checksum_before": checksum(params),
+                    "grad_norm": torch.stack(norms).norm().item() if norms else 0.0,
+                    "lr": optimizer.param_groups[0]["lr"],
+                }
+            )
+            self.zero_grads = 0  # the next training step counts its own
+            return
         self.params = params
         self.sharded = any(isinstance(p, DTensor) for p in params)
         grads = [whole(p.grad).detach().double().norm() for p in params if p.grad is not None]
@@ -111,6 +136,10 @@ class Recorder:
     def post_step(self, optimizer, args, kwargs):
         if self.ignoring:
             return
+        if not self.trains(optimizer):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self.outer_steps[-1]["checksum"] = checksum(params)
+            return
         if self.sharded:
             # kept: after the script the process group may be gone, and with it the other shards
             self.whole = flat_whole(self.params).cpu()
@@ -122,6 +151,7 @@ class Recorder:
             "rank": rank,
             "status": status,
             "steps": self.steps,
+            "outer_steps": self.outer_steps,
             "replicated": self.replicated,
             "sharded": self.sharded,
             "fsdp_forwards": self.fsdp_forwards,

@@ -1,6 +1,7 @@
-"""Chapter 01's run, the one every check compares with: made once per version of the course and
-kept under the check's root, keyed by a hash of everything it depends on; with the small corpus and
-the flags both runs take."""
+"""The run a check compares with: chapter 01's (in one process, with the global batch of 8), or,
+where the plan says so (chapter 08, whose run is not chapter 01's), the chapter's own train.py run
+as the check runs the script. Made once per version of the course and kept under the check's root,
+keyed by a hash of everything it depends on; with the small corpus and the flags both runs take."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from common.chapters import CHAPTERS
-from tools.check.plan import GLOBAL_BATCH, SEED, STEPS
+from tools.check.plan import GLOBAL_BATCH, SEED, STEPS, Plan
 from tools.check.runner import RUN_TIMEOUT, CannotRun, Launch, Run, failure_line, run_one
 from tools.launch import REPO, flags
 
@@ -20,7 +21,6 @@ CORPUS_CHARS = 3500  # the first 3500 characters of the first play: 29 training 
 # its last tenth, common.data's validation split, is 3 windows, fewer than the one whole batch of
 # 8 an evaluation reads: the check's validation split is the play's next 1200 characters instead
 VAL_CHARS = 1200
-REFERENCE = REPO / CHAPTERS[1] / "train.py"
 
 
 def run_flags(corpus: Path, data: Path, out: Path, iters: int = STEPS, **more) -> list[str]:
@@ -98,37 +98,58 @@ def prepared_corpus(root: Path) -> tuple[Path, Path, str]:
     return corpus, data, text
 
 
-def version(corpus: str) -> str:
-    """A hash of what chapter 01's run depends on: its script, the probe, common/, the corpus."""
+def checked_launch(plan: Plan, nproc: int) -> Launch:
+    """How the check starts a script of this plan with nproc ranks."""
+    return Launch(nproc, plan.nodes, plan.env(), torchrun=plan.distributed)
+
+
+def reference_of(plan: Plan, nproc: int) -> tuple[Path, Launch, dict]:
+    """The script, the launch and the flags (beyond run_flags') of the run compared with: chapter
+    01's in one process with the global batch of 8, or the chapter's own run as the check's."""
+    script = REPO / CHAPTERS[plan.reference] / "train.py"
+    if plan.reference != plan.chapter:
+        return script, Launch(1), {"batch_size": GLOBAL_BATCH}
+    return script, checked_launch(plan, nproc), {**plan.split(nproc), **plan.extra_flags()}
+
+
+def version(corpus: str, script: Path, how: Launch, more: dict) -> str:
+    """A hash of what the reference run depends on: its script, the checker, common/, the corpus,
+    its flags and its launch."""
     digest = hashlib.sha256()
     checker = sorted((REPO / "tools" / "check").glob("*.py"))
-    for path in [REFERENCE, *checker, *sorted((REPO / "common").rglob("*.py"))]:
+    for path in [script, *checker, *sorted((REPO / "common").rglob("*.py"))]:
         digest.update(path.read_bytes())
     digest.update(corpus.encode())
     digest.update(held_out_text().encode())
-    digest.update(" ".join(run_flags(Path("c"), Path("d"), Path("o"))).encode())
+    digest.update(" ".join(run_flags(Path("c"), Path("d"), Path("o"), **more)).encode())
+    digest.update(repr(how).encode())
     return digest.hexdigest()[:16]
 
 
-def made(folder: Path) -> Run:
-    return Run(folder / "01", folder / "01_facts", folder / "01.log", 0)
+def made(folder: Path, name: str) -> Run:
+    return Run(folder / name, folder / f"{name}_facts", folder / f"{name}.log", 0)
 
 
-def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run:
-    """Chapter 01's run, kept under root/reference/ by a hash of everything it depends on."""
-    final = root / "reference" / version(corpus)
+def reference_run(
+    root: Path, corpus_file: Path, data: Path, corpus: str, plan: Plan, nproc: int
+) -> Run:
+    """The run compared with (reference_of), kept under root/reference/ by a hash of everything it
+    depends on."""
+    script, how, more = reference_of(plan, nproc)
+    name = f"{plan.reference:02d}"
+    final = root / "reference" / version(corpus, script, how, more)
     if (final / "ok").exists():
         os.utime(final)  # in use: see prune()
-        return made(final)
+        return made(final, name)
     building = root / "reference" / f".building-{os.getpid()}-{time.time_ns()}"
     building.mkdir(parents=True)
-    args = run_flags(corpus_file, data, building / "01", batch_size=GLOBAL_BATCH)
-    run = run_one(REFERENCE, Launch(1), args, building, "01")
+    args = run_flags(corpus_file, data, building / name, **more)
+    run = run_one(script, how, args, building, name)
     if run.unsupported():
         raise CannotRun(run.unsupported())
     if run.status != 0 or len(run.losses()) != STEPS:
         raise CannotRun(
-            f"chapter 01 itself did not run: {failure_line(run, REFERENCE)} (see {run.log})"
+            f"{plan.against} itself did not run: {failure_line(run, script)} (see {run.log})"
         )
     for checkpoint in building.rglob("ckpt.pt"):
         checkpoint.unlink()  # kept: its metrics, facts and parameters
@@ -138,7 +159,7 @@ def reference_run(root: Path, corpus_file: Path, data: Path, corpus: str) -> Run
     except OSError:  # another check made it at the same time: use theirs
         shutil.rmtree(building, ignore_errors=True)
     prune(root / "reference", final)
-    return made(final)
+    return made(final, name)
 
 
 def prune(folder: Path, final: Path) -> None:

@@ -12,14 +12,17 @@ from pathlib import Path
 from tools.check.facts import Facts
 from tools.check.mistakes import (
     close_to_one,
+    copies_words,
     describe,
     diagnose,
     logging_right,
     nearest_line,
     resume_right,
+    syncs_differ,
+    syncs_words,
     training_right,
 )
-from tools.check.plan import RESTART_KILL, RESUME_AT, STEPS
+from tools.check.plan import RESTART_KILL, STEPS
 from tools.check.runner import Run
 
 
@@ -48,15 +51,15 @@ def loss_line(s: Seen) -> str:
     if first in losses and first in ref:
         a, b = losses[first], ref[first]
         return (
-            f"the loss differs from step {first}: {a:.6f} here, {b:.6f} in chapter 01 "
+            f"the loss differs from step {first}: {a:.6f} here, {b:.6f} in {s.facts.plan.against} "
             f"(ratio {close_to_one(a / b)})"
         )
-    return f"steps 1-{first - 1} are chapter 01's, then the script logged no more"
+    return f"steps 1-{first - 1} are {s.facts.plan.against}'s, then the script logged no more"
 
 
 def column_line(s: Seen, name: str, step: int, what: str, digits: str) -> str:
     mine, theirs = s.run.column(name).get(step, math.nan), s.ref.column(name).get(step, math.nan)
-    return f"{what} {step}: {mine:{digits}} here, {theirs:{digits}} in chapter 01"
+    return f"{what} {step}: {mine:{digits}} here, {theirs:{digits}} in {s.facts.plan.against}"
 
 
 def ranks_line(s: Seen) -> str:
@@ -66,11 +69,7 @@ def ranks_line(s: Seen) -> str:
             f"the ranks' parameters: sharded (each rank holds 1/{r.world_size}), compared whole "
             "at every step"
         )
-    if r.ranks_drift_from is not None:
-        others = ", ".join(map(str, r.drifting))
-        since = r.ranks_drift_from
-        return f"the ranks' copies: rank(s) {others} differ from rank 0's from step {since}"
-    return f"the ranks' copies: equal on all {r.world_size} ranks at every step"
+    return f"the ranks' copies: {copies_words(s.facts)}"
 
 
 def data_line(s: Seen) -> str:
@@ -79,7 +78,8 @@ def data_line(s: Seen) -> str:
         off = ", ".join(map(str, s.facts.ranks.data_ranks))
         who = f" (rank(s) {off} read windows outside that step's batch)"
     return (
-        f"the windows read: other than chapter 01's from step {s.facts.data.first_data_diff}{who}"
+        f"the windows read: other than {s.facts.plan.against}'s from step "
+        f"{s.facts.data.first_data_diff}{who}"
     )
 
 
@@ -121,13 +121,13 @@ def fsdp_line(s: Seen) -> str:
 
 Rule = tuple[Callable[[Seen], bool], Callable[[Seen], str]]
 
-# what a run that is not chapter 01's shows, in this order
+# what a run that is not the reference's (chapter 01's, or 08's own) shows, in this order
 DIFFERENCES: list[Rule] = [
     (lambda s: s.facts.log.first_loss_diff is not None, loss_line),
     (
         lambda s: s.facts.log.first_loss_diff is None and not s.facts.grads.params_equal,
         lambda s: (
-            "every loss equals chapter 01's, but the final parameters differ "
+            f"every loss equals {s.facts.plan.against}'s, but the final parameters differ "
             f"(relative {s.facts.grads.distance:.1e})"
         ),
     ),
@@ -155,19 +155,21 @@ DIFFERENCES: list[Rule] = [
         lambda s: f"the script stopped after step {s.facts.log.stopped_after}: {s.failure}",
     ),
     (lambda s: s.facts.ranks.world_size > 1, ranks_line),
+    (lambda s: syncs_differ(s.facts), lambda s: syncs_words(s.facts)),
     (lambda s: s.facts.data.first_data_diff is not None, data_line),
     (
         lambda s: s.facts.resume.resume_diff is not None,
         lambda s: (
-            f"uninterrupted it is chapter 01's run; stopped at step {RESUME_AT} and "
+            f"uninterrupted it is {s.facts.plan.against}'s run; stopped at step "
+            f"{s.facts.plan.resume_at} and "
             f"resumed, it differs from step {s.facts.resume.resume_diff}"
         ),
     ),
     (
         lambda s: s.facts.resume.restart is not None,
         lambda s: (
-            "uninterrupted it is chapter 01's run; as 2 nodes with rank 1 killed after "
-            f"step {RESTART_KILL} and torchrun --max-restarts=1: {s.facts.resume.restart}"
+            f"uninterrupted it is {s.facts.plan.against}'s run; as 2 nodes with rank 1 killed "
+            f"after step {RESTART_KILL} and torchrun --max-restarts=1: {s.facts.resume.restart}"
         ),
     ),
     (
@@ -186,10 +188,10 @@ def same_lines(s: Seen) -> list[str]:
     plan = s.facts.plan
     lines = [
         f"same run: all {STEPS} losses, learning rates, the validation loss and the parameters "
-        f"after every step equal chapter 01's, {ranks_compared(s)}"
+        f"after every step equal {plan.against}'s, {ranks_compared(s)}"
     ]
     if s.resumed is not None:
-        lines.append(f"  stopped at step {RESUME_AT} and resumed: the same end")
+        lines.append(f"  stopped at step {plan.resume_at} and resumed: the same end")
     lines += [f"  {line}" for line in plan.checked_more(s.restarted)]
     if plan.picks_gpu and s.facts.ranks.gpu_read:
         lines.append(f"  which GPU each rank would drive: {gpus_read(s)}")
@@ -215,12 +217,12 @@ def different_lines(s: Seen, source: str, script: str, theirs: str, facts_file: 
 
 
 def plotted_run(s: Seen) -> tuple[Run, str, int | None]:
-    """The run the plot shows against chapter 01's: the resumed one where only it differs."""
+    """The run the plot shows against the reference's: the resumed one where only it differs."""
     f = s.facts
     if s.resumed is not None and training_right(f) and logging_right(f) and not resume_right(f):
         return (
             s.resumed,
-            f"your script, stopped at step {RESUME_AT} and resumed",
+            f"your script, stopped at step {f.plan.resume_at} and resumed",
             f.resume.resume_diff,
         )
     return s.run, "your script", f.log.first_loss_diff
@@ -237,7 +239,8 @@ def plot(path: Path, s: Seen, title: str) -> bool:
     run, label, first = plotted_run(s)
     losses, ref = run.losses(), s.ref.losses()
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(sorted(ref), [ref[i] for i in sorted(ref)], "o-", label="chapter 01", color="tab:blue")
+    against = s.facts.plan.against
+    ax.plot(sorted(ref), [ref[i] for i in sorted(ref)], "o-", label=against, color="tab:blue")
     ax.plot(
         sorted(losses), [losses[i] for i in sorted(losses)], "x--", label=label, color="tab:red"
     )

@@ -192,17 +192,23 @@ def run_one(script: Path, launch: Launch, args: list[str], folder: Path, name: s
 
 
 ERROR = re.compile(r"(\[[^\]]*\] )?error: ")
+# a C++ exception that ended a rank (gloo's, where a collective receives more than it holds): the
+# cause, where the other ranks' errors (their connection reset) are its effect
+ABORT = re.compile(r"^(\[rank\d+\]:\s*)?what\(\):\s*(.+)$")
 EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]*(Error|Exception)|StopIteration)\b(: .*)?$")
 
 
 def failure_line(run: Run, script: Path) -> str:
-    """The one line that says why a run failed: its `error:` line, else its exception, else the
-    last line it printed."""
+    """The one line that says why a run failed: its `error:` line, else the message of a rank's
+    C++ abort, else its exception, else the last line it printed."""
     text = run.output()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in lines:
         if ERROR.match(line):
             return re.sub(r"^(\[[^\]]*\] )", "", line)
+    aborted = [ABORT.match(line) for line in lines if ABORT.match(line)]
+    if aborted:
+        return aborted[0].group(2)
     found = [line for line in lines if EXCEPTION.match(line) and "ChildFailedError" not in line]
     if found:
         message = EXCEPTION.match(found[0])
