@@ -114,17 +114,30 @@ def bare_step(prefix: str, args, work: Path, env: dict) -> dict:
     }
 
 
-def chapter_run(prefix: str, args, work: Path, env: dict) -> dict:
-    """Chapter 05 across the two machines: its step time, from its own metrics."""
-    run_dir = work / "run"
+def chapter_run(
+    prefix: str,
+    args,
+    work: Path,
+    env: dict,
+    script: str = "05_multinode/train.py",
+    more: tuple[str, ...] = (),
+    name: str = "run",
+) -> dict:
+    """A chapter across the two machines (chapter 05 unless `script` names another), in
+    work/NAME, with `more` flags after the measured run's own: its step time, from its own
+    metrics."""
+    run_dir = work / name
     train = measured_run_flags(
         args.iters, args.log_interval, eval_batches=2, preset=args.preset, seed=1337
     )
     train += flags(batch_size=args.batch_size, device="cpu", dtype="float32")
     train += flags(data_dir=args.data_dir)
+    train += list(more)  # after the defaults: the last of a flag given twice counts
     command = ["bash", "05_multinode/simulate_two_nodes.sh", *train]
     settings = {"MACHINES": prefix, "NPROC_PER_NODE": "1", "SHARED_FS": "1"}
-    log = work / "run.log"
+    if script != "05_multinode/train.py":
+        settings["SCRIPT"] = script
+    log = work / f"{name}.log"
     with open(log, "w") as sink:
         done = subprocess.run(
             command,
@@ -136,11 +149,11 @@ def chapter_run(prefix: str, args, work: Path, env: dict) -> dict:
         )
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
-        raise SystemExit(f"error: chapter 05's run failed (status {done.returncode}):\n{tail}")
+        raise SystemExit(f"error: {script} failed (status {done.returncode}):\n{tail}")
     steps = [m["dt_ms"] for m in read_metrics(run_dir / "metrics.jsonl") if "dt_ms" in m]
     shown = " ".join(f"{k}={v}" for k, v in settings.items()) + " " + shown_command(command)
     return {
-        "command": shown.replace(prefix, "PREFIX"),
+        "command": shown.replace(prefix, "PREFIX").replace(str(work), "WORK"),
         "interval_step_ms": steps,
         "step_ms": statistics.median(steps[1:]),  # the first interval is the warm-up
     }
