@@ -84,7 +84,7 @@ def draw(measured: dict, path: Path) -> None:
 
     rows = measured["rates"]
     settings = measured["settings"]
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
     # the model's curve: the mean bare step, every bandwidth from below the slowest to the fastest
     compute = sum(row["bare"]["step_ms"] for row in rows) / len(rows) / 1000
     low = min(row["busbw_gbs"] for row in rows) / 2
@@ -137,11 +137,11 @@ def draw(measured: dict, path: Path) -> None:
     ax.legend(fontsize=8, loc="upper right")
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-    wrapped = "\n".join(textwrap.wrap(subtitle(measured), 95))
+    wrapped = "\n".join(textwrap.wrap(subtitle(measured), 85))
     ax.set_title(f"Chapter 05's step against the link between its machines\n{wrapped}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=170)
     plt.close(fig)
 
 
