@@ -49,6 +49,7 @@ SLOW_ENTRY_NAMES = {
     "tokens/s, bytes per step, validation loss",
     "goals": "Chapter 08's goals at 100 Mbit: DiLoCo H=50's tokens/s against DDP's on the "
     "unlimited link, and its validation loss against DDP's",
+    "round": "Chapter 08's round at 100 Mbit: a quiet step, and the sync beyond it",
 }
 GOAL_RATE = "100mbit"
 GOAL_SPEED = 0.85  # at least this share of DDP's tokens/s on the unlimited link
@@ -521,7 +522,7 @@ def slow_entries(measured: dict) -> list[dict]:
         )
     if not measured.get("complete", True):
         notes.append("the measurement was cut short: only the rows above were measured")
-    return [
+    entries = [
         common
         | {
             "name": SLOW_ENTRY_NAMES["table"],
@@ -543,6 +544,21 @@ def slow_entries(measured: dict) -> list[dict]:
             f"{100 * GOAL_LOSS:.0f}% above DDP's at equal tokens (the last step)",
         },
     ]
+    if measured["timeline"]:
+        split = round_split(measured["timeline"]["diloco"]["step_ms"])
+        quiet = f"{split['quiet_ms']:.0f} ms"
+        sync = f"{split['sync_ms'] / 1000:.2f} s"
+        entries.append(
+            common
+            | {
+                "name": SLOW_ENTRY_NAMES["round"],
+                "value": f"a quiet step took {quiet} (the median); the sync {sync} more",
+                "what": "one round of chapter 08 (tiny, the largest H) step by step: the median "
+                "of its inner steps (the first left out: its warm-up) and the last step's time "
+                f"beyond it; the facts of docs/figures/{SLOW_FIGURES['round']}",
+            }
+        )
+    return entries
 
 
 def slow_captions(measured: dict) -> dict[str, str]:
@@ -611,10 +627,11 @@ def slow_main(args) -> int:
     print(f"wrote {write_section(args.figures, SLOW_BEGIN, SLOW_END, lines)}")
     if args.record:
         stored = registry.load()
-        for entry in slow_entries(measured):
+        entries = slow_entries(measured)
+        for entry in entries:
             registry.store(stored, entry)
         registry.save(stored)
-        print(f"recorded 2 entries in {registry.RESULTS_JSON.relative_to(REPO)}")
+        print(f"recorded {len(entries)} entries in {registry.RESULTS_JSON.relative_to(REPO)}")
     return 0
 
 
@@ -660,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         for entry in entries(measured):
             registry.store(stored, entry)
         registry.save(stored)
-        print(f"recorded 2 entries in {registry.RESULTS_JSON.relative_to(REPO)}")
+        print(f"recorded {len(entries)} entries in {registry.RESULTS_JSON.relative_to(REPO)}")
     return 0
 
 
