@@ -133,6 +133,7 @@ def test_help_lists_flags_with_defaults():
     assert "--backend" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(full_run, data_dir, tmp_path):
     """Stop at 10, resume to 20: the same losses step by step and the same final weights."""
     reference, _ = full_run

@@ -101,6 +101,7 @@ def assert_on_own_machines(logs: list[str]) -> None:
         assert hosts == {f"machine{node}"}, log
 
 
+@pytest.mark.slow
 def test_across_two_machines_static_rendezvous_node_local_data_equals_chapter01(
     machines, corpus, chapter01, tmp_path
 ):

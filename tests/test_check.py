@@ -535,6 +535,7 @@ def test_the_chapter_scripts_are_the_same_run(capsys, out_root, chapter):
         assert "stopped at step 4 and resumed: the same end" in out, out
 
 
+@pytest.mark.slow
 def test_chapter_04_with_two_ranks_is_the_same_run_and_resumes(capsys, out_root):
     code, out = run_check(
         capsys, out_root, REPO / CHAPTERS[4] / "train.py", "--nproc-per-node", "2"
@@ -575,11 +576,10 @@ RUN = [
 ]
 
 
-# the suite runs the first; the others run in the slow stage (python -m pytest -m slow)
-@pytest.mark.parametrize(
-    "name",
-    [RUN[0], *(pytest.param(name, marks=pytest.mark.slow) for name in RUN[1:])],
-)
+# real runs of every plant: the slow stage's (python -m pytest -m slow); the suite matches each
+# plant's signature from its facts (test_each_signature_names_its_plant_from_the_facts)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUN)
 def test_planted_mistakes_are_caught_and_named(capsys, out_root, tmp_path, name):
     mistake = BY_NAME[name]
     script = planted_copy(tmp_path / "copy", name)

@@ -15,6 +15,9 @@ import pytest
 
 from tools.launch import run_torchrun
 
+# long end-to-end runs: the slow stage's (python -m pytest -m slow; CI runs it)
+pytestmark = pytest.mark.slow
+
 ATOL = 1e-6  # float32, dropout 0: only floating-point reassociation separates the gradients
 WRONG = 1e-3  # a broken variant must be off by far more than rounding
 KS = (1, 3)

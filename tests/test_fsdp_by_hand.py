@@ -19,6 +19,9 @@ from helpers import outputs_of, start
 from common.model import model_config
 from tools.launch import torchrun_command
 
+# long end-to-end runs: the slow stage's (python -m pytest -m slow; CI runs it)
+pytestmark = pytest.mark.slow
+
 WORKER = "workers.fsdp_by_hand_worker"  # a module: `torchrun -m` from the repository root
 WORLDS = (2, 3)
 STEPS = 3

@@ -27,6 +27,9 @@ from machines import machine_set, require_machines, static_launch, why_no_machin
 from layout import REPO
 from tools.launch import free_port, stop_launchers, torchrun_command
 
+# long end-to-end runs: the slow stage's (python -m pytest -m slow; CI runs it)
+pytestmark = pytest.mark.slow
+
 HANGS = REPO / "05_multinode" / "hangs.py"
 PG_TIMEOUT = 3  # seconds a collective waits before it fails
 STUCK_TIMEOUT = 12  # the stuck case waits longer: the test inspects the stuck rank meanwhile

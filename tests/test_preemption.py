@@ -131,6 +131,7 @@ def assert_resumes_to_the_reference(out: Path, reference: Path) -> None:
         assert losses[i] == pytest.approx(loss, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_chapter_01_at_once_and_the_last_checkpoint_resumes(data_dir, runs):
     out, stops = runs
     status, output = stops["single"]
@@ -144,6 +145,7 @@ def test_sigterm_ends_chapter_01_at_once_and_the_last_checkpoint_resumes(data_di
     assert_resumes_to_the_reference(out["single"], out["reference"])
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, runs):
     out, stops = runs
     _, output = stops["ranks"]
@@ -165,6 +167,7 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     assert_resumes_to_the_reference(out["ranks"], out["reference"])
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
     out, stops = runs
     _, output = stops["one_rank"]

@@ -143,6 +143,7 @@ def bus_bandwidths(out: str) -> dict[float, float]:
     return {float(size): float(busbw) for size, busbw in rows}
 
 
+@pytest.mark.slow
 def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_holds(machines):
     port = free_port()
     nodes = on_machines(machines, [[*launch(n, port), *PREFLIGHT_ARGS] for n in (0, 1)])
@@ -237,6 +238,7 @@ def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_hold
         "nccl-lo",
     ],
 )
+@pytest.mark.slow
 def test_a_wrong_address_or_interface_is_one_line_before_torchrun(
     machines, node, master, env, line
 ):
@@ -255,6 +257,7 @@ def test_a_wrong_address_or_interface_is_one_line_before_torchrun(
     assert said[1:] == [line.format(port=port)]
 
 
+@pytest.mark.slow
 def test_an_unreachable_gloo_address_fails_the_preflight_in_seconds(machines):
     """torchrun started directly (as a job script may), with no check before it: the preflight's
     own probe of the addresses gloo will listen on names the one that cannot be reached."""

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tools.launch import REPO, run_torchrun
+
+# long end-to-end runs: the slow stage's (python -m pytest -m slow; CI runs it)
+pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "07_fsdp" / "sharded_checkpoint.py"
 

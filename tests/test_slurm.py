@@ -116,6 +116,7 @@ def wait_until_done(job: str, log: Path, limit: float) -> dict[str, str]:
     return fields
 
 
+@pytest.mark.slow
 def test_a_stop_near_the_limit_saves_the_step_and_the_requeued_job_resumes_it(
     slurm, data_dir, tmp_path
 ):

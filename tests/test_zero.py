@@ -29,6 +29,9 @@ from common.metrics import read_metrics
 from layout import REPO
 from tools.launch import run_python, run_torchrun
 
+# long end-to-end runs: the slow stage's (python -m pytest -m slow; CI runs it)
+pytestmark = pytest.mark.slow
+
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
 WORKER = "workers.zero_worker"  # a module: `torchrun -m` from the repository root
 ITERS, SAVE_AT, CLIP = 10, 5, 1.0
