@@ -124,8 +124,8 @@ def chapter_run(
     name: str = "run",
 ) -> dict:
     """A chapter across the two machines (chapter 05 unless `script` names another), in
-    work/NAME, with `more` flags after the measured run's own: its step time, from its own
-    metrics."""
+    work/NAME, with `more` flags after the measured run's own: its step time, read from the
+    metrics.jsonl it writes."""
     run_dir = work / name
     train = measured_run_flags(
         args.iters, args.log_interval, eval_batches=2, preset=args.preset, seed=1337

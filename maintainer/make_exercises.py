@@ -762,8 +762,8 @@ def todo_block(
     the program with them."""
     code_old = sum(1 for line in old if not is_comment(line))
     code_new = sum(1 for line in new if not is_comment(line))
-    # a change whose old lines are comments alone adds its code: "change the next 0 lines" is no
-    # instruction
+    # a change whose old lines are comments alone adds its code ("change the next 0 lines" would
+    # be no instruction)
     if tag == "insert" or tag == "replace" and code_old == 0:
         what = f"add {counted(code_new, 'line')} of code here"
     elif tag == "delete":

@@ -1,7 +1,7 @@
 """Chapter 08 against chapter 05 over a slow link: bench/slow_link.py's arithmetic on a run's
 metrics and printed lines, its measurement across two machines of machines.sh (the slow stage; it
-needs root), and maintainer/link_picture.py's figures and results, which must say what was
-measured.
+needs root), and maintainer/link_picture.py's figures and results, which must say what the
+bench measured.
 """
 
 from __future__ import annotations

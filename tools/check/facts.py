@@ -184,8 +184,8 @@ class Data:
         micro: int,
         windows: int,
     ) -> Data:
-        """`micro`: the windows of one micro-batch (--batch-size); `windows`: the training
-        split's."""
+        """`micro`: the windows of one micro-batch (--batch-size); `windows`: those of the
+        training split."""
         if not any(step["windows"] for steps in ranks_steps for step in steps):
             # the script reads its data some other way than common.data: no facts about the data
             return cls(
@@ -229,8 +229,8 @@ class Data:
 
 def first_outside(ranks_steps, ref_steps, step: int | None, micro: int) -> tuple[int, int] | None:
     """(rank, micro-batch from 1) of the first micro-batch in `step` (from 1) that read a window
-    outside chapter 01's step, in micro-batch order, then rank order; None where a step is one
-    batch."""
+    outside chapter 01's step, in micro-batch order, then rank order; None where a step is a
+    single batch."""
     if step is None or step > len(ref_steps) or not micro:
         return None
     wanted = set(ref_steps[step - 1]["windows"])
@@ -391,8 +391,8 @@ class Ranks:
 
 @dataclass(frozen=True)
 class Resume:
-    """The run stopped (after the plan's resume_at) and resumed, or, where the plan says, killed and
-    restarted."""
+    """The run stopped after the plan's resume_at and resumed, or, where the plan says so, a rank
+    killed and the group restarted."""
 
     resume_at: int | None = None  # where the resume check stopped and resumed; None: not run
     resume_diff: int | None = None  # the first step after resuming that differs
@@ -449,8 +449,8 @@ class Resume:
 @dataclass(frozen=True)
 class Syncs:
     """DiLoCo's syncs (chapter 08) on rank 0, against the reference's: the outer optimizer's steps
-    (another optimizer than the training one, the probe's outer_steps) and where each round's copy
-    starts."""
+    (another optimizer than the training one, the probe's outer_steps) and where each round's
+    copy starts from."""
 
     outer_steps: int = 0  # the outer optimizer's steps
     ref_outer_steps: int = 0  # the reference's

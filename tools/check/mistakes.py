@@ -990,8 +990,8 @@ def rounding_words(f: Facts) -> str | None:
 
 def describe(f: Facts) -> list[str]:
     """What the facts show, when no entry fits: ratios, first differences and where they sit
-    (epochs, micro-batches, the resume), their size against the number format, the ranks'
-    copies."""
+    (epochs, micro-batches, the resume), their size against the number format, and the ranks'
+    own copies."""
     out = [
         f"at step 1: loss {ratio_words(f.log.loss_ratio_at_1, f)} x {f.plan.against}'s, "
         f"gradient norm {ratio_words(f.grads.grad_ratio_at_1, f)} x"
