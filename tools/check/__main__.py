@@ -207,7 +207,7 @@ def restart_check(c: Check, ref: Run) -> str | None:
     return None
 
 
-def hung(c: Check, run: Run, failure: str | None) -> int:
+def hung(c: Check, run: Run, failure: str | None, stopped: gather.Facts) -> int:
     """The ranks hang in collectives that do not match, or gloo saw them not match and ended the
     run (where NCCL would hang): each rank's line, and the plan's hang entry."""
     if run.hangs():
@@ -224,8 +224,7 @@ def hung(c: Check, run: Run, failure: str | None) -> int:
         )
         print(f"  {failure}")
         print(f"  (the whole output: {shown(run.log)})")
-    facts = gather.Facts(plan=c.plan).but(hung=bool(run.hangs()), failure=failure)
-    hang = next(m for m in MISTAKES if m.kind == "hang" and fits(m, facts))
+    hang = next(m for m in MISTAKES if m.kind == "hang" and fits(m, stopped))
     print(f"diagnosis: {hang.name}: {hang.did}")
     look = where_to_look(hang, c.source, shown(c.script), c.theirs)
     if look.text.startswith("look at"):  # the statement around the collective that differs
@@ -255,7 +254,7 @@ def verdict(c: Check, run: Run, ref: Run, args) -> int:
     failure = failure_line(run, c.script) if run.status != 0 else None
     stopped = gather.Facts(plan=c.plan).but(hung=bool(run.hangs()), failure=failure)
     if run.status != 0 and mismatched(stopped):
-        return hung(c, run, failure)
+        return hung(c, run, failure, stopped)
     if not run.losses():
         return failed_early(c, run)
     facts = gather.gather(c.plan, c.nproc, run, ref, failure)

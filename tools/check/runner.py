@@ -206,9 +206,10 @@ def failure_line(run: Run, script: Path) -> str:
     for line in lines:
         if ERROR.match(line):
             return re.sub(r"^(\[[^\]]*\] )", "", line)
-    aborted = [ABORT.match(line) for line in lines if ABORT.match(line)]
-    if aborted:
-        return aborted[0].group(2)
+    for line in lines:
+        aborted = ABORT.match(line)
+        if aborted:
+            return aborted.group(2)
     found = [line for line in lines if EXCEPTION.match(line) and "ChildFailedError" not in line]
     if found:
         message = EXCEPTION.match(found[0])
