@@ -20,7 +20,7 @@ CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (tr
 # before it: chapter 04's DDP replaces chapter 03's DataParallel, so its diff against 02 is DDP
 # alone; chapter 08 replaces chapter 05's DDP with DiLoCo's rare syncs (restarts and FSDP, 06
 # and 07, are not its idea).
-BASES = {4: 2, 8: 5}
+BASES = {4: 2, 7: 5, 8: 5}
 
 # The chapters whose run is not chapter 01's, step for step (their own tests say what they match
 # instead): maintainer/make_plots.py leaves them out of the parity figure.

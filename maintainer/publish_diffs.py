@@ -1,23 +1,22 @@
-"""Publish what each chapter changed: the diff of its train.py against the previous chapter's.
+"""Publish what each chapter changed: the diff of its train.py against its base chapter's.
 
     python -m maintainer.publish_diffs          # write docs/diffs/*.diff and the READMEs
     python -m maintainer.publish_diffs --check  # exit 1 if anything published no longer matches
 
 For every chapter N >= 2, this writes `docs/diffs/<chapter>.diff`: a unified diff (the format
-of `diff -u`, three lines of context) from chapter N-1's train.py to chapter N's, labelled
-`a/<previous>/train.py` and `b/<chapter>/train.py` and without timestamps, so that the file only
-changes when the code does. A chapter whose idea replaces the previous chapter's is also
-published against the chapter before that (SHOWN_AGAINST): 04's DDP replaces 03's DataParallel, so
-`docs/diffs/04_ddp_from_02.diff` shows DDP alone. It also replaces whatever lies between the lines
+of `diff -u`, three lines of context) from the train.py of chapter N's base (common/chapters.py:
+the chapter before it, or the one its idea extends, as chapter 04's DDP extends 02 rather than 03's
+DataParallel) to chapter N's, labelled `a/<base>/train.py` and `b/<chapter>/train.py` and without
+timestamps, so that the file only changes when the code does. One file per chapter: the diff from
+its base alone. It also replaces whatever lies between the lines
 
     <!-- diff:begin -->
     <!-- diff:end -->
 
-in the chapter's README.md with the same diff, whole, as a Markdown block (the one against the
-chapter SHOWN_AGAINST names, where it names one), so the chapter text shows the very change it
-explains. --check writes nothing: it reports every published diff (file or README block) that
-differs from what the code gives now, every README that lacks the markers, and every stray .diff
-file, and exits 1 if there is any.
+in the chapter's README.md with the same diff, whole, as a Markdown block, so the chapter text
+shows the very change it explains. --check writes nothing: it reports every published diff (file
+or README block) that differs from what the code gives now, every README that lacks the markers,
+and every stray .diff file, and exits 1 if there is any.
 
 The diff is computed with Python's difflib (no external `diff` needed, the same on every OS).
 """
@@ -41,17 +40,11 @@ GENERATED_NOTE = (
     "edit the code, then rerun it -->"
 )
 FOLDERS = list(CHAPTERS.values())
-# Chapters whose README shows the diff against an earlier chapter than the previous one, their base
-# (common/chapters.py). Against 03, chapter 04's diff is mostly the removal of DataParallel; against
-# 02 it is DDP alone. The diff against the previous chapter is published as well.
-SHOWN_AGAINST = {CHAPTERS[n]: CHAPTERS[base(n)] for n in list(CHAPTERS)[1:] if base(n) != n - 1}
 
 
-def diff_name(earlier: str, chapter: str) -> str:
-    """The file in docs/diffs/ that holds chapter's diff against earlier."""
-    if FOLDERS.index(earlier) == FOLDERS.index(chapter) - 1:
-        return f"{chapter}.diff"
-    return f"{chapter}_from_{earlier[:2]}.diff"
+def base_folder(chapter: str) -> str:
+    """The folder of the chapter whose train.py `chapter`'s diff is taken against."""
+    return CHAPTERS[base(FOLDERS.index(chapter) + 1)]
 
 
 def chapter_diff(root: Path, previous: str, chapter: str) -> str:
@@ -78,25 +71,17 @@ def diff_stats(diff: str) -> tuple[int, int]:
     return added, removed
 
 
-def readme_block(previous: str, chapter: str, diff: str) -> str:
+def readme_block(earlier: str, chapter: str, diff: str) -> str:
     """The Markdown that goes between the markers (the markers themselves not included).
 
-    `previous` is the chapter the diff is taken against.
+    `earlier` is the base chapter the diff is taken against.
     """
     added, removed = diff_stats(diff)
-    name = diff_name(previous, chapter)
-    link = f"[`docs/diffs/{name}`](../docs/diffs/{name})"
+    link = f"[`docs/diffs/{chapter}.diff`](../docs/diffs/{chapter}.diff)"
     intro = (
-        f"What changed from chapter {previous[:2]}: `{chapter}/train.py` against "
-        f"`{previous}/train.py`, {added} lines added and {removed} removed (also in {link}).\n\n"
+        f"What changed from chapter {earlier[:2]}: `{chapter}/train.py` against "
+        f"`{earlier}/train.py`, {added} lines added and {removed} removed (also in {link}).\n\n"
     )
-    neighbour = FOLDERS[FOLDERS.index(chapter) - 1]
-    if previous != neighbour:
-        other = diff_name(neighbour, chapter)
-        intro += (
-            f"The diff against chapter {neighbour[:2]}, which also undoes what chapter "
-            f"{neighbour[:2]} added: [`docs/diffs/{other}`](../docs/diffs/{other}).\n\n"
-        )
     longest_ticks = max((len(run) for run in re.findall(r"`+", diff)), default=0)
     fence = "`" * max(3, longest_ticks + 1)  # a fence the diff itself cannot close
     return f"{GENERATED_NOTE}\n{intro}{fence}diff\n{diff}{fence}\n"
@@ -119,18 +104,13 @@ def publish(root: Path, check: bool) -> list[str]:
     problems: list[str] = []
     diffs_dir = root / "docs" / "diffs"
     expected_files = set()
-    for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
-        # the diff against the previous chapter, and where a README shows another one, that too
-        earlier = SHOWN_AGAINST.get(chapter, previous)
-        diffs = {}
-        for against in dict.fromkeys([previous, earlier]):
-            diff = chapter_diff(root, against, chapter)
-            diffs[against] = diff
-            path = diffs_dir / diff_name(against, chapter)
-            expected_files.add(path.name)
-            current = path.read_text() if path.exists() else None
-            if current == diff:
-                continue
+    for chapter in FOLDERS[1:]:
+        earlier = base_folder(chapter)
+        diff = chapter_diff(root, earlier, chapter)
+        path = diffs_dir / f"{chapter}.diff"
+        expected_files.add(path.name)
+        current = path.read_text() if path.exists() else None
+        if current != diff:
             if check:
                 state = "out of date"
                 if current is None:
@@ -140,7 +120,6 @@ def publish(root: Path, check: bool) -> list[str]:
                 diffs_dir.mkdir(parents=True, exist_ok=True)
                 path.write_text(diff)
                 print(f"wrote {path.relative_to(root)}")
-        diff = diffs[earlier]
 
         readme = root / chapter / "README.md"
         if not readme.exists():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from common.chapters import CHAPTERS, FOLDERS
+from common.chapters import CHAPTERS, FOLDERS, base
 from layout import REPO
 
 # A name shaped like a chapter folder: two digits, an underscore, a word (04_ddp, 01_tiny, 20_steps)
@@ -319,14 +319,11 @@ def test_a_chapters_own_files_name_their_chapter():
     assert chapter_file_names(
         f"{folder}/train.py", ['"""Chapter 07: FSDP', "Chapter 07's program"], FOLDERS
     )
-    assert (
-        chapter_file_names(
-            f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=6,"], FOLDERS
-        )
-        == []
-    )
+    # the exercise starts from chapter 07's base: its CourseParser is the base's, not chapter 04's
+    given = f"CourseParser(chapter={base(7)},"
+    assert chapter_file_names(f"{folder}/exercise.py", ["# chapter 07", given], FOLDERS) == []
     assert chapter_file_names(
-        f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=5,"], FOLDERS
+        f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=4,"], FOLDERS
     )
 
 
@@ -336,3 +333,18 @@ def test_a_results_entry_runs_the_chapter_it_is_named_after():
     assert results_names("results.json", text, FOLDERS)
     entry["name"] = "07 quick run, wall time"
     assert results_names("results.json", json.dumps({"entries": [entry]}), FOLDERS) == []
+
+
+def test_every_page_names_its_base_and_every_published_diff_is_from_it():
+    """A chapter's page says, in its first section, which chapter it extends: its base in
+    common/chapters.py, and no other. Its one published diff is from that chapter's train.py."""
+    diffs = REPO / "docs" / "diffs"
+    for number, folder in list(CHAPTERS.items())[1:]:
+        page = (REPO / folder / "README.md").read_text()
+        idea = " ".join(page.split("\n## ")[1].split())
+        named = {int(m) for m in re.findall(r"\bextends chapter (\d\d)\b", idea)}
+        assert named == {base(number)}, f"{folder}/README.md says it extends {named or 'nothing'}"
+        lines = (diffs / f"{folder}.diff").read_text().splitlines()
+        assert lines[:2] == [f"--- a/{CHAPTERS[base(number)]}/train.py", f"+++ b/{folder}/train.py"]
+    published = sorted(path.name for path in diffs.glob("*.diff"))
+    assert published == [f"{folder}.diff" for folder in FOLDERS[1:]]

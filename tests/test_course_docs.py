@@ -13,7 +13,6 @@ import pytest
 
 from common.chapters import CHAPTERS, NOT_CHAPTER_01S_RUN
 from layout import REPO
-from maintainer import publish_diffs
 
 FOLDERS = list(CHAPTERS.values())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -84,51 +83,37 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
 
 def test_every_readme_shows_its_whole_diff():
     """Each chapter's README shows the whole published diff it explains, every hunk of it."""
-    for previous, chapter in zip(FOLDERS, FOLDERS[1:]):
-        earlier = publish_diffs.SHOWN_AGAINST.get(chapter, previous)
-        name = publish_diffs.diff_name(earlier, chapter)
-        published = (REPO / "docs" / "diffs" / name).read_text()
+    for chapter in FOLDERS[1:]:
+        published = (REPO / "docs" / "diffs" / f"{chapter}.diff").read_text()
         shown = (REPO / chapter / "README.md").read_text().split("```diff\n")[1].split("```")[0]
         assert shown == published, chapter
 
 
-def test_diffs_are_unified_diffs_of_neighbouring_chapters():
-    # and chapter 04's against chapter 02 as well: DDP alone, without the removal of DataParallel
-    pairs = [*zip(FOLDERS, FOLDERS[1:]), (FOLDERS[1], f"{FOLDERS[3]}_from_02")]
-    for previous, name in pairs:
-        chapter = name.removesuffix("_from_02")
-        lines = (REPO / "docs" / "diffs" / f"{name}.diff").read_text().splitlines()
-        assert lines[:2] == [f"--- a/{previous}/train.py", f"+++ b/{chapter}/train.py"]
-        assert lines[2].startswith("@@ -")
-
-
-def test_chapter04_against_chapter02_is_published_shown_and_checked(tmp_path):
+def test_chapter04_is_published_against_its_base_alone(tmp_path):
     root = copy_course(tmp_path)
+    (root / "docs" / "diffs").mkdir(parents=True)
+    stale = root / "docs" / "diffs" / f"{FOLDERS[3]}_from_02.diff"
+    stale.write_text("a diff under a name no chapter has\n")
     assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
-    diffs = root / "docs" / "diffs"
-    from_02 = diffs / f"{FOLDERS[3]}_from_02.diff"
-    # both diffs are published: against 03 (the neighbour) and against 02
-    assert (diffs / f"{FOLDERS[3]}.diff").exists()
-    assert from_02.read_text().startswith(
-        f"--- a/{FOLDERS[1]}/train.py\n+++ b/{FOLDERS[3]}/train.py"
-    )
+    assert not stale.exists()  # one file per chapter
+    diff = (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").read_text()
+    assert diff.startswith(f"--- a/{FOLDERS[1]}/train.py\n+++ b/{FOLDERS[3]}/train.py")
     # DDP alone: chapter 03's class is neither added nor removed
-    assert "DataParallel(nn.DataParallel)" not in from_02.read_text()
+    assert "DataParallel(nn.DataParallel)" not in diff
     readme = (root / FOLDERS[3] / "README.md").read_text()
     assert f"What changed from chapter 02: `{FOLDERS[3]}/train.py`" in readme
-    assert f"docs/diffs/{FOLDERS[3]}.diff" in readme  # the one against 03 is linked
 
-    # a change to chapter 02 alone makes the 04-from-02 diff stale, and a lost one is missing
+    # a change to chapter 02 alone makes chapter 04's diff stale, and a lost one is missing
     script = root / FOLDERS[1] / "train.py"
     script.write_text(script.read_text() + "# changed, and not republished\n")
     proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
-    assert f"docs/diffs/{FOLDERS[3]}_from_02.diff is out of date" in proc.stderr
+    assert f"docs/diffs/{FOLDERS[3]}.diff is out of date" in proc.stderr
     assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
-    from_02.unlink()
+    (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").unlink()
     proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
-    assert f"docs/diffs/{FOLDERS[3]}_from_02.diff is missing" in proc.stderr
+    assert f"docs/diffs/{FOLDERS[3]}.diff is missing" in proc.stderr
 
 
 # ---- figures -----------------------------------------------------------------------------------
