@@ -540,8 +540,9 @@ def main():
         print(f"{prefix} all-reduce check: {outcome}", flush=True)
 
         # a gloo group as well, whatever the backend: the stop's agreement runs on one. gloo binds
-        # to the address of the host's name, 127.0.1.1 on many clusters, so across nodes it can
-        # hang where NCCL works; a short timeout turns that hang into a failed check
+        # to the address of the host's name, 127.0.1.1 where Debian's or Ubuntu's installer wrote
+        # /etc/hosts (workstations, virtual machines), so across nodes it can hang where NCCL
+        # works; a short timeout turns that hang into a failed check
         gloo_failure = check_gloo_group(rank, world_size, args.gloo_timeout)
         if gloo_failure:
             failures.append(gloo_failure)
