@@ -17,7 +17,7 @@ Inserting or renumbering a chapter leaves old names behind in texts, tables, tes
   named after its chapter ("07 quick run") whose command runs another.
 
 Run folders and derived names are not chapter folders: `out/01_tiny` and `"04_diverged"` (a run's
-name: no chapter is called "tiny"), `04_ddp_from_02.diff` (chapter 04's diff against 02) pass. So
+name: no chapter is called "tiny"), `04_ddp_from_02.diff` (a name built on chapter 04's) pass. So
 do the paths of what a learner or a run writes (`04_ddp/my_exercise.py`, a log in a folder that
 ignores its own files) and the site's pages of a file (`04_ddp/notebook/`, `train.py/index.html`).
 """
