@@ -19,6 +19,9 @@
 #   SAME_MACHINE     1: every node runs on this one machine (simulate_two_nodes.sh), so the
 #                    loopback is right (0)
 #
+# train.py's --dist-timeout among the arguments (300 s unless given) also bounds how long this node
+# waits for the others: one that never comes ends the wait with one line.
+#
 # exec: torchrun takes this script's place, so a signal sent to it (as Kubernetes sends SIGTERM to a
 # container's first process) reaches torchrun, which passes it on to the training processes.
 set -euo pipefail

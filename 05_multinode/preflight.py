@@ -371,7 +371,8 @@ def check_meeting_point(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    if args.wait is not None:
+    # MIN:MAX: nodes may come later, and torchrun's own rendezvous decides when they join
+    if args.wait is not None and ":" not in args.nnodes:
         wait_for_nodes(args, address, local)
     return 0
 
@@ -388,7 +389,7 @@ def wait_for_nodes(args: argparse.Namespace, address: str, local: bool) -> None:
     """
     host, _, port_text = args.meet.rpartition(":")
     port = int(port_text)
-    nnodes = int(args.nnodes.split(":")[0])  # under c10d's MIN:MAX, the fewest it starts with
+    nnodes = int(args.nnodes)
     deadline = time.monotonic() + args.wait
     if args.node_rank is None:
         me = f"{socket.gethostname()} (process {os.getpid()})"
