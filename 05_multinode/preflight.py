@@ -401,6 +401,7 @@ def wait_for_nodes(args: argparse.Namespace, address: str, local: bool) -> None:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             server.bind((address, port))
+            server.listen(nnodes)
         except OSError as err:
             server.close()
             server = None
@@ -414,7 +415,6 @@ def wait_for_nodes(args: argparse.Namespace, address: str, local: bool) -> None:
         join_meeting(args, host, address, port, me, deadline)
         return
     arrived: dict[str, socket.socket] = {}
-    server.listen(nnodes)
     with server:
         while len(arrived) < nnodes - 1:
             left = deadline - time.monotonic()
