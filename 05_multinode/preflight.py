@@ -29,9 +29,10 @@ With --meet, and without torchrun, it checks only this node's network, in a frac
 before torchrun starts (launch_static.sh and launch_c10d.sh run it so): that the meeting point
 resolves and is this machine's own address on the node that hosts it and a reachable one on the
 others, and that the interfaces gloo and NCCL will use exist and are not the loopback. torchrun
-itself would retry an unreachable MASTER_ADDR for 15 minutes.
+itself would retry an unreachable MASTER_ADDR for 15 minutes. With --wait SECONDS, it then waits
+until every node has passed its own check, or ends naming the nodes that never came.
 
-    python 05_multinode/preflight.py --meet 10.0.0.1:29500 --node-rank 1 --nnodes 2
+    python 05_multinode/preflight.py --meet 10.0.0.1:29500 --node-rank 1 --nnodes 2 --wait 300
 """
 
 import argparse
