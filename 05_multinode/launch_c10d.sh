@@ -19,6 +19,9 @@
 #   SAME_MACHINE     1: every node runs on this one machine (simulate_two_nodes.sh), so the
 #                    loopback is right (0)
 #
+# train.py's --dist-timeout among the arguments (300 s unless given) also bounds how long this node
+# waits for the others: one that never comes ends the wait with one line.
+#
 # exec: torchrun takes this script's place, so a signal sent to it (as Kubernetes sends SIGTERM to a
 # container's first process) reaches torchrun, which passes it on to the training processes.
 set -euo pipefail
@@ -33,6 +36,20 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 SCRIPT="${SCRIPT:-05_multinode/train.py}"
+# How long this node waits for the others: as long as the run lets a collective wait for a
+# peer (train.py's --dist-timeout, 300 s unless the arguments say otherwise), not torchrun's own
+# 10 minutes. A node whose peer never comes then ends by itself, with one line.
+TIMEOUT=300
+previous=""
+for arg in "$@"; do
+    if [[ "$previous" == --dist-timeout ]]; then
+        TIMEOUT="$arg"
+    fi
+    if [[ "$arg" == --dist-timeout=* ]]; then
+        TIMEOUT="${arg#--dist-timeout=}"
+    fi
+    previous="$arg"
+done
 # A new meeting point for the processes of every restart (chapter 06): by default every round of
 # the rendezvous shares one store, which outlives a restart, and a restarted group can meet the
 # failed group's leftovers there and hang (pytorch/pytorch#135712). With this set, node 0's
@@ -41,11 +58,14 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 echo "launch_c10d: $NNODES node(s) x $NPROC_PER_NODE process(es), job '$RDZV_ID' meeting at $RDZV_ENDPOINT" >&2
 # Can this node take part? torchrun would retry an unreachable endpoint until its timeout; the
-# preflight's network check says in one line what is wrong, in a moment (preflight.py, --meet).
-same_machine=()
-[[ "${SAME_MACHINE:-0}" != 1 ]] || same_machine=(--same-machine)
-python 05_multinode/preflight.py --meet "$RDZV_ENDPOINT" --nnodes "$NNODES" "${same_machine[@]}"
+# preflight's network check says in one line what is wrong, in a moment, and then waits until
+# every node is there, or says how many never came (preflight.py, --meet and --wait).
+same_machine=""
+[[ "${SAME_MACHINE:-0}" != 1 ]] || same_machine=--same-machine
+# shellcheck disable=SC2086  # $same_machine: one word, or none
+python 05_multinode/preflight.py --meet "$RDZV_ENDPOINT" --nnodes "$NNODES" --wait "$TIMEOUT" \
+    $same_machine
 exec torchrun --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
-    --max-restarts="$MAX_RESTARTS" \
+    --rdzv-conf join_timeout="$TIMEOUT" --max-restarts="$MAX_RESTARTS" \
     "$SCRIPT" "$@"

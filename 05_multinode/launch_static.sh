@@ -19,6 +19,9 @@
 #   SAME_MACHINE     1: every node runs on this one machine (simulate_two_nodes.sh), so
 #                    MASTER_ADDR may be this machine's own address (0)
 #
+# train.py's --dist-timeout among the arguments (300 s unless given) also bounds how long this node
+# waits for the others: one that never comes ends the wait with one line.
+#
 # exec: torchrun takes this script's place, so a signal sent to it (as Kubernetes sends SIGTERM to a
 # container's first process) reaches torchrun, which passes it on to the training processes.
 set -euo pipefail
@@ -34,14 +37,30 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 SCRIPT="${SCRIPT:-05_multinode/train.py}"
+# How long this node waits for the others: as long as the run lets a collective wait for a
+# peer (train.py's --dist-timeout, 300 s unless the arguments say otherwise), not torchrun's own
+# 10 minutes. A node whose peer never comes then ends by itself, with one line.
+TIMEOUT=300
+previous=""
+for arg in "$@"; do
+    if [[ "$previous" == --dist-timeout ]]; then
+        TIMEOUT="$arg"
+    fi
+    if [[ "$arg" == --dist-timeout=* ]]; then
+        TIMEOUT="${arg#--dist-timeout=}"
+    fi
+    previous="$arg"
+done
 
 echo "launch_static: node $NODE_RANK of $NNODES, $NPROC_PER_NODE process(es), meeting at $MASTER_ADDR:$MASTER_PORT" >&2
 # Can this node take part? torchrun would retry an unreachable MASTER_ADDR for 15 minutes; the
-# preflight's network check says in one line what is wrong, in a moment (preflight.py, --meet).
-same_machine=()
-[[ "${SAME_MACHINE:-0}" != 1 ]] || same_machine=(--same-machine)
+# preflight's network check says in one line what is wrong, in a moment, and then waits until
+# every node is there, or names the node ranks that never came (preflight.py, --meet and --wait).
+same_machine=""
+[[ "${SAME_MACHINE:-0}" != 1 ]] || same_machine=--same-machine
+# shellcheck disable=SC2086  # $same_machine: one word, or none
 python 05_multinode/preflight.py --meet "$MASTER_ADDR:$MASTER_PORT" --node-rank "$NODE_RANK" \
-    --nnodes "$NNODES" "${same_machine[@]}"
+    --nnodes "$NNODES" --wait "$TIMEOUT" $same_machine
 exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE" \
-    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --max-restarts="$MAX_RESTARTS" \
-    "$SCRIPT" "$@"
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --rdzv-conf timeout="$TIMEOUT" \
+    --max-restarts="$MAX_RESTARTS" "$SCRIPT" "$@"

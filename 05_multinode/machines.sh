@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
+# Needs Linux and root (elsewhere, simulate_two_nodes.sh runs two nodes over 127.0.0.1 instead).
 # Several machines on one: each "machine" is a Linux network namespace, a network stack of its own
 # with its own interface (eth0), address, routes and host name, all joined by one switch. Chapter
 # 05 runs across them as across real machines: MASTER_ADDR is machine 0's address, every process
-# picks an interface, and the link can be slowed to a real network's rate. Needs root.
+# picks an interface, and the link can be slowed to a real network's rate.
 #
 #   sudo bash 05_multinode/machines.sh up                      # 2 machines, the link unlimited
 #   sudo bash 05_multinode/machines.sh up --machines 2 --rate 100mbit   # or 1gbit, or unlimited

@@ -29,9 +29,10 @@ With --meet, and without torchrun, it checks only this node's network, in a frac
 before torchrun starts (launch_static.sh and launch_c10d.sh run it so): that the meeting point
 resolves and is this machine's own address on the node that hosts it and a reachable one on the
 others, and that the interfaces gloo and NCCL will use exist and are not the loopback. torchrun
-itself would retry an unreachable MASTER_ADDR for 15 minutes.
+itself would retry an unreachable MASTER_ADDR for 15 minutes. With --wait SECONDS, it then waits
+until every node has passed its own check, or ends naming the nodes that never came.
 
-    python 05_multinode/preflight.py --meet 10.0.0.1:29500 --node-rank 1 --nnodes 2
+    python 05_multinode/preflight.py --meet 10.0.0.1:29500 --node-rank 1 --nnodes 2 --wait 300
 """
 
 import argparse
@@ -125,6 +126,13 @@ def parse_args() -> argparse.Namespace:
         help="with --meet: every node runs on this machine (simulate_two_nodes.sh), so the "
         "loopback is right",
     )
+    p.add_argument(
+        "--wait",
+        type=int,
+        metavar="SECONDS",
+        help="with --meet: then wait up to SECONDS for every node at the meeting point, and name "
+        "the ones that never came (the launch recipes pass the run's --dist-timeout)",
+    )
     args = p.parse_args()
     try:
         args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
@@ -156,7 +164,8 @@ def torchrun_ranks() -> tuple[int, int, int, int]:
 
 # ---- the network: interfaces, the addresses gloo and NCCL use, the meeting point ---------------
 
-SIOCGIFADDR = 0x8915  # Linux's ioctl that reads an interface's IPv4 address
+# the ioctl that reads an interface's IPv4 address: Linux's number, or macOS's and the BSDs'
+SIOCGIFADDR = 0x8915 if sys.platform == "linux" else 0xC0206921
 
 
 def interfaces() -> dict[str, str | None]:
@@ -363,7 +372,117 @@ def check_meeting_point(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # MIN:MAX: nodes may come later, and torchrun's own rendezvous decides when they join
+    if args.wait is not None and ":" not in args.nnodes:
+        wait_for_nodes(args, address, local)
     return 0
+
+
+def wait_for_nodes(args: argparse.Namespace, address: str, local: bool) -> None:
+    """--wait: every node meets at the meeting point before torchrun starts, or this node ends with
+    one line naming what it waited for. torchrun's own rendezvous waits 10 minutes by default
+    for a node that never comes, and then prints a traceback; a node that failed its check above
+    never comes.
+
+    The node at the meeting point (node 0; under c10d the first of the nodes whose address it is)
+    listens on its port, and every other node tells it who it is; once all are there, it answers
+    each "go" and closes the port, which torchrun then opens. Each node waits `--wait` seconds.
+    """
+    host, _, port_text = args.meet.rpartition(":")
+    port = int(port_text)
+    nnodes = int(args.nnodes)
+    deadline = time.monotonic() + args.wait
+    if args.node_rank is None:
+        me = f"{socket.gethostname()} (process {os.getpid()})"
+    else:
+        me = f"node {args.node_rank}"
+    server = None
+    if local and args.node_rank in (None, 0):
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            server.bind((address, port))
+            server.listen(nnodes)
+        except OSError as err:
+            server.close()
+            server = None
+            if args.node_rank == 0:
+                raise CourseError(
+                    f"node 0 cannot listen on its meeting point {host}:{port} ({err.strerror}): "
+                    "another program holds that port; choose another MASTER_PORT"
+                ) from None
+            # under c10d another node on this machine listens there already: meet it
+    if server is None:
+        join_meeting(args, host, address, port, me, deadline)
+        return
+    arrived: dict[str, socket.socket] = {}
+    with server:
+        while len(arrived) < nnodes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CourseError(never_came(args, host, port, nnodes, list(arrived)))
+            server.settimeout(left)
+            try:
+                peer, _ = server.accept()
+            except TimeoutError:
+                continue
+            peer.settimeout(5)
+            try:
+                said = peer.recv(256).decode(errors="replace").strip()
+            except OSError:
+                said = ""
+            if said:
+                arrived[said] = peer
+            else:  # a node's check that the port answers, which says nothing
+                peer.close()
+        for peer in arrived.values():  # go; each node closes first, so the port is free at once
+            with peer:
+                peer.sendall(b"go\n")
+                try:
+                    peer.recv(16)
+                except OSError:
+                    pass
+
+
+def never_came(args: argparse.Namespace, host: str, port: int, nnodes: int, came: list) -> str:
+    if args.node_rank is not None:
+        missing = sorted(set(range(1, nnodes)) - {int(label.split()[-1]) for label in came})
+        which = ", ".join(str(rank) for rank in missing)
+        return (
+            f"waited {args.wait} s at {host}:{port} for node rank(s) {which} of {nnodes}, which "
+            "never came: start every node with the same MASTER_ADDR and MASTER_PORT, and read "
+            "the missing nodes' own error"
+        )
+    others = ", ".join(came) or "none"
+    return (
+        f"waited {args.wait} s at {host}:{port} for {nnodes - 1 - len(came)} more of {nnodes} "
+        f"nodes, which never came (came besides this one: {others}): start every node with the "
+        "same RDZV_ENDPOINT and RDZV_ID, and read the missing nodes' own error"
+    )
+
+
+def join_meeting(
+    args: argparse.Namespace, host: str, address: str, port: int, me: str, deadline: float
+) -> None:
+    """A node that does not host the meeting point: say who it is there, and wait for "go"."""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((address, port), timeout=5) as s:
+                s.sendall(f"{me}\n".encode())
+                s.settimeout(max(deadline - time.monotonic(), 0.1))
+                if s.recv(16).startswith(b"go"):
+                    return
+        except OSError:  # not listening yet, or it ended: try again until the deadline
+            pass
+        time.sleep(0.5)
+    if args.node_rank is None:
+        waited_for = f"the node whose address {host}:{port} is"
+    else:
+        waited_for = f"node rank 0 at {host}:{port}"
+    raise CourseError(
+        f"waited {args.wait} s for {waited_for}, which never came: start it with the same "
+        "address and port, and read its own error"
+    )
 
 
 def versions(device) -> str:

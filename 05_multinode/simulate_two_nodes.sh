@@ -42,9 +42,12 @@ RUN_DIR="${RUN_DIR:-out/$(basename "$(dirname "$SCRIPT")")/two_nodes}"
 SHARED_FS="${SHARED_FS:-0}"
 MACHINES="${MACHINES:-}"
 address=127.0.0.1  # where the nodes meet: node 0's address
-on_node=()  # what starts a node's recipe on its machine: nothing, here
+# What starts a node's recipe on its machine, and what makes the run's folder and logs: here `env`,
+# which just runs the command, as this script's user. (Never an empty list: bash 3.2, macOS's,
+# calls "${list[@]}" of an empty list unbound under set -u.)
+on_node=(env)
 export SAME_MACHINE=1  # the recipes' network check: both nodes on this machine, loopback and all
-as_user=()  # what makes the run's folder and logs: this script's user, here
+as_user=(env)
 if [[ -n "$MACHINES" ]]; then
     address=$(bash 05_multinode/machines.sh address --prefix "$MACHINES" 0)
     SAME_MACHINE=0
@@ -62,8 +65,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # One simulation per run folder, and never over another run: the node logs below would be the
 # first files lost. (train.py's rank 0 also refuses and locks the folder, but only after both
 # nodes have started and their logs have been opened.)
-exec 9>>"$RUN_DIR/node0.log"  # a lock on node 0's log (train.py's rank 0 locks the folder itself)
-if ! flock -n 9; then
+# A lock on node 0's log (train.py's rank 0 locks the folder itself), taken by Python: the lock
+# belongs to the open log, which this script keeps open, so it holds until the script ends. Python
+# has it everywhere; the flock command is Linux's only.
+exec 9>>"$RUN_DIR/node0.log"
+if ! "$PYTHON" -c 'import fcntl; fcntl.flock(9, fcntl.LOCK_EX | fcntl.LOCK_NB)' 2> /dev/null; then
     echo "error: $RUN_DIR is in use by another simulation that is still going; wait for it, or set RUN_DIR" >&2
     exit 2
 fi

@@ -1,5 +1,6 @@
 """What chapter 03 adds to common/: `in_autocast`, which the chapter teaches
-(docs/deep/AUTOCAST_TRAP.md), and which GPUs nn.DataParallel may spread over, which it does not.
+(docs/deep/AUTOCAST_TRAP.md), which GPUs nn.DataParallel may spread over, and the mean of its
+replicas' losses, which it does not.
 
 DataParallel runs one replica per GPU in the device_ids it is given, gathers on the first one,
 and runs its replicas in threads. Each of those facts refuses a setting that would otherwise
@@ -69,3 +70,22 @@ def choose_dataparallel_gpus(
         # one GPU: the one --device chose
         return [device.index or 0]
     return list(range(n_gpus))
+
+
+def mean_of_replicas(losses: torch.Tensor, sequences: int) -> torch.Tensor:
+    """The mean loss of a batch of `sequences`, from the losses DataParallel's replicas return.
+
+    Each replica returns the mean loss of its share of the batch, and DataParallel cuts the batch
+    as torch.chunk does: shares of ceil(sequences / GPUs), the last one smaller when they do not
+    divide. The mean of the replicas' means is the batch's mean only when every share is as large,
+    which is when `sequences` is a multiple of the losses' count; any other batch is refused.
+    Without GPUs the model returns one loss, the batch's own.
+    """
+    replicas = losses.numel()
+    if sequences % replicas != 0:
+        raise CourseError(
+            f"a batch of {sequences} sequences does not split evenly over DataParallel's "
+            f"{replicas} replicas, so the mean of their losses is not the batch's: give every "
+            "batch a multiple of the GPUs' count of sequences"
+        )
+    return losses.mean()

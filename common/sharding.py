@@ -6,6 +6,8 @@ shards and took a step (these read only this rank's tensors or this process's fi
 
 from __future__ import annotations
 
+import math
+import sys
 from pathlib import Path
 
 import torch
@@ -67,31 +69,47 @@ def describe_held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return f"holds {', '.join(parts)}: {mine / 1e6:.2f} MB of DDP's {ddp / 1e6:.2f} MB"
 
 
-def _proc_status_mb(field: str) -> float:
+def _proc_status_mb(proc: Path, field: str) -> float:
     """A memory figure of this process from Linux's /proc/self/status, in MB (10^6 bytes)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in (proc / "status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024 / 1e6  # the kernel counts in KiB
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    raise RuntimeError(f"{proc}/status has no {field}")
 
 
 class PeakMemory:
     """The most memory this rank held since it was made, above what it held then, in MB: on a GPU
-    the tensors' bytes there, on the CPU the process's resident memory (Linux's /proc/self)."""
+    the tensors' bytes there, on the CPU the process's resident memory (Linux's /proc/self).
 
-    def __init__(self, device: torch.device):
+    Where the CPU's figure cannot be read (macOS and the BSDs have no /proc), it says so in one
+    line and reads nan: the run goes on without it."""
+
+    def __init__(self, device: torch.device, proc: Path = Path("/proc/self")):
         self.device = device
+        self.proc = proc
+        self.before = float("nan")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self.before = torch.cuda.memory_allocated(device) / 1e6
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident memory
-            self.before = _proc_status_mb("VmRSS")
+            return
+        try:
+            (proc / "clear_refs").write_text("5")  # resets VmHWM, the peak resident memory
+        except OSError as err:
+            print(
+                f"peak memory: cannot measure it here ({proc / 'clear_refs'}: {err.strerror}), "
+                "so its figures read nan; the run goes on",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self.before = _proc_status_mb(proc, "VmRSS")
 
     def since_start(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 1e6 - self.before
-        return _proc_status_mb("VmHWM") - self.before
+        if math.isnan(self.before):  # not measurable here
+            return self.before
+        return _proc_status_mb(self.proc, "VmHWM") - self.before
 
 
 # ---- ckpt.pt from and into a sharded model (FSDP) ---------------------------------------------

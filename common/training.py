@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from .checkpoint import check_same_shape, load_checkpoint
+from .dataparallel import mean_of_replicas
 from .model import GPT, GPTConfig
 from .support.errors import CourseError
 from .tokenizer import decode, encode
@@ -79,8 +80,8 @@ def evaluate(
         y = y.to(device, non_blocking=True)
         with autocast:
             _, loss = model(x, y)
-        # mean(): DataParallel returns one loss per GPU
-        total += loss.mean().to(total.dtype) * len(x)
+        # DataParallel (chapter 03) returns one loss per GPU: their mean, where it is the batch's
+        total += mean_of_replicas(loss, len(x)).to(total.dtype) * len(x)
     model.train()  # every caller goes on training
     return total / len(windows)
 

@@ -345,3 +345,34 @@ def test_the_validation_windows_are_whole_batches_so_dataparallel_splits_them_ev
     assert windows[-1] == 28  # spread over the whole split
     with pytest.raises(CourseError, match="fewer than one batch of 8; lower --batch-size"):
         validation_windows(Split(7), 5, 8)
+
+
+def test_the_mean_of_dataparallels_replicas_is_the_batchs_mean_or_refused():
+    """DataParallel cuts a batch as torch.chunk does (torch.cuda.comm.scatter without sizes), and
+    each replica returns its share's mean loss. The evaluation's mean of those means is the batch's
+    mean for every batch it accepts, and every batch whose shares differ is refused in one line;
+    without GPUs the model's one loss is the batch's."""
+    from common.dataparallel import mean_of_replicas
+
+    generator = torch.Generator().manual_seed(0)
+    refused = 0
+    for sequences in range(1, 41):
+        per_sequence = torch.rand(sequences, generator=generator, dtype=torch.float64)
+        for gpus in range(1, 9):
+            shares = per_sequence.chunk(gpus)
+            replica_losses = torch.stack([share.mean() for share in shares])
+            if len({len(share) for share in shares}) == 1:
+                mean = mean_of_replicas(replica_losses, sequences)
+                assert mean.item() == pytest.approx(per_sequence.mean().item(), rel=1e-12)
+                continue
+            refused += 1
+            with pytest.raises(CourseError) as error:
+                mean_of_replicas(replica_losses, sequences)
+            assert str(error.value) == (
+                f"a batch of {sequences} sequences does not split evenly over DataParallel's "
+                f"{len(shares)} replicas, so the mean of their losses is not the batch's: give "
+                "every batch a multiple of the GPUs' count of sequences"
+            )
+        # on a CPU, or one GPU: one loss, the batch's own
+        assert mean_of_replicas(per_sequence.mean(), sequences) == per_sequence.mean()
+    assert refused > 0  # 10 sequences on 4 GPUs: shares of 3, 3, 3 and 1

@@ -10,12 +10,14 @@ root: skipped without root or network namespaces, and with CI=true it fails inst
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from helpers import tiny_run_args
-from machines import machine_set
+from helpers import outputs_of, tiny_run_args
+from machines import machine_set, static_launch
 from two_nodes import (
     EVAL_EVERY,
     ITERS,
@@ -27,7 +29,7 @@ from two_nodes import (
 
 from common.support.corpus import shakespeare_texts
 from layout import REPO
-from tools.launch import run_python
+from tools.launch import child_env, free_port, run_python
 
 CHAPTER = REPO / "05_multinode"
 
@@ -130,6 +132,111 @@ def test_across_two_machines_c10d_rendezvous_shared_fs_equals_chapter01(
     prepared = [m for log in logs for m in PREPARING.findall(log)]
     assert [m[:3] for m in prepared] == [("0", "0", "0")]
     assert losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
+
+
+# A node whose peer never comes ends by itself: the launch recipes wait as long as the run's
+# --dist-timeout, then name what they waited for. START_UP: the recipe's own seconds before it
+# waits (its network check, without torch), on a busy machine.
+WAIT, START_UP = 5, 60
+
+
+@pytest.mark.parametrize("recipe", ["static node 0", "static node 1", "c10d"])
+def test_a_node_whose_peer_never_comes_ends_by_itself_in_one_line(recipe):
+    port = free_port()
+    if recipe == "c10d":
+        settings = {"RDZV_ENDPOINT": f"127.0.0.1:{port}"}
+        script = "launch_c10d.sh"
+        line = (
+            f"error: waited {WAIT} s at 127.0.0.1:{port} for 1 more of 2 nodes, which "
+            "never came (came besides this one: none): start every node with the same "
+            "RDZV_ENDPOINT and RDZV_ID, and read the missing nodes' own error"
+        )
+    else:
+        node = recipe.split()[-1]
+        settings = {"NODE_RANK": node, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        script = "launch_static.sh"
+        if node == "0":
+            line = (
+                f"error: waited {WAIT} s at 127.0.0.1:{port} for node rank(s) 1 of 2, which "
+                "never came: start every node with the same MASTER_ADDR and MASTER_PORT, and "
+                "read the missing nodes' own error"
+            )
+        else:
+            line = (
+                f"error: waited {WAIT} s for node rank 0 at 127.0.0.1:{port}, which never "
+                "came: start it with the same address and port, and read its own error"
+            )
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", f"05_multinode/{script}", "--dist-timeout", str(WAIT)],
+        cwd=REPO,
+        env=child_env(SAME_MACHINE="1", NPROC_PER_NODE="1", **settings),
+        capture_output=True,
+        text=True,
+        timeout=WAIT + START_UP,
+    )
+    assert time.monotonic() - started >= WAIT  # it waited, and then ended by itself
+    assert proc.returncode == 2, proc.stderr
+    said = proc.stderr.strip().splitlines()
+    assert said[-1] == line
+    assert said[1].startswith(f"preflight on {socket.gethostname()}: ")  # then it waited
+    assert len(said) == 3, proc.stderr  # the recipe's line, the check's, and the end's
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_across_machines_a_wrong_interface_ends_both_nodes_in_one_line_each(machines, rdzv):
+    """Node 1 with a GLOO_SOCKET_IFNAME that its machine lacks ends at once; node 0 waits for it
+    as long as the run's --dist-timeout, and ends too. Each says why in one line."""
+    port = free_port()
+    commands = []
+    for node in (0, 1):
+        if rdzv == "static":
+            launch = static_launch("05_multinode/train.py", node, port)
+        else:
+            settings = [f"RDZV_ENDPOINT=10.0.0.1:{port}", "NPROC_PER_NODE=1"]
+            launch = ["env", *settings, "bash", "05_multinode/launch_c10d.sh"]
+        if node == 1:
+            launch = ["env", "GLOO_SOCKET_IFNAME=eth1", *launch]
+        commands.append(machines.run_command(node, [*launch, "--dist-timeout", str(WAIT)]))
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for command in commands
+    ]
+    try:
+        said = [proc.communicate(timeout=WAIT + START_UP)[1] for proc in procs]
+    finally:
+        outputs_of(procs, timeout=1)  # anything still running is stopped
+    assert time.monotonic() - started < WAIT + START_UP
+    for proc, out in zip(procs, said):
+        assert proc.returncode == 2, out
+        errors = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and out.strip().endswith(errors[0]), out
+    assert said[1].strip().splitlines()[-1] == (
+        "error: GLOO_SOCKET_IFNAME=eth1, but this machine (machine1) has no interface eth1 with "
+        "an IPv4 address (it has: lo 127.0.0.1, eth0 10.0.0.2): name one of those, the one on "
+        "the network between the nodes"
+    )
+    if rdzv == "static":
+        waited_for = (
+            "for node rank(s) 1 of 2, which never came: start every node with the same "
+            "MASTER_ADDR and MASTER_PORT, and read the missing nodes' own error"
+        )
+    else:
+        waited_for = (
+            "for 1 more of 2 nodes, which never came (came besides this one: none): start every "
+            "node with the same RDZV_ENDPOINT and RDZV_ID, and read the missing nodes' own error"
+        )
+    expected = f"error: waited {WAIT} s at 10.0.0.1:{port} {waited_for}"
+    assert said[0].strip().splitlines()[-1] == expected
 
 
 def test_launch_scripts_parse_and_name_existing_files():
