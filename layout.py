@@ -1,5 +1,5 @@
-"""Where the course's parts lie: its root folder (the one `REPO` of the tests, benchmarks, workers
-and generators) and the modules of a chapter folder. The chapter scripts do without it: each
+"""Where the course's parts lie: its root folder (the one `REPO` of the tests, benchmarks and
+generators) and the modules of a chapter folder. The chapter scripts do without it: each
 finds common/ from its own path, as a lesson should read."""
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ setup()
 # %% [markdown]
 # ## What each rank does
 #
-# The next cell shows a small program, `workers/rank_worker.py`; the one after starts it twice with
-# `torchrun --nproc-per-node=2 --standalone`. Each process prints one `RESULT` line.
+# The next cell shows a small program, `tests/workers/rank_worker.py`; the one after starts it
+# twice with `torchrun --nproc-per-node=2 --standalone`. Each process prints one `RESULT` line.
 
 # %%
 from tools.notebook import WORKER, full_batch_gradient, results, show_source
@@ -134,7 +134,7 @@ print(
 # ## Inside one step
 #
 # One optimizer step of 2 micro-steps on 2 ranks, traced by `torch.profiler`
-# (`python -m maintainer.step_pictures`, caption in `docs/figures/CAPTIONS.md`). The first
+# (the trace is kept beside it; its run and caption are in `docs/figures/CAPTIONS.md`). The first
 # backward, under `no_sync()`, sends nothing; in the last one each bucket's all-reduce starts while
 # backward is still computing the earlier layers. A busy CPU's durations; what a GPU shares is the
 # order and the overlap.

@@ -115,7 +115,7 @@ assert shapes == {name: tensor.shape for name, tensor in reference["model"].item
 # %% [markdown]
 # ## Inside one step
 #
-# One FSDP2 step on 2 ranks, traced by `torch.profiler` (`python -m maintainer.step_pictures`,
+# One FSDP2 step on 2 ranks, traced by `torch.profiler` (its run and
 # captions in `docs/figures/CAPTIONS.md`): each block is gathered before its forward and again
 # before its backward, and its gradient is reduce-scattered right after. The root unit is gathered
 # once and stays whole until its backward. Then what one rank holds under DDP, ZeRO-1 and FSDP,

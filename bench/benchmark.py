@@ -10,8 +10,6 @@ number of optimizer steps on the same global batch of --batch-size sequences. Th
 the metrics.jsonl each run writes, with the first log interval (the warm-up) left out:
 
     tokens/s, step time, MFU, CUDA memory  medians of the chapter's own metrics lines
-    communication                          1 - step without all-reduce / step with it, from
-                                           workers/ddp_worker.py in the same launch layout
     step / bare                            the setup's step time over that of the bare model math
                                            on pre-built batches (bench/bare_step.py)
 
@@ -238,11 +236,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "so 2 ranks fill the machine and scaling compares like with like",
     )
     p.add_argument(
-        "--no-comm",
-        action="store_true",
-        help="skip the communication measurement (workers/ddp_worker.py)",
-    )
-    p.add_argument(
         "--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)"
     )
     p.add_argument(
@@ -329,29 +322,22 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
     return result | {"status": "ok"} | figures
 
 
-def worker_flags(
-    args, batch_size: int, iters: int, group: int, device: str, out: Path
-) -> list[str]:
-    """The flags of bench/bare_step.py and workers/ddp_worker.py: what they time (after the
-    warm-up interval) and where they write it."""
-    return flags(
+def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
+    """bench/bare_step.py: the model's math alone on pre-built batches, timed after the warm-up."""
+    out = (
+        Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
+    )
+    worker = flags(
         preset=args.preset,
         batch_size=batch_size,
-        iters=iters,
+        iters=args.iters,
         warmup=args.log_interval,
-        group=group,
-        device=device,
+        group=args.log_interval,
+        device=args.device,
         dtype=args.dtype,
         data_dir=args.data_dir,
         out=out,
     )
-
-
-def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
-    out = (
-        Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
-    )
-    worker = worker_flags(args, batch_size, args.iters, args.log_interval, args.device, out)
     commands = launch_commands(
         "python", BENCH / "bare_step.py", 1, worker + flags(compile=args.compile)
     )
@@ -361,29 +347,12 @@ def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | 
     return result
 
 
-def run_comm(args, setup: Setup, repeat: int) -> dict | None:
-    out = Path(args.work_dir) / f"comm_{setup.key}" / f"repeat{repeat}.json"
-    # short groups of 2 steps, alternating sync / no_sync: many pairs, each pair under the same load
-    group = min(2, args.log_interval)
-    # steps for the warm-up, then at least 2 groups of each kind
-    iters = max(args.iters, args.log_interval + 4 * group)
-    device = "cuda" if args.device.startswith("cuda") else "cpu"
-    worker = worker_flags(args, args.batch_size // setup.ranks, iters, group, device, out)
-    commands = launch_commands(
-        setup.launch, REPO / "workers" / "ddp_worker.py", setup.ranks, worker
-    )
-    result, tail = run_for_result(commands, run_env(args, args.threads_per_rank), out, args.timeout)
-    if result is None:
-        print(f"  communication run for {setup.key} failed: {tail[-200:]}", flush=True)
-    return result
-
-
 def predict_two_ranks(args, report: dict) -> dict | None:
     """bench/scaling_model.py's 04 DDP step with 2 ranks, from this run's measured inputs: the bare
     step and the bus bandwidth that 05_multinode/preflight.py measures in the same launch layout,
     for one all-reduce of all the gradients."""
     two_ranks_ok = any(r["setup"] == "04x2" and r["status"] == "ok" for r in report["setups"])
-    if args.no_comm or args.no_bare or not two_ranks_ok:
+    if args.no_bare or not two_ranks_ok:
         return None
     mb = scaling_model.gradient_layout(args.preset)["grad_bytes"] / 1e6
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
@@ -414,9 +383,7 @@ def bare_key(args, s: Setup) -> tuple:
     return (args.batch_size // s.ranks, args.threads_per_rank)
 
 
-def build_report(
-    args, chosen: list[Setup], runs: dict, comm: dict, bare: dict, skipped: dict, argv
-) -> dict:
+def build_report(args, chosen: list[Setup], runs: dict, bare: dict, skipped: dict, argv) -> dict:
     """Rows of the table from every repeat of every run: the fastest repeat of each."""
     block = PRESETS[args.preset].block_size
     rows = []
@@ -463,13 +430,6 @@ def build_report(
         row["threads_per_rank"] = ok["threads_per_rank"] or args.threads_per_rank
         # metrics.jsonl's max_mem_mb: torch.cuda.max_memory_allocated on rank 0; nothing on a CPU
         row["peak_mem_mb"] = ok["cuda_max_mem_mb"]
-        c = best(comm.get(s.key, []), "sync_ms")
-        row["comm_share"] = c["comm_share"] if c else None
-        row["comm"] = (
-            {k: c[k] for k in ("sync_ms", "no_sync_ms", "comm_ms", "threads", "backend")}
-            if c
-            else None
-        )
         b = best(bare.get(bare_key(args, s), []), "step_ms")
         row["bare_step_ms"] = b["step_ms"] if b else None
         row["bare_ratio"] = row["step_ms"] / b["step_ms"] if b else None
@@ -537,8 +497,6 @@ def main(argv=None) -> int:
     )
 
     runs: dict[str, list[dict]] = {s.key: [] for s in chosen}
-    # the setups of several ranks only: one rank has no one to talk to
-    comm: dict[str, list] = {s.key: [] for s in chosen if s.ranks > 1}
     bare: dict[tuple, list] = {}
     skipped: dict[str, str] = {}
     for s in chosen:
@@ -563,15 +521,6 @@ def main(argv=None) -> int:
                 f"({r['seconds']} s)",
                 flush=True,
             )
-            if not args.no_comm and s.key in comm and r["status"] == "ok":
-                c = run_comm(args, s, repeat)
-                comm[s.key].append(c)
-                if c:
-                    print(
-                        f"    communication: {100 * c['comm_share']:.1f}% of a "
-                        f"{c['sync_ms']:.1f} ms step",
-                        flush=True,
-                    )
         if not args.no_bare:
             for key in sorted({bare_key(args, s) for s in chosen if s.key not in skipped}, key=str):
                 b = run_bare(args, key[0], key[1], repeat)
@@ -583,7 +532,7 @@ def main(argv=None) -> int:
                         flush=True,
                     )
 
-    report = build_report(args, chosen, runs, comm, bare, skipped, argv)
+    report = build_report(args, chosen, runs, bare, skipped, argv)
     report["prediction"] = predict_two_ranks(args, report)
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
@@ -606,7 +555,6 @@ COLUMNS = [
     "Step (ms)",
     "MFU",
     "Peak memory per device (MB)",
-    "Communication",
     "Step / bare",
 ]
 
@@ -640,7 +588,6 @@ def markdown(report: dict) -> str:
             cell(r["step_ms"], "{:,.1f}"),
             percent(r["mfu"]),
             cell(r["peak_mem_mb"]),
-            percent(r["comm_share"]) if r["processes"] > 1 else "-",
             cell(r["bare_ratio"], "{:.3f}"),
         ]
         lines.append(row(cells))

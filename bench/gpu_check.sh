@@ -6,23 +6,19 @@
 #   prepare_data      30s    ~5s  the Shakespeare token files: checked, prepared only if missing
 #   compile_probe     90s   ~30s  does a compiled `x * 2` run on the device? (gcc, Python.h, Triton)
 #   compile   COMPILE+15   ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
-#   replica_dtype     45s   ~15s  the dtype in DataParallel's replica threads (bfloat16 expected)
 #   eager            150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04
 #                                 with 1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
-#   gpu_vs_cpu        60s   ~25s  a few bf16 GPU steps follow the CPU's float32 losses
 #   preflight         45s   ~15s  chapter 05's preflight, 1 rank on NCCL
 #   by_hand           60s   ~20s  bench/by_hand_vs_ddp.py --impl all, 1 rank on CUDA
 #   fsdp              60s   ~30s  chapter 07, FSDP2 with 1 NCCL rank, the flags of 04's row
-#   loss_chunked 2*COMPILE+90  ~180s  plain vs chunked loss (bench/loss_bench.py check): bare steps
-#                                 eager and compiled, tokens/s, peak memory, the loss by chunk size
 #
 #   bash bench/gpu_check.sh                 # results in $RESULTS_DIR, else bench/results/gpu
 #
 # Every step gets the smaller of its limit and the time left of TOTAL, so the whole script ends in
 # TOTAL seconds whatever happens; a step that fails, overruns or finds no time left is named and
-# the rest still run. The compile steps are different: a process that compiles gets COMPILE
+# the rest still run. The compile step is different: a process that compiles gets COMPILE
 # seconds, what a cold compile of GPT-2 is reckoned to need, and a compile step that would get
-# less is skipped, not started to be cut short. They are skipped too, with the probe's answer as
+# less is skipped, not started to be cut short. It is skipped too, with the probe's answer as
 # the reason, when the compile probe did not pass. Exit status 0 only when every step passed (a
 # chapter that is not in this copy of the course is named, not counted as a failure).
 #
@@ -35,7 +31,7 @@
 # Settings (environment): RESULTS_DIR, WORK, TOTAL (350), COMPILE (150), STEPS (all, or names
 # separated by commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per
 # step, 32), ITERS (30), LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2),
-# CHECK_PRESET (small), CHECK_STEPS (10 for gpu_vs_cpu, 12 for by_hand), PREFLIGHT_MB
+# CHECK_PRESET (small), CHECK_STEPS (12, for by_hand), PREFLIGHT_MB
 # (1,16,128) and DEVICE (cuda) exist for a dry run of the mechanics on a CPU, as the tests do
 # (tests/test_gpu_check.py).
 set -euo pipefail
@@ -148,7 +144,7 @@ step prepare_data 30 -- "$PYTHON" -c "$prepare" "$DATA_DIR"
 
 # The compile probe runs whenever a compile step is asked for: seconds, against minutes of GPT-2.
 # Its limit has room for a first compile with cold caches (bench/GPU_CHECK.md, section 4).
-if selected compile_probe || selected compile || selected loss_chunked; then
+if selected compile_probe || selected compile; then
     step compile_probe 90 -- "$PYTHON" -m bench.compile_probe --device "$DEVICE" \
         --out "$DETAIL/compile_probe.json"
     if [[ "${status_of[compile_probe]}" != passed ]]; then
@@ -158,24 +154,17 @@ if selected compile_probe || selected compile || selected loss_chunked; then
 fi
 
 common=(--device "$DEVICE" --dtype bfloat16 --preset "$PRESET" --batch-size "$BATCH"
-    --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --no-comm --data-dir "$DATA_DIR")
+    --iters "$ITERS" --log-interval "$LOG_INTERVAL" --repeats 1 --data-dir "$DATA_DIR")
 # One process compiles GPT-2's forward and backward: COMPILE seconds for it, 15 s for the
 # benchmark around. It runs early, so that a slow compile shows on the first try.
 step compile $((COMPILE + 15)) $((COMPILE + 15)) -- "$PYTHON" -m bench.benchmark "${common[@]}" \
     --setups 01 --compile --no-bare --timeout "$COMPILE" --work-dir "$WORK/compile" \
     --results-dir "$DETAIL/compile"
-compile_skip_reason="$skip_reason"
 skip_reason=""
 
-step replica_dtype 45 -- "$PYTHON" -m bench.replica_dtype --device "$DEVICE" --dtype bfloat16 \
-    --out "$DETAIL/replica_dtype.json"
 # the benchmark's own per-run limit: the step's, less a margin for writing its table
 step eager 150 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 01,03,04x1 --timeout 130 \
     --work-dir "$WORK/eager" --results-dir "$DETAIL/eager"
-step gpu_vs_cpu 60 -- "$PYTHON" -m bench.gpu_vs_cpu --preset "$CHECK_PRESET" \
-    --steps "${CHECK_STEPS:-10}" --batch-size 8 --ref-device cpu --ref-dtype float32 \
-    --test-device "$DEVICE" --test-dtype bfloat16 --rtol 2e-2 --data-dir "$DATA_DIR" \
-    --out "$DETAIL/gpu_vs_cpu.json"
 step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "$PREFLIGHT_MB" \
     --iters 10
 step by_hand 60 -- "${torchrun_one[@]}" -m bench.by_hand_vs_ddp --impl all \
@@ -187,15 +176,6 @@ if [[ -f 07_fsdp/train.py ]]; then
 else
     absent fsdp 07_fsdp/train.py
 fi
-# chunked vs plain output layer + loss (common/chunked_loss.py, bench/loss_bench.py): two eager
-# bare steps, two compiled ones (COMPILE seconds each, as every run), then the loss alone; at
-# least one compile's time
-skip_reason="$compile_skip_reason"
-step loss_chunked $((2 * COMPILE + 90)) $((COMPILE + 60)) -- "$PYTHON" -m bench.loss_bench check \
-    --configs "$PRESET" --device "$DEVICE" --dtype bfloat16 --batch-size "$BATCH" --iters "$ITERS" \
-    --log-interval "$LOG_INTERVAL" --repeats 1 --compile --data-dir "$DATA_DIR" \
-    --work-dir "$WORK/loss_chunked" --timeout "$COMPILE" --out "$DETAIL/loss_chunked.json"
-skip_reason=""
 
 [[ -f "$RESULTS_DIR/summary.md" ]] && cat "$RESULTS_DIR/summary.md"
 if [[ ${#failed[@]} -gt 0 ]]; then

@@ -7,7 +7,7 @@ keeps what ran):
 - `environment.txt`: nvidia-smi, torch's version and its GPUs (written by gpu_check.sh);
 - `rows.json`: one row per step that ran (name, status, seconds, its limit, its command, and the
   figures its results files hold), in the order the steps ended;
-- `summary.md`: the table of steps, then the figures (the benchmark runs and the checks);
+- `summary.md`: the table of steps, then the figures (the benchmark runs and the probes);
 - `details.tar.gz`: every step's log and results files.
 
     python3 -m bench.gpu_summary record --out OUT --detail DETAIL --step NAME --status passed ...
@@ -30,12 +30,9 @@ from bench.tables import cell, percent, row
 # the results files each step writes under the detail folder; their content goes into its row
 RESULTS = {
     "compile_probe": ["compile_probe.json"],
-    "replica_dtype": ["replica_dtype.json"],
     "eager": ["eager/benchmark.json"],
-    "gpu_vs_cpu": ["gpu_vs_cpu.json"],
     "compile": ["compile/benchmark.json"],
     "fsdp": ["fsdp/benchmark.json"],
-    "loss_chunked": ["loss_chunked.json"],
 }
 # the lines of a step's log that are its figures, for steps that write no results file
 LOG_LINES = {"preflight": "preflight ", "by_hand": "mean step time", "prepare_data": "prepar"}
@@ -91,36 +88,9 @@ def summary(detail: Path, rows: list[dict] | None = None) -> str:
             f"- compile probe: FAILED on {probe['device']}: {probe['error']}; "
             "the compile steps were skipped"
         )
-    check = _load(detail / "gpu_vs_cpu.json")
-    if check is None:
-        text.append("- bf16 vs float32 check: no results (see gpu_vs_cpu.log)")
-    else:
-        sides = f"{check['test']} against {check['reference']}, {check['steps']} steps"
-        verdict = "PASS" if check["passed"] else "FAIL"
-        difference = (
-            f"largest relative loss difference {check['max_rel_diff']:.2e} (rtol {check['rtol']:g})"
-        )
-        text.append(f"- bf16 vs float32 check ({sides}): {verdict}, {difference}")
-    replica = _load(detail / "replica_dtype.json")
-    if replica is None:
-        text.append("- DataParallel replica dtype: no results (see replica_dtype.log)")
-    else:
-        text.append(
-            f"- DataParallel replica dtype, {replica['chosen']} chosen: "
-            f"torch's replica threads compute in {', '.join(replica['plain'])}; "
-            f"chapter 03's in {', '.join(replica['chapter03'])}: "
-            f"{'PASS' if replica['passed'] else 'FAIL'} (two GPUs: {replica['chapter03_two_gpus']})"
-        )
     for name in ("preflight", "by_hand"):
         found = _lines(detail / f"{name}.log", LOG_LINES[name])
         text.append(f"- {name}: " + ("; ".join(found) if found else f"no results (see {name}.log)"))
-    chunked = detail / "loss_chunked.md"
-    text += [
-        "",
-        "## Plain vs chunked loss",
-        "",
-        chunked.read_text().strip() if chunked.exists() else "no results (see loss_chunked.log)",
-    ]
     text += [
         "",
         "Not measured on one GPU: DataParallel's imbalance between GPUs (cuda:0 holds the gathered "

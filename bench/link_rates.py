@@ -4,7 +4,6 @@ preflight measures between them. Needs root (network namespaces).
 
     sudo env "PATH=$PATH" python -m bench.link_rates                        # minutes
     sudo env "PATH=$PATH" python -m bench.link_rates --rates 100mbit --iters 20   # a shorter one
-    python -m maintainer.link_picture                                      # then its figure
 
 For each rate in turn, on the same two machines, with one process on each:
 
@@ -39,7 +38,7 @@ from bench import scaling_model
 from common.data import prepare
 from common.metrics import read_metrics
 from layout import REPO
-from maintainer.make_plots import load_average, machine_description
+from maintainer.results import load_average, machine_description
 from tools.launch import child_env, flags, measured_run_flags, run_together, shown_command
 
 MACHINES = ["bash", "05_multinode/machines.sh"]

@@ -1,20 +1,18 @@
-r"""The course's measured figures: one results file, bench/results/results.json, rendered
-to bench/RESULTS.md.
+r"""The course's measured figures: bench/results/results.json, rendered to bench/RESULTS.md.
 
-Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is the `value`
-of one entry here, written exactly as the texts quote it, with the machine, torch version,
-command and date of the run that gave it. tests/test_results.py fails when a text quotes a
-figure no entry holds.
+Every figure a text quotes (a time, a rate, a speed-up, a loss, a memory size) is held by one entry
+of results.json, with the machine, its load, torch's version, the command and the date of the run
+that gave it. The entries are data: each benchmark writes its own JSON beside them
+(bench/results/*.json, named in an entry's `source`). tests/test_results.py fails when a text
+quotes a figure that no entry holds.
 
-    python -m maintainer.results                       # render bench/RESULTS.md from results.json
-    python -m maintainer.results --check               # exit 1 if bench/RESULTS.md is out of step
-    python -m maintainer.results --scan                # list the texts' figures that no entry holds
-    python -m maintainer.results record NAME --what "..." [--from REGEX] [--keep-output] \
-        -- COMMAND...                                  # run COMMAND, time it, store an entry
+    python -m maintainer.results                # render bench/RESULTS.md from results.json
+    python -m maintainer.results --check        # exit 1 if bench/RESULTS.md is out of step
+    python -m maintainer.results --scan         # list the texts' figures no entry holds
+    python -m maintainer.results record NAME --what "..." [--from REGEX] -- COMMAND...
 
-`record` stores the wall time ("4 min 4 s") as the value, or the first group of REGEX in what the
-command printed (`--from "val loss ([0-9.]+)"`); `--keep-output` keeps the printed lines, so a
-chapter's text can show them."""
+`record` runs COMMAND and stores an entry: its wall time ("4 min 4 s"), or the first group of
+REGEX in what it printed (`--from "val loss ([0-9.]+)"`), with the printed lines."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from layout import REPO
@@ -34,142 +33,85 @@ from maintainer import REGENERATE
 
 RESULTS_JSON = REPO / "bench" / "results" / "results.json"
 RESULTS_MD = REPO / "bench" / "RESULTS.md"
-
 # The texts that quote figures: the main path, the deep dives and bench/'s own page.
 TEXTS = ["README.md", "0*/README.md", "docs/**/*.md", "04_ddp/*.md", "bench/README.md"]
 # docs/WORKSHOP.md is a workshop's agenda: its times are a plan for the day, not measurements.
 NOT_TEXTS = ["docs/WORKSHOP.md"]
 
-# What a measured figure looks like in a text. A number: 1,940 or 1.61 or 9.
+# What a measured figure looks like in a text. A number (1,940 or 1.61 or 9), or a range of two.
 _NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
-# A number or a range of two: 460–480 (normal() writes the dash as "-").
 _RANGE = rf"(?:{_NUM})(?: ?[–-] ?(?:{_NUM}))?"
-_SUPERSCRIPT = "⁰¹²³⁴⁵⁶⁷⁸⁹"
-FIGURE_PATTERNS = {
-    "duration": rf"\b\d+ min \d+ s\b|\b{_RANGE} ?(?:ms|µs|s|seconds?|minutes?|min|hours?)\b(?!/)",
-    "rate": rf"\b{_RANGE}[KM]? ?(?:tokens/s|samples/s|[KMGT]B/s|TFLOP/s)",
-    "speed-up": r"\b\d+\.\d+ ?[×x](?![\w-])",
-    "percentage": rf"\b(?:{_NUM})%",
-    "loss": r"\b\d{1,2}\.\d{3,4}\b",
-    "memory": rf"\b{_RANGE} ?(?:[KMGT]i?B|bytes)\b(?!/)",
-    # a difference or a tolerance: 1e-7, 1.6·10⁻⁵ (counted on a line about agreement, below)
-    "tolerance": rf"\b\d(?:\.\d+)?e-\d{{1,2}}\b|(?<![\w.·])(?:\d(?:\.\d+)?·)?10⁻[{_SUPERSCRIPT}]+",
-    # an exact count too large to be a setting: 57,989,328 (bytes, parameters) in a table or text
-    "count": r"\b\d{1,3}(?:,\d{3}){2,}\b(?![.,]\d)",
-    # a share of a whole: 11 of 28 (gradients ready)
-    "share": r"\b\d+ of \d+\b(?! ?[%A-Za-z]*/s)",
-    # a measured number said approximately, without a unit: about 0.07, ~0.4
-    "approximate": r"(?:(?<=about )|(?<=~)|(?<=≈ ))\d+\.\d+\b(?!\.\d)(?! ?(?:[%×/]|x\b|[A-Zµ]))",
-    # the step a printed line names, in an example output: "stopped by SIGTERM at step 21"
-    "step": r"\bstep \d+\b",
+_SUP = "⁰¹²³⁴⁵⁶⁷⁸⁹"
+# kind -> (pattern, the context a line needs for a figure of that kind to count, or None)
+KINDS = {
+    "duration": (
+        rf"\b\d+ min \d+ s\b|\b{_RANGE} ?(?:ms|µs|s|seconds?|minutes?|min|hours?)\b(?!/)",
+        None,
+    ),
+    "rate": (rf"\b{_RANGE}[KM]? ?(?:tokens/s|samples/s|[KMGT]B/s|TFLOP/s)", None),
+    "speedup": (r"\b\d+\.\d+ ?[×x](?![\w-])", None),
+    # an efficiency, an MFU or a share of a step, not any percentage
+    "percent": (rf"\b(?:{_NUM})%", r"efficien|MFU|scaling|share|communication|all-reduce"),
+    "loss": (r"\b\d{1,2}\.\d{3,4}\b", None),
+    "memory": (rf"\b{_RANGE} ?(?:[KMGT]i?B|bytes)\b(?!/)", None),
+    # how closely two things agree (1e-7, 1.6·10⁻⁵), not a learning rate or an epsilon
+    "tolerance": (
+        rf"\b\d(?:\.\d+)?e-\d{{1,2}}\b|(?<![\w.·])(?:\d(?:\.\d+)?·)?10⁻[{_SUP}]+",
+        r"agree|within|differ|off by|toleran|rtol|atol|rounding|relative|away from|below|at most",
+    ),
+    # an exact count too large to be a setting (57,989,328 bytes or parameters)
+    "count": (r"\b\d{1,3}(?:,\d{3}){2,}\b(?![.,]\d)", None),
+    "share": (r"\b\d+ of \d+\b(?! ?[%A-Za-z]*/s)", None),  # 11 of 28 (gradients ready)
+    # a measured number said approximately: about 0.07, ~0.4
+    "about": (r"(?:(?<=about )|(?<=~)|(?<=≈ ))\d+\.\d+\b(?!\.\d)(?! ?(?:[%×/]|x\b|[A-Zµ]))", None),
+    # the step a printed line names, in an example output (a fenced block) only
+    "step": (r"\bstep \d+\b", "```"),
 }
-_FIGURE = re.compile(
-    "|".join(f"(?P<{k.replace('-', '_')}>{p})" for k, p in FIGURE_PATTERNS.items())
-)
-# A percentage is a measured figure when it is an efficiency, an MFU or a share of a step.
-_PERCENT_CONTEXT = re.compile(r"efficien|MFU|scaling|share|communication|all-reduce", re.IGNORECASE)
-# A number like 1e-7 is a measured figure when the line is about how closely two things agree (not a
-# learning rate or an epsilon in code).
-_TOLERANCE_CONTEXT = re.compile(
-    r"agree|within|differ|off by|toleran|rtol|atol|rounding|relative|away from|below|at most",
-    re.IGNORECASE,
-)
-# "step N" is a figure in a printed example output (a fenced block), not in a sentence that
-# explains what step N does.
-_IN_OUTPUT_ONLY = {"step"}
-
-# Figures a text may quote that are not measurements of this course. Keep this short and honest.
-NOT_MEASURED = {
-    "25 MiB": "DDP's default bucket cap (torch's bucket_cap_mb=25)",
-    "25 MB": "DDP's default bucket cap, as torch's docs write it",
-    "1 MiB": "DDP's first bucket after the rebuild (torch's default first-bucket cap)",
-    "1 MB": "the bucket cap the by-hand runs set (--bucket-mb 1)",
-    "10 KB": "the bucket cap of the by-hand test (4 buckets)",
-    "100%": "perfect scaling, a definition",
-    "450 GB/s": "NVLink 4 per direction, NVIDIA's H100 datasheet",
-    "470 GB/s": "the scaling model's NVLink busbw: the middle of nccl-tests' published "
-    "460-480 GB/s, 8 x H100",
-    "460-480 GB/s": "nccl-tests' published busbw on 8 x H100 (normalised, not a link's bytes)",
-    "900 GB/s": "NVLink 4 both directions, NVIDIA's H100 datasheet",
-    "989 TFLOP/s": "H100/H200 dense bf16 peak, NVIDIA's datasheet",
-    "4.8 TB/s": "H200 memory bandwidth, NVIDIA's datasheet",
-    "12.5 GB/s": "a 100 Gb/s link's line rate (100 / 8)",
-    "50 GB/s": "one 400 Gb/s InfiniBand NDR link's line rate (400 / 8)",
-    "400 GB/s": "8 x 400 Gb/s InfiniBand per node, line rate (8 x 50)",
-    "300 s": "the course's --dist-timeout default",
-    "6 hours": "the timeout of the chapters' gloo group for checkpoint barriers "
-    "(common/distributed.py)",
-    "10 minutes": "the test suite's time budget (a goal)",
-    "30 minutes": "gloo's default process-group timeout in torch",
-    "15 minutes": "how long torchrun's static rendezvous retries its store (timeout=900000ms in "
-    "its retry lines, torch 2.13)",
-    "90 s": "the NFSv4 lease, the default of Linux's NFS server (nfsv4leasetime)",
-    "4 bytes": "one float32 number's size (AdamW's `step` per parameter tensor)",
-    "16 bytes": "per parameter under DDP: float32 weight, gradient and AdamW's two averages "
-    "(4 + 4 + 8), arithmetic",
-    "step 100": "chapter 01's default --eval-interval: the form of its first evaluation line",
-    "1e-9": "the relative tolerance tests/test_preemption.py asserts on a resumed run, a setting",
-    "10⁻⁵": "the relative tolerance tests/test_zero.py asserts on the losses (REL), a setting",
-    "2·10⁻⁵": "the tolerance tests/test_zero.py asserts on the parameters (PARAM_ATOL), a setting",
-    "10⁻⁶": "the tolerance tests/test_fsdp_by_hand.py asserts on the gradients, a setting",
-    "10⁻¹²": "the float64 tolerance tests/test_fsdp_by_hand.py asserts, a setting",
-}
+_FIGURE = re.compile("|".join(f"(?P<{kind}>{pattern})" for kind, (pattern, _) in KINDS.items()))
+# a table cell that is a measured number (its unit in the column's header): 1,638.3 or 0.876 or 413
+_CELL = re.compile(r"^\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{3,})\s*$")
 
 
 def normal(figure: str) -> str:
-    """A figure as the checker compares it: "1.61x" and "1.61×" are one figure, spaces are plain."""
+    """A figure as the check compares it: "1.61x" is "1.61×", "460–480" is "460-480"."""
     figure = figure.replace("\u00a0", " ").replace("\u202f", " ")
-    # a range's dash: 460–480 and 460-480 are one figure
     figure = re.sub(r"(\d) ?[–-] ?(\d)", r"\1-\2", figure)
     return re.sub(r"(\d) ?[x×]$", r"\1×", figure)
 
 
 def figures_in(text: str, measured: bool = False) -> list[tuple[int, str]]:
-    """Every measured figure in `text`, as (line number, figure).
-
-    A percentage counts only on a line about efficiency, MFU or a share, a tolerance like 1e-7 only
-    on a line about agreement, and "step N" only in a fenced block (an example output), unless
-    `measured` (the results' own text, where every figure is measured). Skips ```diff blocks and
-    the diffs a chapter README embeds (between publish_diffs' markers).
-    """
+    """Every measured figure in `text`, as (line number, figure). Inline code, ```diff blocks and
+    the diffs a chapter README embeds are skipped. A figure counts only in its kind's context,
+    unless `measured` (the results' own text, where every figure is measured)."""
     found = []
-    skipping = False  # inside an embedded diff
-    in_block = False  # inside a fenced block
-    in_diff = False  # inside a ```diff block
+    embedded = in_block = in_diff = False
     for line_no, line in enumerate(text.splitlines(), 1):
         if "<!-- diff:begin -->" in line:
-            skipping = True
+            embedded = True
         if "<!-- diff:end -->" in line:
-            skipping = False
+            embedded = False
             continue
         if line.lstrip().startswith("```"):
             in_block = not in_block
             in_diff = in_block and line.strip() == "```diff"
             continue
-        if skipping or in_diff:
+        if embedded or in_diff:
             continue
-        # Inline code is a flag, a setting or an error message, not a figure the text quotes.
-        plain = re.sub(r"`[^`]*`", lambda c: " " * len(c.group()), line)
+        plain = re.sub(r"`[^`]*`", lambda code: " " * len(code.group()), line)
         for m in _FIGURE.finditer(plain):
-            if not measured and not _counts(m.lastgroup, line, in_block):
-                continue
-            found.append((line_no, normal(m.group())))
+            context = KINDS[m.lastgroup][1]
+            if measured or context is None:
+                counts = True
+            elif context == "```":
+                counts = in_block
+            else:
+                counts = re.search(context, line, re.IGNORECASE) is not None
+            if counts:
+                found.append((line_no, normal(m.group())))
     return found
 
 
-def _counts(kind: str, line: str, in_block: bool) -> bool:
-    """Whether a figure of this kind, found on this line of a text, is one the text quotes."""
-    if kind == "percentage":
-        return bool(_PERCENT_CONTEXT.search(line))
-    if kind == "tolerance":
-        return bool(_TOLERANCE_CONTEXT.search(line))
-    if kind in _IN_OUTPUT_ONLY:
-        return in_block
-    return True
-
-
 def text_files(repo: Path = REPO) -> list[Path]:
-    """The texts whose figures must come from the results (docs/diffs holds no Markdown)."""
     files = {p for pattern in TEXTS for p in repo.glob(pattern)}
     return sorted(p for p in files if str(p.relative_to(repo)) not in NOT_TEXTS)
 
@@ -178,40 +120,28 @@ def load(path: Path = RESULTS_JSON) -> dict:
     return json.loads(path.read_text())
 
 
-_CELL = re.compile(r"^\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d{3,})\s*$")
-
-
 def number(figure: str) -> str:
-    """The number of a figure: '1,638.3 MiB' -> '1,638.3'."""
+    """The number of a figure: '1,638.3 MiB' -> '1,638.3' ('step 21' stays itself)."""
     found = re.match(r"[\d,.]+(?:-[\d,.]+)?", figure)
-    if found is None:  # "step 21"
-        return figure
-    return found.group().rstrip(".")
+    return found.group().rstrip(".") if found else figure
 
 
 def held(results: dict) -> set[str]:
-    """Every figure the results hold: those in each entry's value, table and printed output.
-
-    A table's cells carry their unit in the column's header, so a cell's number (with a decimal
-    point or a thousands comma, or three digits or more: not a count like 8) is held as `#1,638.3`,
-    and a text's figure matches it by its number.
-    """
-    figures = set()
+    """Every figure in the entries' values, tables and printed lines; a table's number cell is
+    held as '#1,638.3', and a text's figure matches it by its number."""
+    figures = {normal(f) for f in results.get("not_measured", {})}
     for entry in results["entries"]:
         for field in ("value", "table", "output"):
-            if entry.get(field):
-                figures.update(f for _, f in figures_in(entry[field], measured=True))
+            figures.update(f for _, f in figures_in(entry.get(field) or "", measured=True))
         for line in (entry.get("table") or "").splitlines():
-            for cell in line.strip().strip("|").split("|"):
-                if _CELL.match(cell):
-                    figures.add("#" + cell.strip())
+            cells = line.strip().strip("|").split("|")
+            figures.update("#" + c.strip() for c in cells if _CELL.match(c))
     return figures
 
 
 def unheld(repo: Path = REPO, results: dict | None = None) -> list[str]:
     """'file:line: figure' for every measured figure a text quotes that the results do not hold."""
-    results = results or load(repo / "bench" / "results" / "results.json")
-    allowed = held(results) | {normal(f) for f in NOT_MEASURED}
+    allowed = held(results or load(repo / "bench" / "results" / "results.json"))
     return [
         f"{path.relative_to(repo)}:{line}: {figure}"
         for path in text_files(repo)
@@ -220,172 +150,148 @@ def unheld(repo: Path = REPO, results: dict | None = None) -> list[str]:
     ]
 
 
+# a machine as the entries describe it: what it is, then what it was doing (its load)
+_MACHINE = re.compile(r"^(.*?)(?:,? ?((?:no GPU, )?(?:load average|nothing else|other work).*))?$")
+
+
 def render(results: dict) -> str:
-    """bench/RESULTS.md: every entry, grouped by its section, with where and how it was measured."""
+    """bench/RESULTS.md: each entry's figure or table, the machine and its load, and the command.
+    A table a benchmark renders itself (bench/results/*.md) is linked, not copied; the machines
+    are listed once."""
+    machines: dict[str, str] = {}  # what the machine is -> its short name
+    torch = Counter(entry["torch"] for entry in results["entries"]).most_common(1)[0][0]
+    for entry in results["entries"]:
+        what = _MACHINE.match(entry["machine"]).group(1)
+        machines.setdefault(what, f"M{len(machines) + 1}")
     out = [
         "# Results: every figure the course quotes",
         "",
-        "Generated by `python -m maintainer.results` from `bench/results/results.json`: "
-        "edit the JSON (or",
-        "record a new run with `python -m maintainer.results record`), then rerun it. "
-        "Texts quote these",
-        "figures exactly as written here; `tests/test_results.py` fails when a text quotes "
-        "a measured",
-        "figure that is not here.",
+        "Rendered by `python -m maintainer.results` from `bench/results/results.json`, which also",
+        "holds each entry's description, notes and printed lines. Texts quote these figures as",
+        "written; `tests/test_results.py` fails when a text quotes one that is not held here.",
         "",
+        "The machines: " + "; ".join(f"{short}: {what}" for what, short in machines.items()) + ".",
+        f"Every run used torch {torch} unless its line names another.",
     ]
-    # every section once, where its first entry stands; an entry appended later joins its section
     sections: dict[str, list[dict]] = {}
     for entry in results["entries"]:
         sections.setdefault(entry["section"], []).append(entry)
-    ordered = [entry for entries in sections.values() for entry in entries]
-    section = None
-    for entry in ordered:
-        if entry["section"] != section:
-            section = entry["section"]
-            out += [f"## {section}", ""]
-        out.append(
-            f"**{entry['name']}**: {entry['value']}"
-            if entry.get("value")
-            else f"**{entry['name']}**"
-        )
-        out.append("")
-        if entry.get("what"):
-            out += [entry["what"], ""]
-        if entry.get("table"):
-            out += [entry["table"].rstrip("\n"), ""]
-        if entry.get("output"):
-            out += ["```text", entry["output"].rstrip("\n"), "```", ""]
-        out.append(f"- machine: {entry['machine']}; torch {entry['torch']}; {entry['date']}")
-        out.append(f"- command: `{entry['command']}`")
-        if entry.get("source"):
-            out.append(f"- source: {entry['source']}")
-        if entry.get("kept_over"):
-            out.append(f"- one answer: {entry['kept_over']}")
-        out += [f"- note: {note}" for note in entry.get("notes", [])]
-        out.append("")
-    out += ["## Figures texts may quote that are not measurements", ""]
-    out += [f"- {figure}: {why}" for figure, why in NOT_MEASURED.items()]
+    for section, entries in sections.items():
+        out += ["", f"## {section}"]
+        for n, entry in enumerate(entries):
+            value = f": {entry['value']}" if entry.get("value") else ""
+            out += ["", f"**{entry['name']}**{value}", ""]
+            pages = re.findall(r"bench/results/\w+\.md", entry.get("source") or "")
+            if pages:
+                out += [f"Table: [{p}]({p.removeprefix('bench/')})" for p in pages] + [""]
+            elif entry.get("table"):
+                # cells without the spaces around them: the same table, read the same
+                rows = entry["table"].strip("\n").splitlines()
+                out += ["|".join(cell.strip() for cell in row.split("|")) for row in rows] + [""]
+            run = [entry[key] for key in ("machine", "torch", "date", "command")]
+            following = entries[n + 1] if n + 1 < len(entries) else {}
+            if run == [following.get(key) for key in ("machine", "torch", "date", "command")]:
+                continue  # the next entry comes from the same run: its line says it once for both
+            what, load = _MACHINE.match(entry["machine"]).groups()
+            where = machines[what] + (f", {load}" if load else "")
+            if entry["torch"] != torch:
+                where += f"; torch {entry['torch']}"
+            out.append(f"{where}; {entry['date']}: `{entry['command']}`")
+    out += ["", "## Figures texts may quote that are not measurements", ""]
+    out += [f"- {figure}: {why}" for figure, why in results.get("not_measured", {}).items()]
     return "\n".join(out) + "\n"
 
 
-def duration(seconds: float) -> str:
-    """A wall time as the texts write it: '9 s', '4 min 4 s'."""
-    seconds = round(seconds)
-    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
+def load_average() -> float | None:
+    """The machine's load over the last minute, where the system tells it."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def machine() -> str:
-    """This machine in words, with its load when the run started (a shared machine says so)."""
-    cores = os.cpu_count()
-    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    busy = f", load average {load1:.1f} at the start" if load1 is not None else ""
-    return f"{cores} CPU cores ({platform.machine()}), {platform.system()}{busy}"
-
-
-def record(
-    results: dict,
-    name: str,
-    what: str,
-    section: str,
-    command: list[str],
-    pattern: str | None,
-    keep_output: bool,
-) -> dict:
-    """Run `command`, time it, and put its entry in `results` (replacing one of the same name)."""
+def machine_description(device: str) -> dict:
+    """This machine, as a benchmark's JSON records it."""
     import torch
 
-    entry_machine = machine()
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        cpu = names[0] if names else cpu
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+    info.update(python=platform.python_version(), os=platform.system())
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    return info
+
+
+def record(name: str, what: str, section: str, command: list[str], pattern: str | None) -> dict:
+    """Run `command` and return its entry: its wall time, or `pattern`'s first group."""
+    import torch
+
+    load1 = load_average()
+    machine = f"{os.cpu_count()} CPU cores ({platform.machine()}), {platform.system()}"
+    if load1 is not None:
+        machine += f", load average {load1:.1f} at the start"
     start = time.perf_counter()
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - start
+    seconds = round(time.perf_counter() - start)
     printed = run.stdout + run.stderr
     if run.returncode != 0:
         sys.exit(
-            f"error: the command failed with status {run.returncode}; nothing recorded:\n"
-            f"{printed[-2000:]}"
+            f"error: the command exited {run.returncode}; nothing recorded:\n{printed[-2000:]}"
         )
+    value = f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
     if pattern:
-        m = re.search(pattern, printed)
-        if not m:
+        found = re.search(pattern, printed)
+        if found is None:
             sys.exit(f"error: {pattern!r} is not in what the command printed; nothing recorded")
-        value = m.group(1)
-    else:
-        value = duration(wall)
-    entry = {
+        value = found.group(1)
+    return {
         "section": section,
         "name": name,
         "value": value,
         "what": what,
-        "machine": entry_machine,
+        "machine": machine,
         "torch": torch.__version__,
         "command": " ".join(command),
         "date": datetime.date.today().isoformat(),
+        "output": printed,
     }
-    if keep_output:
-        entry["output"] = printed
-    store(results, entry)
-    return entry
-
-
-def store(results: dict, entry: dict) -> None:
-    """Put `entry` in `results`, in place of an entry of the same name."""
-    results["entries"] = [e for e in results["entries"] if e["name"] != entry["name"]]
-    results["entries"].append(entry)
-
-
-def save(results: dict) -> None:
-    """Write results.json and render bench/RESULTS.md from it."""
-    RESULTS_JSON.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    RESULTS_MD.write_text(render(results))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if bench/RESULTS.md is out of step")
-    p.add_argument(
-        "--scan", action="store_true", help="list the texts' figures the results do not hold"
-    )
+    p.add_argument("--scan", action="store_true", help="list the figures no entry holds")
     sub = p.add_subparsers(dest="verb")
-    r = sub.add_parser("record", help="run a command, time it, store an entry")
+    r = sub.add_parser("record", help="run a command and store its entry")
     r.add_argument("name")
     r.add_argument("--what", required=True, help="what the figure is, in one sentence")
     r.add_argument("--section", default="Runs", help="the section of RESULTS.md")
-    r.add_argument(
-        "--from", dest="pattern", help="regex whose first group is the value (default: wall time)"
-    )
-    r.add_argument("--keep-output", action="store_true", help="store the printed lines")
-    r.add_argument(
-        "--note", action="append", default=[], help="a note under the entry (repeatable)"
-    )
+    r.add_argument("--from", dest="pattern", help="a regex whose first group is the value")
     argv = sys.argv[1:]
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    results = load()
     if args.verb == "record":
         if not command:
             sys.exit("error: give the command to run after --")
-        entry = record(
-            results, args.name, args.what, args.section, command, args.pattern, args.keep_output
-        )
-        if args.note:
-            entry["notes"] = args.note
-        # read again: another record may have finished while the command ran
-        results = load()
-        store(results, entry)
+        entry = record(args.name, args.what, args.section, command, args.pattern)
+        results = load()  # read again: another record may have finished while the command ran
+        results["entries"] = [e for e in results["entries"] if e["name"] != entry["name"]]
+        results["entries"].append(entry)
         RESULTS_JSON.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
         print(f"recorded {entry['name']}: {entry['value']}")
     if args.scan:
         missing = unheld()
         print("\n".join(missing) or "every figure the texts quote is in the results")
         sys.exit(1 if missing else 0)
+    rendered = render(load())
     if args.check:
-        if not RESULTS_MD.exists() or RESULTS_MD.read_text() != render(results):
+        if not RESULTS_MD.exists() or RESULTS_MD.read_text() != rendered:
             sys.exit(
                 f"error: bench/RESULTS.md is out of step with results.json; run `{REGENERATE}`"
             )
         return
-    RESULTS_MD.write_text(render(results))
+    RESULTS_MD.write_text(rendered)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from bench import benchmark, gpu_summary, gpu_vs_cpu
+from bench import benchmark, gpu_summary
 from layout import REPO
 from tools.launch import run_python
 
@@ -101,14 +101,6 @@ def test_json_has_a_complete_row_per_setup(bench_run):
         assert row["devices"] == row["processes"] == setup.ranks
         # the same global batch everywhere
         assert row["micro_batch"] * row["grad_accum"] * row["devices"] == 4
-        if setup.ranks == 1:
-            assert row["comm_share"] is None
-        else:
-            # measured by workers/ddp_worker.py; noise can make it slightly negative,
-            # so no sign check
-            assert isinstance(row["comm_share"], float)
-            assert row["comm"]["backend"] == "gloo"
-            assert row["comm"]["threads"] == row["threads_per_rank"]
     if rows["04x2"]["status"] == "ok":
         # the same threads per rank on one rank and on two: like with like
         assert rows["04x1"]["threads_per_rank"] == rows["04x2"]["threads_per_rank"]
@@ -169,16 +161,15 @@ def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
     assert predicted["efficiency"] == pytest.approx(bare[4] / (2 * (bare[2] + comm_ms)), rel=1e-9)
     # beside the measured figures of the same run, in its table
     row = next(r for r in report["setups"] if r["setup"] == "04x2")
-    assert measured == {
+    assert measured == {  # the benchmark times the step, not the communication inside it
         "step_ms": row["step_ms"],
-        "comm_ms": row["comm"]["comm_ms"],
-        "comm_share": row["comm_share"],
+        "comm_ms": None,
+        "comm_share": None,
         "efficiency": report["scaling"]["04x2"]["efficiency"],
     }
     assert f"| step (ms) | {row['step_ms']:,.1f} | {predicted['step_ms']:,.1f} | " in table
-    measured_share = f"{100 * row['comm_share']:.1f}%"
     predicted_share = f"{100 * predicted['comm_share']:.1f}%"
-    assert f"| communication share | {measured_share} | {predicted_share} | " in table
+    assert f"| communication share | n/a | {predicted_share} | n/a |" in table
 
 
 def test_a_missing_setup_is_a_row_that_says_so():
@@ -223,56 +214,13 @@ def test_bad_benchmark_flags_are_refused():
         benchmark.parse_args(["--iters", "5", "--log-interval", "5"])
 
 
-def compare_on_the_cpu(data_dir, steps: int, dtype: str, *more: str) -> int:
-    """bench/gpu_vs_cpu.py with both sides on the CPU, the tiny model, batch 2: its exit status."""
-    args = ["--preset", "tiny", "--steps", str(steps), "--batch-size", "2", "--test-device", "cpu"]
-    return gpu_vs_cpu.main([*args, "--test-dtype", dtype, "--data-dir", str(data_dir), *more])
-
-
-def test_gpu_vs_cpu_runs_on_the_cpu(data_dir, tmp_path):
-    """Both sides on the CPU: float32 against float32 agree exactly; bf16 within the tolerance."""
-    out = tmp_path / "same.json"
-    assert compare_on_the_cpu(data_dir, 2, "float32", "--out", str(out)) == 0
-    same = json.loads(out.read_text())
-    assert same["passed"]
-    assert same["max_rel_diff"] == 0
-    assert len(same["test_losses"]) == 2
-    out = tmp_path / "bf16.json"
-    assert compare_on_the_cpu(data_dir, 3, "bfloat16", "--out", str(out)) == 0
-    bf16 = json.loads(out.read_text())
-    assert bf16["test"] == "cpu bfloat16"
-    assert 0 <= bf16["max_rel_diff"] <= 2e-2
-    # a tolerance that bf16 cannot meet fails the check (exit status 1)
-    assert compare_on_the_cpu(data_dir, 3, "bfloat16", "--rtol", "1e-12") == 1
-
-
-def test_gpu_vs_cpu_refuses_bad_arguments():
-    for bad in (["--rtol", "0"], ["--steps", "0"], ["--test-dtype", "float64"]):
-        with pytest.raises(SystemExit) as exit_info:
-            gpu_vs_cpu.parse_args(bad)
-        assert exit_info.value.code == 2
-
-
 @pytest.mark.slow
 def test_gpu_summary_names_a_step_that_wrote_nothing(bench_run, tmp_path):
     _, report, _, _ = bench_run
     (tmp_path / "eager").mkdir()
     (tmp_path / "eager" / "benchmark.json").write_text(json.dumps(report))
-    (tmp_path / "gpu_vs_cpu.json").write_text(
-        json.dumps(
-            {
-                "test": "cuda bfloat16",
-                "reference": "cpu float32",
-                "steps": 10,
-                "passed": True,
-                "max_rel_diff": 3e-3,
-                "rtol": 2e-2,
-            }
-        )
-    )
     text = gpu_summary.summary(tmp_path)
     assert "| 01 one device (eager) |" in text
-    assert "PASS" in text
     # a step that wrote nothing is named, not skipped
     assert "| compile | | | | | | no results" in text
-    assert "DataParallel replica dtype: no results" in text
+    assert "compile probe: no results" in text

@@ -174,7 +174,7 @@ def test_ranks_share_each_global_batch_as_chapter01_does(tmp_path):
     says which window each row came from."""
     T, B, W, N = 4, 2, 2, 50  # N is not a multiple of the global batch: an epoch drops its tail
     np.arange(N * T + 1, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
-    worker = "workers.ddp_sampler_worker"  # a module: `torchrun -m` from the repository root
+    worker = "tests.workers.ddp_sampler_worker"  # a module: `torchrun -m` from the repository root
     run_torchrun(worker, W, [tmp_path / "tokens.bin", T, B, tmp_path], timeout=120, extra=["-m"])
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(W)]
     assert [r["n_windows"] for r in ranks] == [N, N]

@@ -1,6 +1,6 @@
 """04_ddp/ddp_by_hand.py against DistributedDataParallel and against one process.
 
-One real torchrun launch (2 ranks, gloo on 127.0.0.1) runs workers/ddp_by_hand_worker.py,
+One real torchrun launch (2 ranks, gloo on 127.0.0.1) runs tests/workers/ddp_by_hand_worker.py,
 which trains the same tiny GPT with DDP, the naive and bucketed wrappers, and three deliberately
 broken variants, with K = 1 and K = 3 micro-steps per optimizer step, and writes the distances
 to results.json. The tests below assert on them: the real wrappers agree with DDP and with one
@@ -27,7 +27,7 @@ CORRECT = ("naive", "bucketed", "bucketed_one_bucket")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ddp_by_hand")
-    run_torchrun("workers.ddp_by_hand_worker", 2, [out], timeout=240, extra=["-m"])
+    run_torchrun("tests.workers.ddp_by_hand_worker", 2, [out], timeout=240, extra=["-m"])
     return json.loads((out / "results.json").read_text())
 
 

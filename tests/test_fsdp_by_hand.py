@@ -1,7 +1,7 @@
 """07_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2.
 
 Two real torchrun launches, 2 ranks and 3 ranks (gloo on 127.0.0.1), started together, each run
-workers/fsdp_by_hand_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the
+tests/workers/fsdp_by_hand_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the
 root) and a small MLP whose two hidden layers, two units, share one gain vector, with SGD and
 AdamW, in float32, in float64 (the rounding control), with bfloat16 compute, and with two
 forwards before one backward. The tests assert on the distances it writes, and on the bytes the
@@ -22,7 +22,7 @@ from tools.launch import torchrun_command
 # long end-to-end runs: the slow stage's (python -m pytest -m slow; CI runs it)
 pytestmark = pytest.mark.slow
 
-WORKER = "workers.fsdp_by_hand_worker"  # a module: `torchrun -m` from the repository root
+WORKER = "tests.workers.fsdp_by_hand_worker"  # a module: `torchrun -m` from the repository root
 WORLDS = (2, 3)
 STEPS = 3
 # float32, dropout 0. The one process averages over the whole batch at once; the ranks average

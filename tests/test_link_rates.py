@@ -1,6 +1,6 @@
 """Chapter 05's step against the link between its machines: bench/scaling_model.py's prediction,
 bench/link_rates.py's measurement across two machines of machines.sh (the slow stage; it needs
-root), and maintainer/link_picture.py's figure and results, which must say what was measured.
+root).
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from machines import namespaces, require_machines
 
 from bench import scaling_model
 from layout import REPO
-from maintainer import link_picture
-from maintainer import results as registry
-
-MEASURED = REPO / "bench" / "results" / "link_rates.json"
 
 
 def test_the_tiny_models_step_is_its_compute_and_the_whole_all_reduce():
@@ -45,30 +41,6 @@ def test_the_predictor_takes_the_bandwidth_on_its_command_line():
         f"predicted step {200 + exposed:.1f} ms: compute 200.0 ms + all-reduce not hidden "
         f"{exposed:.1f} ms (tiny, 2 ranks, busbw 0.0125 GB/s)"
     )
-
-
-def test_the_figure_and_the_results_say_what_was_measured(tmp_path):
-    measured = json.loads(MEASURED.read_text())
-    assert [row["rate"] for row in measured["rates"]] == ["unlimited", "1gbit", "100mbit"]
-    entries = {e["name"]: e for e in registry.load()["entries"]}
-    for key, table in (("busbw", link_picture.busbw_table), ("steps", link_picture.steps_table)):
-        entry = entries[link_picture.ENTRY_NAMES[key]]
-        assert entry["table"] == table(measured), f"{key}: record again (maintainer.link_picture)"
-        assert entry["source"] == "bench/results/link_rates.json"
-    figure = REPO / "docs" / "figures" / link_picture.FIGURE
-    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    captions = (REPO / "docs" / "figures" / "CAPTIONS.md").read_text()
-    assert f"![{link_picture.FIGURE}]({link_picture.FIGURE})" in captions
-    assert link_picture.caption(measured) in captions
-    # drawn again from the same measurement, without touching the results
-    subprocess.run(
-        [sys.executable, "-m", "maintainer.link_picture", "--figures", tmp_path, "--no-record"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    assert (tmp_path / link_picture.FIGURE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert link_picture.caption(measured) in (tmp_path / "CAPTIONS.md").read_text()
 
 
 @pytest.mark.slow

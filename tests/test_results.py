@@ -6,7 +6,7 @@ an efficiency, a loss, a memory size or byte count, a tolerance, a count like "1
 "about 0.4", the step an example output names) must be one the results hold. The texts are read
 when the test runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff
 blocks, inline code (flags, settings, error messages) and the short list of figures that are not
-measurements, each with its reason (maintainer/results.py's NOT_MEASURED, which the end of
+measurements, each with its reason (results.json's not_measured, which the end of
 RESULTS.md prints too)."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Chapter 08 against chapter 05 over a slow link: bench/slow_link.py's arithmetic on a run's
 metrics and printed lines, its measurement across two machines of machines.sh (the slow stage; it
-needs root), and maintainer/link_picture.py's figures and results, which must say what the
-bench measured.
+needs root).
 """
 
 from __future__ import annotations
@@ -15,10 +14,6 @@ from machines import namespaces, require_machines
 
 from bench import slow_link
 from layout import REPO
-from maintainer import link_picture
-from maintainer import results as registry
-
-MEASURED = REPO / "bench" / "results" / "slow_link.json"
 
 # metrics.jsonl as a chapter writes it: a log step every 10 steps of 512 tokens, an evaluation
 METRICS = [
@@ -57,37 +52,6 @@ def test_the_bytes_are_chapter_08s_own_count():
     }
     with pytest.raises(SystemExit, match="printed no"):
         slow_link.pseudo_gradient_bytes("parameters identical on all 2 rank(s): yes\n")
-
-
-def test_the_figures_and_the_results_say_what_was_measured(tmp_path):
-    measured = json.loads(MEASURED.read_text())
-    rates = [row["rate"] for row in measured["rates"]]
-    assert rates == ["unlimited", "1gbit", "100mbit"]
-    for row in measured["rates"]:
-        # every run of a model trains the same steps on the same tokens: only its clock differs
-        # with the link, so the loss at equal tokens is the same at every rate
-        methods = [(run["preset"], run["method"]) for run in row["runs"]]
-        assert ("tiny", "ddp") in methods and ("tiny", "diloco H=50") in methods
-    entries = {e["name"]: e for e in registry.load()["entries"]}
-    table = entries[link_picture.SLOW_ENTRY_NAMES["table"]]
-    assert table["table"] == link_picture.slow_table(measured), "record again (link_picture)"
-    assert table["source"] == "bench/results/slow_link.json"
-    goals = entries[link_picture.SLOW_ENTRY_NAMES["goals"]]
-    assert goals["value"] == link_picture.goals_text(measured)
-    captions = (REPO / "docs" / "figures" / "CAPTIONS.md").read_text()
-    for key, figure in link_picture.SLOW_FIGURES.items():
-        assert (REPO / "docs" / "figures" / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert link_picture.slow_captions(measured)[key] in captions
-    # drawn again from the same measurement, without touching the results
-    subprocess.run(
-        [sys.executable, "-m", "maintainer.link_picture", "--slow-link", "--figures", tmp_path]
-        + ["--no-record"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    for figure in link_picture.SLOW_FIGURES.values():
-        assert (tmp_path / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ chapter 01.
 All runs are real processes; the runs are made once (a module fixture) and shared:
 
     01, 5 steps (checkpoint at step 5), then --resume to 10     the reference: losses, parameters
-    torchrun 2 ranks: workers/zero_worker.py         K = 1 and K = 3
+    torchrun 2 ranks: tests/workers/zero_worker.py         K = 1 and K = 3
     torchrun 3 ranks: the same, with --extras                   uneven shards; broken variants,
                                                                 checkpoints in both directions
     01 --resume from the ZeRO-1 and from the ZeroRedundancyOptimizer checkpoints of step 5
@@ -33,7 +33,7 @@ from tools.launch import run_python, run_torchrun
 pytestmark = pytest.mark.slow
 
 CHAPTER01 = REPO / "01_single_gpu" / "train.py"
-WORKER = "workers.zero_worker"  # a module: `torchrun -m` from the repository root
+WORKER = "tests.workers.zero_worker"  # a module: `torchrun -m` from the repository root
 ITERS, SAVE_AT, CLIP = 10, 5, 1.0
 REL = 1e-5  # losses, as chapter 04's tests: float32, dropout 0, only the order of additions differs
 # parameters after 10 AdamW steps: rounding, amplified a little by Adam's division

@@ -67,11 +67,11 @@ TINY = measured_run_flags(
 TINY += flags(device="cpu", dtype="float32", data_dir=shown_path(DATA_DIR))
 # One thread per process (several processes share the laptop's cores); no GPU, so every
 # machine runs the very same CPU computation.
-# PYTHONPATH: the worker below is a file of the workers package, started by its path
+# PYTHONPATH: the worker below is a file of tests/workers, started by its path
 RUN_ENV = child_env(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
 
 # What each rank of a torchrun job does, by hand: the program that notebooks 04 and 05 start
-WORKER = REPO / "workers" / "rank_worker.py"
+WORKER = REPO / "tests" / "workers" / "rank_worker.py"
 # The global batch of the notebooks' experiments: 8 sequences, as chapter 01's reference run
 # reads them
 SEED, GLOBAL_BATCH = 1337, 8
@@ -208,7 +208,7 @@ def full_batch_gradient() -> tuple[list[int], torch.Tensor]:
 
 
 def results(output: str) -> list[dict]:
-    """Every rank's RESULT (printed by workers/rank_worker.py), as a dict, in rank order.
+    """Every rank's RESULT (printed by tests/workers/rank_worker.py), as a dict, in rank order.
 
     Read object by object, not line by line: the ranks share one output pipe, and two lines can
     come out glued together."""

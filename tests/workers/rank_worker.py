@@ -1,6 +1,6 @@
 r"""One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?
 
-    torchrun --standalone --nproc-per-node=2 -m workers.rank_worker \
+    torchrun --standalone --nproc-per-node=2 -m tests.workers.rank_worker \
         [--data-dir data] [--save-grad FILE]
 
 What DDP does in one step, by hand and without the wrapper, for the notebooks of chapters 04 and 05

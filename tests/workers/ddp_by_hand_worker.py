@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_ddp_by_hand.py: train the same tiny GPT with several
 data-parallel implementations and write how far each is from DDP and from one process.
 
-    torchrun --nproc_per_node=2 -m workers.ddp_by_hand_worker OUT_DIR
+    torchrun --nproc_per_node=2 -m tests.workers.ddp_by_hand_worker OUT_DIR
 
 For every gradient-accumulation factor K in (1, 3) and every implementation (DDP first, as the
 reference, then ours, then deliberately broken variants), rank r trains from a different random
@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.model import GPT, model_config
 from layout import chapter_module
-from workers.worker_shared import flat, gloo_group, write_results
+from tests.workers.worker_shared import flat, gloo_group, write_results
 
 by_hand = chapter_module("04_ddp", "ddp_by_hand")
 BucketedDataParallel = by_hand.BucketedDataParallel

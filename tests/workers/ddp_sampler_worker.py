@@ -1,7 +1,7 @@
 r"""Run by torchrun: record which training windows this rank's batches hold, as
 04_ddp/train.py builds them.
 
-    torchrun --standalone --nproc_per_node=2 -m workers.ddp_sampler_worker \
+    torchrun --standalone --nproc_per_node=2 -m tests.workers.ddp_sampler_worker \
         TOKENS BLOCK BATCH OUT_DIR
 
 The token file holds 0, 1, 2, ... so window i starts with token i * BLOCK: the first token of

@@ -2,7 +2,7 @@
 07_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write
 how far apart they are.
 
-    torchrun --nproc_per_node=W -m workers.fsdp_by_hand_worker [OUT_DIR]
+    torchrun --nproc_per_node=W -m tests.workers.fsdp_by_hand_worker [OUT_DIR]
 
 Every case trains STEPS steps from the same start. Rank r's model is built from seed SEED + r, so
 the ranks start apart and the wrapper's broadcast from rank 0 must make them equal; the one process
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common.model import GPT, model_config
 from layout import chapter_module
-from workers.worker_shared import gloo_group, write_results
+from tests.workers.worker_shared import gloo_group, write_results
 
 FullyShardedDataParallel = chapter_module("07_fsdp", "fsdp_by_hand").FullyShardedDataParallel
 

@@ -1,7 +1,7 @@
 r"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
 with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
 
-    torchrun --nproc_per_node=W -m workers.zero_worker \
+    torchrun --nproc_per_node=W -m tests.workers.zero_worker \
         OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
 
 FLAGS are chapter 01's flags for the reference run (01_single_gpu/train.py FLAGS): the same model,
@@ -46,7 +46,7 @@ from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
 from common.training import lr_at
 from layout import chapter_module
-from workers.worker_shared import flat, gloo_group, write_results
+from tests.workers.worker_shared import flat, gloo_group, write_results
 
 chapter_module("04_ddp", "ddp_by_hand")  # first: zero1 imports it
 zero1 = chapter_module("04_ddp", "zero1")
