@@ -18,9 +18,10 @@ CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (tr
 
 # The chapter whose train.py a chapter's page and exercise start from, where it is not the one
 # before it: chapter 04's DDP replaces chapter 03's DataParallel, so its diff against 02 is DDP
-# alone; chapter 08 replaces chapter 05's DDP with DiLoCo's rare syncs (restarts and FSDP, 06
-# and 07, are not its idea).
-BASES = {4: 2, 8: 5}
+# alone; after chapter 05 the chapters are read when needed, each a change of 05: chapter 07
+# replaces DDP with FSDP (restarts and stops, 06, are not its idea), and chapter 08 replaces it
+# with DiLoCo's rare syncs.
+BASES = {4: 2, 7: 5, 8: 5}
 
 # The chapters whose run is not chapter 01's, step for step (their own tests say what they match
 # instead): maintainer/make_plots.py leaves them out of the parity figure.

@@ -319,14 +319,15 @@ def test_a_chapters_own_files_name_their_chapter():
     assert chapter_file_names(
         f"{folder}/train.py", ['"""Chapter 07: FSDP', "Chapter 07's program"], FOLDERS
     )
+    # 07's exercise starts from its base, chapter 05 (common/chapters.py's BASES)
     assert (
         chapter_file_names(
-            f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=6,"], FOLDERS
+            f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=5,"], FOLDERS
         )
         == []
     )
     assert chapter_file_names(
-        f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=5,"], FOLDERS
+        f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=6,"], FOLDERS
     )
 
 
