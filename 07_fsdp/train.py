@@ -3,9 +3,10 @@
 Chapter 05's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
 whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
 holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
-them; one reduce-scatter averages the gradients and leaves each rank its shard. No rank but rank 0
-ever holds the whole model: it is built on the meta device, sharded, then filled from rank 0's
-copy. Each step is chapter 01's, and ckpt.pt still holds the whole model, gathered to rank 0.
+them; one reduce-scatter averages the gradients and leaves each rank its shard. No device holds
+the whole model: it is built on the meta device, sharded, then filled from a copy rank 0 builds in
+CPU memory, where each checkpoint gathers it whole again (ckpt.pt, as every chapter's). Each step
+is chapter 01's. FSDP shards device memory, not rank 0's host memory: README.md in this folder.
 
     torchrun --standalone --nproc_per_node=2 07_fsdp/train.py
     torchrun --standalone --nproc_per_node=2 07_fsdp/train.py --batch-size 4   # 01's run with 8

@@ -18,9 +18,8 @@ CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (tr
 
 # The chapter whose train.py a chapter's page and exercise start from, where it is not the one
 # before it: chapter 04's DDP replaces chapter 03's DataParallel, so its diff against 02 is DDP
-# alone; after chapter 05 the chapters are read when needed, each a change of 05: chapter 07
-# replaces DDP with FSDP (restarts and stops, 06, are not its idea), and chapter 08 replaces it
-# with DiLoCo's rare syncs.
+# alone; 06, 07 and 08 each change chapter 05 (07 replaces its DDP with FSDP, 08 with DiLoCo's
+# rare syncs), as restarts and stops (06) are not the idea of 07 or 08.
 BASES = {4: 2, 7: 5, 8: 5}
 
 # The chapters whose run is not chapter 01's, step for step (their own tests say what they match
