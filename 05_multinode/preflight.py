@@ -614,7 +614,7 @@ def main():
     )
 
     timeout = datetime.timedelta(seconds=args.timeout)
-    # as in chapter 06: torchrun's store outlives a restart (--max-restarts), so each attempt
+    # torchrun's store outlives a restart (--max-restarts, pytorch/pytorch#135712), so each attempt
     # meets under its own prefix instead of reading the addresses of the processes that failed
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     store = restart_store(world_size, restart_count, timeout)

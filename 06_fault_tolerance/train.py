@@ -1,13 +1,11 @@
-"""Chapter 06: a training job that survives a failed process and a scheduler's stop.
+"""Chapter 06: a long job survives a failed process and a scheduler's stop.
 
-Chapter 05's program, with the same step. A job of many machines for many hours meets both: a
-process dies (torchrun --max-restarts starts the group again, which continues from the last
-checkpoint), and a scheduler stops the job (SIGTERM, or --stop-signal, before a time limit or a
-preemption: the ranks agree on a step, rank 0 saves it, and every rank exits with status 75, to be
-requeued and resumed). Slurm's recipe: slurm.sbatch in this folder.
+Chapter 05's program with the same step. torchrun --max-restarts starts a failed group again, and it
+continues from the last checkpoint. On SIGTERM (or --stop-signal) the ranks agree on a step, save it
+and end with status 0; the launch that asked (slurm.sbatch) requeues the job, to run with --resume.
 
-    MAX_RESTARTS=1 SCRIPT=06_fault_tolerance/train.py bash 05_multinode/simulate_two_nodes.sh
-    sbatch 06_fault_tolerance/slurm.sbatch                               # on a Slurm cluster
+    MAX_RESTARTS=3 SCRIPT=06_fault_tolerance/train.py bash 05_multinode/launch_c10d.sh  # each node
+    sbatch 06_fault_tolerance/slurm.sbatch                                             # on Slurm
 """
 
 import contextlib
@@ -44,13 +42,11 @@ from common.distributed import (
     ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
-    restart_store,
     share_cpu_cores,
 )
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
 from common.support.preempt import Preemption, stop_signal
-from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.training import (
     build_model,
     check_finite,
@@ -70,7 +66,7 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
+    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops the run"
     parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
@@ -83,8 +79,6 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
-    # how often torchrun (--max-restarts) has restarted this node's processes after a failure
-    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -105,10 +99,8 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # a meeting point of its own for every attempt, as torchrun's store outlives a restart
-    # (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
-    store = restart_store(world_size, restart_count, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
@@ -136,14 +128,14 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
-    # continues from the last checkpoint, if any. The ranks agree on the restart count and on
-    # whether all of them see the checkpoint (--out-dir on a file system every node sees).
-    restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
+    # torchrun --max-restarts: a failed group starts again, from the last checkpoint if every rank
+    # sees it (--out-dir shared). Each node counts its own restarts: the ranks agree on any restart.
+    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    restarted, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarted)
     checkpoint = None
-    if args.resume or (restarts > 0 and seen_by_all):
+    if args.resume or (restarted and seen_by_all):
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
@@ -174,8 +166,6 @@ def main():
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
-    if restarts:
-        log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -193,13 +183,10 @@ def main():
     report = RunLog(out_dir, iter_num, speed, log)
 
     # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
-    # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
-    # collective, so every `stop_check_every` steps the ranks all-reduce their stop flags over a CPU
-    # group of their own (bench/stop_check.py measures it): one rank's signal stops all of them.
+    # all ranks stop after the same step: every `stop_check_every` steps they all-reduce their flags
     preemption = Preemption(args.stop_signal)  # its handler only notes the signal
     stop_group = dist.new_group(backend="gloo", timeout=timeout)
     stop_check_every = 10
-    stop_if_stopped_before(out_dir, restarts, stop_group)  # a restart after a stop stops too
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -257,7 +244,6 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            saved = False  # whether this step's checkpoint is written (the stop below asks)
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling. Every rank evaluates the same windows with its own
@@ -269,7 +255,6 @@ def main():
                 check_finite(iter_num, val_loss, "validation loss")
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
-                saved = True
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
 
             # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
@@ -277,14 +262,14 @@ def main():
                 # 0, or the number of the signal this rank received; the MAX over ranks stops all
                 stop_flag = torch.tensor(preemption.signal_number())
                 dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
-                agreed_signal = stop_flag.item()
-                if agreed_signal:
-                    # save the step (unless its evaluation just did), then the marker, a line, 75
-                    if is_rank0 and not saved:
+                if stop_flag.item():
+                    stop_name = preemption.stopping(stop_flag.item())  # the signal some rank got
+                    if is_rank0 and iter_num % args.eval_interval != 0:  # else saved above
                         save_checkpoint(
                             out_dir, iter_num, raw_model, optimizer, scaler, train_config
                         )
-                    stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
+                    log(f"stopped by {stop_name}: step {iter_num} saved; continue with --resume")
+                    return  # status 0: torchrun restarts nothing; slurm.sbatch requeues the job
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

@@ -1,4 +1,4 @@
-# Exercise: chapter 07 (07_fsdp). This is chapter 05's train.py; add chapter 07's idea where the 21
+# Exercise: chapter 07 (07_fsdp). This is chapter 05's train.py; add chapter 07's idea where the 13
 # TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
 # there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
 # a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
@@ -19,7 +19,7 @@ line names its node, and the token files are prepared once per node's disk (or o
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/21: the imports: remove (-) and add (+)
+# TODO 1/13: the imports: remove (-) and add (+)
 #     - import contextlib
 #     - from torch.nn.parallel import DistributedDataParallel as DDP
 #     - from common.checkpoint import load_checkpoint, save_checkpoint
@@ -27,12 +27,9 @@ line names its node, and the token files are prepared once per node's disk (or o
 #     - from common.distributed import ranks_unlike_rank0
 #     + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 #     + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-#     + from common.distributed import agree_on_restart, restart_store
 #     + from common.model import GPT
 #     + from common.sharding import PeakMemory, describe_held_bytes, gather_and_save,
 #         load_checkpoint_on_rank0, shard_full_state
-#     + from common.support.preempt import Preemption, stop_signal
-#     + from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 import contextlib
 import datetime
 import os
@@ -81,7 +78,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/21: change the next line of code:
+    # TODO 2/13: change the next line of code:
     #     parser = CourseParser(chapter=7, description=__doc__)
     parser = CourseParser(chapter=5, description=__doc__)
     parser.add_argument(
@@ -91,9 +88,6 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    # TODO 3/21: add 2 lines of code here:
-    #     stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
-    #     parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -105,8 +99,6 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
-    # TODO 4/21: add 1 line of code here:
-    #   how often torchrun (--max-restarts) has restarted this node's processes after a failure
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -120,7 +112,7 @@ def main():
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 5/21: remove the next line of code:
+    # TODO 3/13: remove the next line of code:
     #   gone from the solution: autocast, autocast_context
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
@@ -129,12 +121,6 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # TODO 6/21: change the next line of code into 2 lines:
-    #   a meeting point of its own for every attempt, as torchrun's store outlives a restart
-    #     (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
-    #   uses common.distributed.restart_store(world_size: int, restart_count: int, timeout:
-    #       datetime.timedelta) -> dist.Store | None: Where the ranks of this attempt meet: chapter
-    #       04's init_process_group, safe for restarts.
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
@@ -163,20 +149,11 @@ def main():
     # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # TODO 7/21: add 1 line of code here:
-    #   torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
-    #     continues from the last checkpoint, if any. The ranks agree on the restart count and on
-    #     whether all of them see the checkpoint (--out-dir on a file system every node sees).
-    #   uses common.distributed.agree_on_restart(restart_count: int, out_dir: Path, resume: bool) ->
-    #       tuple[int, bool]: What the ranks agree on after torchrun restarted them (a collective:
-    #       every rank calls it).
     # ---- model and optimizer ---------------------------------------------------------------------
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    # TODO 8/21: change the next line of code:
-    #     claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    # TODO 9/21: change the next 3 lines of code into 12 lines:
+    # TODO 4/13: change the next 3 lines of code into 12 lines:
     #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
     #   the most memory this rank holds from here on
     #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
@@ -187,9 +164,9 @@ def main():
     #       dict: ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the
     #       settings, the random state) with empty model and optimizer states, so no rank but rank 0
     #       ever holds the whole model.
-    #   uses common.sharding.PeakMemory(device: torch.device, proc: Path = Path("/proc/self")): The
-    #       most memory this rank held since it was made, above what it held then, in MB: on a GPU
-    #       the tensors' bytes there, on the CPU the process's resident memory (Linux's /proc/self).
+    #   uses common.sharding.PeakMemory(device: torch.device): The most memory this rank held since
+    #       it was made, above what it held then, in MB: on a GPU the tensors' bytes there, on the
+    #       CPU the process's resident memory (Linux's /proc/self).
     #   uses common.model.GPT(config: GPTConfig)
     #   uses torch.distributed.fsdp.MixedPrecisionPolicy, torch.distributed.fsdp.fully_shard,
     #       model.to_empty
@@ -203,7 +180,7 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 10/21: add 4 lines of code here:
+    # TODO 5/13: add 4 lines of code here:
     #   Rank 0 alone makes the whole model's state dict, in CPU memory: the checkpoint's, or a fresh
     #     model's from the seed, which is chapter 01's initialisation (the runs match chapter 01's
     #     from the first step). Every rank takes its rows of it (and of AdamW's), one tensor at a
@@ -215,12 +192,12 @@ def main():
     #       0's whole tensors (a fresh model's, or ckpt.pt's and its optimizer state), which rank 0
     #       broadcasts one tensor at a time: each rank keeps its rows of each and frees the rest.
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 11/21: change the next line of code:
+    # TODO 6/13: change the next line of code:
     #   The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
     #   uses torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    # TODO 12/21: change the next 5 lines of code into 7 lines:
+    # TODO 7/13: change the next 5 lines of code into 6 lines:
     #   None: AdamW is sharded
     #   rank 0's whole tensors are freed
     #   fully_shard wraps nothing: the state dict's names are unchanged
@@ -242,11 +219,9 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 13/21: change the next line of code into 3 lines:
+    # TODO 8/13: change the next line of code:
     #     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend
     #         {backend}")
-    #     if restarts:
-    #         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -264,19 +239,6 @@ def main():
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
 
-    # TODO 14/21: add 4 lines of code here:
-    #   ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption
-    #   Save the step, exit 75. A rank that stopped alone would leave the others waiting in their
-    #     next collective, so every `stop_check_every` steps the ranks all-reduce their stop flags
-    #     over a CPU group of their own (bench/stop_check.py measures it): one rank's signal stops
-    #     all of them.
-    #   (2 more comments in the solution)
-    #   uses common.support.preempt.Preemption(signal_name: str): Listens for SIGTERM and
-    #       `signal_name`, the signals that ask the run to stop.
-    #   uses common.support.preempt_ranks.stop_if_stopped_before(out_dir: str | Path, restarts: int,
-    #       group: dist.ProcessGroup) -> None: A worker torchrun restarted (`restarts`, agreed by
-    #       all ranks) after the run was stopped ends at once, with status 75.
-    #   uses torch.distributed.new_group
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
@@ -294,7 +256,7 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
-            # TODO 15/21: change the next 12 lines of code into 8 lines:
+            # TODO 9/13: change the next 12 lines of code into 8 lines:
             #   FSDP reduce-scatters the gradients inside backward(); before the last micro-step
             #     that traffic would be wasted, so without sync they add up on this rank, whole and
             #     unsharded (more memory than no_sync() in chapter 04, which adds none)
@@ -333,9 +295,6 @@ def main():
             iter_num += 1
             last_step = iter_num == args.max_iters
 
-            # TODO 16/21: add 2 lines of code here:
-            #     if iter_num == first_step:
-            #         log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
@@ -345,9 +304,7 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            # TODO 17/21: add 1 line of code here:
-            #   whether this step's checkpoint is written (the stop below asks)
-            # TODO 18/21: change the next 4 lines of code into 2 lines:
+            # TODO 10/13: change the next 4 lines of code into 2 lines:
             #   the model uncompiled (see chapter 01); every rank evaluates the same windows, and
             #     every forward gathers each block's parameters from all ranks
             if iter_num % args.eval_interval == 0 or last_step:
@@ -359,7 +316,7 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 19/21: change the next 2 lines of code:
+                # TODO 11/13: change the next 2 lines of code into 1 line:
                 #   every rank holds a shard of every tensor, so every rank takes part; rank 0
                 #     writes
                 #   uses common.sharding.gather_and_save(out_dir: str | Path, iter_num: int, model:
@@ -370,28 +327,20 @@ def main():
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 20/21: change the next 4 lines of code into 12 lines:
-    #   ---- has any rank been asked to stop? (on the last step, the run just ends)
-    #   0, or the number of the signal this rank received; the MAX over ranks stops all
-    #   save the step (unless its evaluation just did), then the marker, a line, 75
+    # TODO 12/13: change the next 4 lines of code into 2 lines:
     #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
     #     state.
-    #   (2 more comments in the solution)
-    #   uses common.support.preempt_ranks.stop_after_saving(step: int, signal_number: int, out_dir:
-    #       str | Path, group: dist.ProcessGroup) -> None: End the run after the checkpoint of
-    #       `step` is written: rank 0 marks the run as stopped, then every rank exits with status 75
-    #       (rank 0 says so). `signal_number`: the stop signal some rank received, as the ranks
-    #       agreed on it.
+    #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
+    #   every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
     #   uses common.sharding.describe_held_bytes(model: torch.nn.Module, optimizer:
     #       torch.optim.Optimizer) -> str: One line: what this rank holds, against what a DDP rank
     #       holds, in MB (10^6 bytes).
-    #   uses torch.tensor, preemption.signal_number
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 21/21: change the next 4 lines of code into 5 lines:
+    # TODO 13/13: change the next 4 lines of code into 5 lines:
     #     if args.sample_tokens:
     #         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
     #         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)

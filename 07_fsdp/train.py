@@ -1,11 +1,12 @@
 """Chapter 07: the model's state sharded across the ranks (FSDP).
 
-Chapter 06's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
+Chapter 05's program, with DDP replaced by FSDP2 (`fully_shard`). Under DDP every rank holds the
 whole model, its gradients and AdamW's two averages: 16 bytes per parameter. Under FSDP each rank
 holds 1/W of each (W ranks) and gathers a block's parameters from the others just before it needs
-them; one reduce-scatter averages the gradients and leaves each rank its shard. No rank but rank 0
-ever holds the whole model: it is built on the meta device, sharded, then filled from rank 0's
-copy. Each step is chapter 01's, and ckpt.pt still holds the whole model, gathered to rank 0.
+them; one reduce-scatter averages the gradients and leaves each rank its shard. No device holds
+the whole model: it is built on the meta device, sharded, then filled from a copy rank 0 builds in
+CPU memory, where each checkpoint gathers it whole again (ckpt.pt, as every chapter's). Each step
+is chapter 01's. FSDP shards device memory, not rank 0's host memory: README.md in this folder.
 
     torchrun --standalone --nproc_per_node=2 07_fsdp/train.py
     torchrun --standalone --nproc_per_node=2 07_fsdp/train.py --batch-size 4   # 01's run with 8
@@ -38,13 +39,11 @@ from common.data import (
 from common.device import describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
-    agree_on_restart,
     claim_out_dir_on_rank0,
     one_rank_first,
     ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
-    restart_store,
     share_cpu_cores,
 )
 from common.metrics import RunLog, Throughput
@@ -57,8 +56,6 @@ from common.sharding import (
     shard_full_state,
 )
 from common.support.errors import run_main
-from common.support.preempt import Preemption, stop_signal
-from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.training import (
     build_model,
     check_finite,
@@ -78,8 +75,6 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
-    parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -91,8 +86,6 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
-    # how often torchrun (--max-restarts) has restarted this node's processes after a failure
-    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: rank 0 makes chapter 01's model from it
@@ -112,10 +105,8 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # a meeting point of its own for every attempt, as torchrun's store outlives a restart
-    # (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
-    store = restart_store(world_size, restart_count, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
@@ -143,14 +134,10 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
-    # continues from the last checkpoint, if any. The ranks agree on the restart count and on
-    # whether all of them see the checkpoint (--out-dir on a file system every node sees).
-    restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    if args.resume or (restarts > 0 and seen_by_all):
+    if args.resume:
         # rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
         checkpoint = load_checkpoint_on_rank0(out_dir, model_config)
     memory = PeakMemory(device)  # the most memory this rank holds from here on
@@ -199,7 +186,6 @@ def main():
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, None, scaler)  # None: AdamW is sharded
     del full_state_dict, checkpoint  # rank 0's whole tensors are freed
-    first_step = iter_num + 1
     log.every_rank(f"peak memory, construction: {memory.since_start():.1f} MB")
     raw_model = model  # fully_shard wraps nothing: the state dict's names are unchanged
     if args.compile:
@@ -211,8 +197,6 @@ def main():
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend {backend}")
-    if restarts:
-        log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -228,15 +212,6 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
-
-    # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
-    # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
-    # collective, so every `stop_check_every` steps the ranks all-reduce their stop flags over a CPU
-    # group of their own (bench/stop_check.py measures it): one rank's signal stops all of them.
-    preemption = Preemption(args.stop_signal)  # its handler only notes the signal
-    stop_group = dist.new_group(backend="gloo", timeout=timeout)
-    stop_check_every = 10
-    stop_if_stopped_before(out_dir, restarts, stop_group)  # a restart after a stop stops too
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -280,8 +255,6 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
             last_step = iter_num == args.max_iters
-            if iter_num == first_step:
-                log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
@@ -292,7 +265,6 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            saved = False  # whether this step's checkpoint is written (the stop below asks)
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled (see chapter 01); every rank evaluates the same windows, and
                 # every forward gathers each block's parameters from all ranks
@@ -301,22 +273,7 @@ def main():
                 check_finite(iter_num, val_loss, "validation loss")
                 # every rank holds a shard of every tensor, so every rank takes part; rank 0 writes
                 gather_and_save(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
-                saved = True
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-
-            # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
-            if iter_num % stop_check_every == 0 and not last_step:
-                # 0, or the number of the signal this rank received; the MAX over ranks stops all
-                stop_flag = torch.tensor(preemption.signal_number())
-                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
-                agreed_signal = stop_flag.item()
-                if agreed_signal:
-                    # save the step (unless its evaluation just did), then the marker, a line, 75
-                    if not saved:
-                        gather_and_save(
-                            out_dir, iter_num, raw_model, optimizer, scaler, train_config
-                        )
-                    stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
     # FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer state.
     # A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
     log.every_rank(describe_held_bytes(raw_model, optimizer))

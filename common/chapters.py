@@ -18,12 +18,12 @@ CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (tr
 
 # The chapter whose train.py a chapter's page and exercise start from, where it is not the one
 # before it: chapter 04's DDP replaces chapter 03's DataParallel, so its diff against 02 is DDP
-# alone; chapter 08 replaces chapter 05's DDP with DiLoCo's rare syncs (restarts and FSDP, 06
-# and 07, are not its idea).
+# alone; 06, 07 and 08 each change chapter 05 (07 replaces its DDP with FSDP, 08 with DiLoCo's
+# rare syncs), as restarts and stops (06) are not the idea of 07 or 08.
 BASES = {4: 2, 7: 5, 8: 5}
 
 # The chapters whose run is not chapter 01's, step for step (their own tests say what they match
-# instead): the parity figure leaves them out.
+# instead): maintainer/make_plots.py leaves them out of the parity figure.
 NOT_CHAPTER_01S_RUN = {8}  # DiLoCo's copies train apart between syncs
 
 

@@ -218,11 +218,11 @@ def restart_store(
     return dist.PrefixStore(f"attempt_{restart_count}", agent_store)
 
 
-def agree_on_restart(restart_count: int, out_dir: Path, resume: bool) -> tuple[int, bool]:
+def agree_on_restart(restart_count: int, out_dir: Path, resume: bool) -> tuple[bool, bool]:
     """What the ranks agree on after torchrun restarted them (a collective: every rank calls it).
 
-    Returns the job's restart count, the largest any rank has (the count is kept per node: with
-    c10d, a node whose peers failed rejoins without counting one), and whether every rank sees the
+    Returns whether torchrun restarted any node (each counts its own restarts: a node restarted
+    because another failed counts none, pytorch/pytorch#108158), and whether every rank sees the
     checkpoint. Only rank 0 writes it, but every rank reads it to resume, so across machines
     --out-dir must be on a file system all nodes see: a checkpoint that some ranks see and others
     do not, when the run continues (--resume, or a restart), is refused with one line.
@@ -230,15 +230,15 @@ def agree_on_restart(restart_count: int, out_dir: Path, resume: bool) -> tuple[i
     checkpoint = out_dir / CKPT_NAME
     seen: list[tuple[int, bool] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (restart_count, checkpoint.exists()))
-    restarts = max(count for count, _ in seen)
+    restarted = any(count > 0 for count, _ in seen)
     visible = [found for _, found in seen]
-    if (resume or restarts) and any(visible) and not all(visible):
+    if (resume or restarted) and any(visible) and not all(visible):
         blind = [rank for rank, found in enumerate(visible) if not found]
         raise CourseError(
             f"ranks {blind} cannot see {checkpoint}, which rank 0 wrote: "
             "put --out-dir on a file system that every node shares"
         )
-    return restarts, all(visible)
+    return restarted, all(visible)
 
 
 def ranks_use_gpus(requested: str, local_rank: int, local_world_size: int, cuda_gpus: int) -> bool:

@@ -1,6 +1,6 @@
 """A scheduler's stop signal. Chapters 01-05: it ends the run at once, and the last checkpoint
-stays intact for --resume. Chapter 06 (and 07): the run saves the step every rank has reached,
-stops with one line and status 75, and resumes exactly.
+stays intact for --resume. Chapter 06: the run saves the step every rank has reached, stops with
+one line and status 0, and resumes exactly.
 
 - Chapter 01, SIGTERM mid-run: one line, status 130, the checkpoint of the last evaluation intact,
   and `--resume` ends with the parameters of the run that was never stopped.
@@ -11,19 +11,17 @@ stops with one line and status 75, and resumes exactly.
 - Chapter 06, the signal to one rank only: every rank stops after the same step (the all-reduced
   flag), that step saved, and rank 0 names the signal the other rank received.
 - In-process: the signal handling itself (every copy after the first is the same stop, however
-  late), run_main's lines and statuses (a script without --resume, as the hang lab, does not offer
-  it; an error while stopping is an error, with its own status), --stop-signal's names, and a
-  stop's finality (a restarted worker finds the stop's marker and stops), the ranks' part in a real
-  gloo world of one process.
-- Chapter 06 under torchrun --max-restarts=1, SIGTERM to the workers alone: torchrun restarts them,
-  and they stop at once, without a step more (the stop's marker).
+  late; asking whether a signal came changes nothing), run_main's lines and statuses (a script
+  without --resume, as the hang lab, does not offer it; an error while stopping is an error, with
+  its own status), --stop-signal's names.
+- Chapter 06 under torchrun --max-restarts=1, SIGTERM to the workers alone: they save and end with
+  status 0, so torchrun restarts nothing: the stop is final without any marker.
 - 06_fault_tolerance/slurm.sbatch on a real Slurm: tests/test_slurm.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import os
 import re
@@ -34,13 +32,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import read_until, start, tiny_run_args
 
 from common.metrics import read_metrics
 from common.support.errors import run_main
-from common.support.preempt import EXIT_STOPPED, Preemption, exit_stopped, stop_signal
-from common.support.preempt_ranks import STOP_MARKER, stop_after_saving, stop_if_stopped_before
+from common.support.preempt import Preemption, stop_signal
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
 
 # chapter 06's ranks check for a stop every 10 steps: a stop asked for after step 2 is taken after
@@ -49,7 +45,7 @@ ITERS = 24
 # float64: a resumed run repeats the uninterrupted one's numbers (exactly in the same world of
 # processes, up to rounding between one process of 8 sequences and two of 4); a fixed schedule
 FLAGS = {"dtype": "float64", "warmup_iters": 2, "lr_decay_iters": ITERS}
-STOP_LINE = "stopped by SIGTERM at step {step}: checkpoint saved; continue with --resume"
+STOP_LINE = "stopped by SIGTERM: step {step} saved; continue with --resume"
 ENDED_LINE = "stopped by SIGTERM: the last checkpoint written is intact; continue with --resume"
 
 
@@ -148,7 +144,7 @@ def test_sigterm_ends_chapter_01_at_once_and_the_last_checkpoint_resumes(data_di
 @pytest.mark.slow
 def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, runs):
     out, stops = runs
-    _, output = stops["ranks"]
+    status, output = stops["ranks"]
     step = checkpoint(out["ranks"])["iter_num"]
     # the ranks check every 10 steps
     assert step in (10, 20), output
@@ -156,8 +152,12 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     assert step == max(logged_losses(out["ranks"])), output
     lines = output.splitlines()
     assert [line for line in lines if "stopped by" in line] == [
-        "[rank 0] " + STOP_LINE.format(step=step)
+        "[node 0 rank 0 local 0] " + STOP_LINE.format(step=step)
     ]
+    # the workers ended with status 0: torchrun reports no failed worker. (torchrun, signalled
+    # too, ends with its own SignalException and status 1, as it does for any signal to it.)
+    assert "exitcode" not in output, output
+    assert status == 1, output
     assert "[rank 0] Traceback" not in output
     assert "[rank 1] Traceback" not in output
 
@@ -170,19 +170,16 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
     out, stops = runs
-    _, output = stops["one_rank"]
+    status, output = stops["one_rank"]
     step = checkpoint(out["one_rank"])["iter_num"]
     assert step in (10, 20), output
     assert step == max(logged_losses(out["one_rank"])), output
     # rank 0 was not signalled: it names the signal rank 1 received, as the ranks agreed on it
-    assert "[rank 0] " + STOP_LINE.format(step=step) in output, output
-    assert (out["one_rank"] / STOP_MARKER).read_text() == f"{step} SIGTERM\n"
-    # rank 0 spoke after the stop's barrier, so both had saved and stopped after that step. The
-    # first rank out ended with the stop's status (torchrun's summary); torchrun then ends the
-    # other itself, which may be exiting still, so its status there is 75 or SIGTERM's
-    statuses = re.findall(r"rank\s+: \d \(local_rank: \d\)\s+exitcode\s+: (-?\d+) ", output)
-    assert str(EXIT_STOPPED) in statuses, output
-    assert set(statuses) <= {str(EXIT_STOPPED), "-15"}, output
+    assert "[node 0 rank 0 local 0] " + STOP_LINE.format(step=step) in output, output
+    # both ranks ended with status 0 (torchrun reports no failure), after that step alone
+    assert status == 0, output
+    assert "exitcode" not in output, output
+    assert f"iter {step + 1:>6} |" not in output, output
 
 
 # ---- in-process: the signal handling -------------------------------------------------------------
@@ -192,19 +189,11 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
 def restore_signal_handlers():
     names = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     saved = {sig: signal.getsignal(sig) for sig in names}
-    hook = sys.excepthook  # a stop's check sets its own
+    hook = sys.excepthook  # an agreed stop sets its own
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
     sys.excepthook = hook
-
-
-@pytest.fixture
-def world_of_one():
-    """A real gloo process group of one rank, in this process: the ranks' timeout."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield datetime.timedelta(seconds=60)
-    dist.destroy_process_group()
 
 
 def test_stop_signal_names():
@@ -224,33 +213,9 @@ def test_every_copy_of_the_stop_signal_is_the_same_stop(restore_signal_handlers)
     os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing the stop on: the same request
     os.kill(os.getpid(), signal.SIGUSR1)  # later, while saving (Slurm's own TERM): nothing changes
     assert preemption.received == "SIGUSR1"
+    hook = sys.excepthook
     assert preemption.signal_number() == signal.SIGUSR1.value
-
-
-def test_the_ranks_stop_marks_the_run_as_stopped(world_of_one, tmp_path, capsys):
-    group = dist.new_group(backend="gloo", timeout=world_of_one)
-    with pytest.raises(SystemExit) as stop:
-        stop_after_saving(7, signal.SIGUSR1.value, tmp_path, group)
-    assert stop.value.code == EXIT_STOPPED
-    said = capsys.readouterr().err
-    assert said == "stopped by SIGUSR1 at step 7: checkpoint saved; continue with --resume\n"
-    assert (tmp_path / STOP_MARKER).read_text() == "7 SIGUSR1\n"
-
-
-def test_a_worker_restarted_after_a_stop_stops_at_once(world_of_one, tmp_path, capsys):
-    group = dist.new_group(backend="gloo", timeout=world_of_one)
-    (tmp_path / STOP_MARKER).write_text("7 SIGTERM\n")  # what the stop left
-    # torchrun restarted the worker
-    with pytest.raises(SystemExit) as stop:
-        stop_if_stopped_before(tmp_path, 1, group)
-    assert stop.value.code == EXIT_STOPPED
-    said = capsys.readouterr().err
-    assert said.startswith("stopped by SIGTERM before torchrun restarted this worker at step 7")
-    # a new launch (with --resume) is not a restart: the old stop is over, and its marker goes
-    stop_if_stopped_before(tmp_path, 0, group)
-    assert not (tmp_path / STOP_MARKER).exists()
-    # a restart after a failure, with no stop asked for, trains on
-    stop_if_stopped_before(tmp_path, 2, group)
+    assert sys.excepthook is hook  # a question, not a decision: the ranks have not agreed yet
 
 
 def ends(main, resumable=False) -> tuple[int, str]:
@@ -262,17 +227,9 @@ def ends(main, resumable=False) -> tuple[int, str]:
 
 
 def test_run_main_lines_and_statuses(restore_signal_handlers):
-    def stopped_at_step_3():
-        exit_stopped("SIGTERM", 3, speaks=True)
-
-    def stopped_on_rank_1():
-        exit_stopped("SIGTERM", 3, speaks=False)
-
     def signalled():
         os.kill(os.getpid(), signal.SIGTERM)
 
-    assert ends(stopped_at_step_3) == (EXIT_STOPPED, STOP_LINE.format(step=3) + "\n")
-    assert ends(stopped_on_rank_1) == (EXIT_STOPPED, "")  # rank 0 speaks for every rank
     # a script without --resume (the hang lab) does not tell the reader to use it
     assert ends(signalled) == (130, "stopped by SIGTERM\n")
     status, line = ends(signalled, resumable=True)
@@ -290,7 +247,7 @@ from common.support.preempt import Preemption
 def main():
     preemption = Preemption("TERM")
     os.kill(os.getpid(), signal.SIGTERM)
-    assert preemption.signal_number() == signal.SIGTERM.value  # the check: the run stops
+    assert preemption.stopping(preemption.signal_number()) == "SIGTERM"  # the ranks agreed
     if sys.argv[1] == "full disk":
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
     raise ValueError("a bug")
@@ -317,10 +274,9 @@ def test_an_error_while_stopping_is_an_error(error):
         assert output.splitlines()[-1] == f"error while stopping after SIGTERM: a bug{intact}"
 
 
-def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):
-    """SIGTERM to the workers alone (not to torchrun): they save and exit 75, torchrun counts that
-    as a failure and restarts them (--max-restarts=1), and the restarted workers find the stop's
-    marker and stop at once, without a step more."""
+def test_a_stop_is_final_torchrun_restarts_nothing(data_dir, tmp_path):
+    """SIGTERM to the workers alone (not to torchrun), with --max-restarts=1: they save and end with
+    status 0, so torchrun, which restarts only failed workers, ends too, without a step more."""
     out = tmp_path / "run"
     args = tiny_run_args(data_dir, out, max_iters=100_000, batch_size=4)
     cmd = torchrun_command("06_fault_tolerance/train.py", 2, args, extra=["--max-restarts=1"])
@@ -336,9 +292,8 @@ def test_workers_restarted_after_a_stop_stop_at_once(data_dir, tmp_path):
         stop_launchers([proc])
     output = seen + rest
     step = checkpoint(out)["iter_num"]
-    assert f"[rank 0] stopped by SIGTERM at step {step}: checkpoint saved" in output, output
-    # torchrun restarted the workers, which stopped at once: the same step, no step trained after it
-    again = f"[rank 0] stopped by SIGTERM before torchrun restarted this worker at step {step}:"
-    assert again in output, output
+    assert f"[node 0 rank 0 local 0] {STOP_LINE.format(step=step)}" in output, output
+    # no restart: each worker started once, and no step was trained after the stop's
+    assert len(re.findall(r"\] process (\d+) on ", output)) == 2, output
     assert max(logged_losses(out)) == step
-    assert proc.returncode == 1  # torchrun, its restarts used up
+    assert proc.returncode == 0, output

@@ -1,5 +1,6 @@
 """06_fault_tolerance/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves the
-step, the job is requeued under its id, and the requeued job resumes from that step and completes.
+step (the training ends with status 0), the script that asked for the stop requeues the job under
+its id, and the requeued job resumes from that step and completes.
 
 The cluster is .ci/slurm/start.sh's (CI brings it up and exports SLURM_CONF). The
 script is submitted as it is, with a tiny CPU run: what differs is given on sbatch's command line
@@ -136,7 +137,7 @@ def test_a_stop_near_the_limit_saves_the_step_and_the_requeued_job_resumes_it(
     assert fields["Restarts"] == "1", text
     # the training saved the step it was in, and said so
     stopped = re.search(
-        r"^\[rank 0\] stopped by SIGTERM at step (\d+): checkpoint saved", text, re.M
+        r"^\[node 0 rank 0 local 0\] stopped by SIGTERM: step (\d+) saved", text, re.M
     )
     assert stopped, text
     step = int(stopped.group(1))
@@ -164,7 +165,7 @@ def test_the_real_time_limit_signal_stops_and_requeues(slurm, data_dir, tmp_path
     job = submit(data_dir, out_dir, log, options, train_args)
     try:
         stopped = wait_for_line(
-            log, r"^\[rank 0\] stopped by SIGTERM at step (\d+): checkpoint saved", job, limit=240
+            log, r"^\[node 0 rank 0 local 0\] stopped by SIGTERM: step (\d+) saved", job, limit=240
         )
         step = int(stopped.group(1))
         wait_for_line(

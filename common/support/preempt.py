@@ -1,21 +1,18 @@
-"""SIGTERM (or the --stop-signal) from SLURM or Kubernetes: chapter 06's run saves the step its
-ranks agree to stop after and stops (one line, status 75), for the job to be requeued and resumed.
-Further copies of the signal are the same stop (SIGKILL stays the force); Ctrl-C stops at once
-(status 130). An error met while stopping (a full disk) is an error: one line, or its traceback for
-a bug, and status 1.
+"""SIGTERM (or the --stop-signal) from Slurm or Kubernetes: chapter 06's ranks save the step they
+agree to stop after and end (one line, status 0); the launch that asked for the stop requeues the
+job, which continues with --resume. Further copies of the signal are the same stop (SIGKILL stays
+the force); Ctrl-C stops at once (status 130). An error met while stopping (a full disk) is an
+error: one line, or its traceback for a bug, and status 1.
 
-Chapter 06 listens with Preemption; its ranks agree on the step to stop at in its loop, and a stop
-stays final when torchrun restarts a worker: support/preempt_ranks.py. In chapters 01-05 a signal
-ends the run at once (run_main), and the last checkpoint stays intact."""
+Chapter 06 listens with Preemption, and its ranks agree on the step to stop at in its loop. In
+chapters 01-05 a signal ends the run at once (run_main), and the last checkpoint stays intact."""
 
 import argparse
 import signal
 import sys
-from typing import NoReturn
 
 from .errors import rank_prefix
 
-EXIT_STOPPED = 75  # os.EX_TEMPFAIL, "try again later": what a run stopped to be resumed asks for
 RESUME = "continue with --resume"
 
 
@@ -60,17 +57,14 @@ class Preemption:
         rank's signal stops every rank, and every rank knows which signal it was."""
         if self.received is None:
             return 0
-        # The run stops from this check on, so an error that ends it now was met while stopping:
-        # its last line says so. (Not from the signal on: torchrun's SIGTERM to the survivors of a
-        # failed rank finds them failing in a collective, which is that failure, not a stop's.)
-        sys.excepthook = self._error_while_stopping
         return signal.Signals[self.received].value
 
+    def stopping(self, agreed_signal: int) -> str:
+        """The ranks agreed to stop on `agreed_signal` (a number): from here on, an error that ends
+        the run says it came while stopping. Returns the signal's name.
 
-def exit_stopped(signal_name: str, step: int | str, speaks: bool) -> NoReturn:
-    """End a run stopped at a step's end, its checkpoint written: one line (from the rank that
-    `speaks` for all), then status 75."""
-    if speaks:
-        message = f"stopped by {signal_name} at step {step}: checkpoint saved; {RESUME}"
-        print(f"{rank_prefix()}{message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_STOPPED)
+        (Not from the signal on: torchrun's SIGTERM to the survivors of a failed rank finds them
+        failing in a collective, which is that failure, not a stop's.)"""
+        self.received = signal.Signals(agreed_signal).name
+        sys.excepthook = self._error_while_stopping
+        return self.received
