@@ -164,9 +164,9 @@ def main():
     #       dict: ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the
     #       settings, the random state) with empty model and optimizer states, so no rank but rank 0
     #       ever holds the whole model.
-    #   uses common.sharding.PeakMemory(device: torch.device): The most memory this rank held since
-    #       it was made, above what it held then, in MB: on a GPU the tensors' bytes there, on the
-    #       CPU the process's resident memory (Linux's /proc/self).
+    #   uses common.sharding.PeakMemory(device: torch.device, proc: Path = Path("/proc/self")): The
+    #       most memory this rank held since it was made, above what it held then, in MB: on a GPU
+    #       the tensors' bytes there, on the CPU the process's resident memory (Linux's /proc/self).
     #   uses common.model.GPT(config: GPTConfig)
     #   uses torch.distributed.fsdp.MixedPrecisionPolicy, torch.distributed.fsdp.fully_shard,
     #       model.to_empty
