@@ -13,7 +13,8 @@
 #   NNODES           number of nodes (2)
 #   NPROC_PER_NODE   processes per node, one per GPU (the GPUs nvidia-smi lists, else 1)
 #   MAX_RESTARTS     how often torchrun restarts this node's processes after a failure (0;
-#                    chapter 06)
+#                    chapter 06 teaches restarts with launch_c10d.sh: under this static
+#                    rendezvous a restarted group meets at a store that outlived the attempt)
 #   SCRIPT           the program to start (05_multinode/train.py; 05_multinode/preflight.py to
 #                    check the nodes first; 06_fault_tolerance/train.py for chapter 06)
 #   SAME_MACHINE     1: every node runs on this one machine (simulate_two_nodes.sh), so

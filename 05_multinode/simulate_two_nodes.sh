@@ -7,7 +7,7 @@
 #   NPROC_PER_NODE=1 bash 05_multinode/simulate_two_nodes.sh --max-iters 300
 #   RDZV=c10d bash 05_multinode/simulate_two_nodes.sh              # elastic rendezvous instead of static
 #   SHARED_FS=1 bash 05_multinode/simulate_two_nodes.sh            # both nodes share one data folder
-#   SCRIPT=06_fault_tolerance/train.py MAX_RESTARTS=1 bash 05_multinode/simulate_two_nodes.sh
+#   RDZV=c10d SCRIPT=06_fault_tolerance/train.py MAX_RESTARTS=1 bash 05_multinode/simulate_two_nodes.sh
 #                                                                  # chapter 06: then kill -9 a rank
 #   sudo MACHINES=course bash 05_multinode/simulate_two_nodes.sh   # across two machines of their own
 #
