@@ -1,12 +1,9 @@
-# Exercise: chapter 02 (02_grad_accumulation). This is chapter 01's train.py; add chapter 02's idea
-# where the 6 TODOs say. A TODO says how the lines below it change, and hints: the new comments of
-# the solution there (or its code), the defs it adds and the helpers it first calls, with their
-# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
-# tests read only this one). Then check your copy:
+# Exercise: chapter 02 (02_grad_accumulation). Add its idea to chapter 01's train.py
+# where the 6 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# tests read only this one), then check it:
 #     cp -n 02_grad_accumulation/exercise.py 02_grad_accumulation/my_exercise.py
 #     python -m tools.check 02_grad_accumulation/my_exercise.py
-# The solution is 02_grad_accumulation/train.py (its README shows the diff). `cp -n` never
-# overwrites a copy; to start again, copy this file under another name. This file is made by
+# The solution is 02_grad_accumulation/train.py; its README shows the diff. This file is made by
 # maintainer/make_exercises.py from the two scripts.
 """Chapter 01: train a GPT on one device.
 
@@ -18,8 +15,9 @@ Every later chapter is this script with one idea added.
     python 01_single_gpu/train.py --preset tiny --max-iters 50
 """
 
-# TODO 1/6: the imports: remove (-) and add (+)
-#     + from common.config import positive_int
+# TODO 1/6: the imports:
+#   - from common.config import CourseParser, gpt_config_from_args
+#   + from common.config import CourseParser, gpt_config_from_args, positive_int
 import sys
 from pathlib import Path
 
@@ -58,7 +56,6 @@ def main():
     #     parser.add_argument(
     #         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     #     )
-    #   uses parser.add_argument
     parser = CourseParser(chapter=1, description=__doc__)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -76,7 +73,7 @@ def main():
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
     # TODO 3/6: change the next line of code:
-    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
+    #   - One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another.
     # One optimizer step sees `global_batch` sequences. Here that is one batch on one device.
     global_batch = args.batch_size
@@ -115,8 +112,7 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     # TODO 4/6: change the next line of code into 2 lines:
     #     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
-    #     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per
-    #         epoch")
+    #   (and 1 more in the solution)
     print(f"global batch: {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -133,7 +129,7 @@ def main():
         epoch_generator = torch.Generator().manual_seed(args.seed + epoch)
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # TODO 5/6: change the next line of code:
-        #   micro-batches of this epoch a resumed run trained on
+        #   - micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch  # batches of this epoch a resumed run trained on
         loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
@@ -145,12 +141,11 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # TODO 6/6: change the next 6 lines of code into 10 lines:
-            #   the mean loss over the whole global batch
-            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
-            #     makes that sum the gradient of the mean over all K * B sequences
-            #   this micro-batch's activations are freed here
-            #   clipping, the optimizer step and the learning rate act once per global batch
-            #   uses torch.zeros, micro_loss.detach
+            #   - the mean loss over the whole global batch
+            #   - backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by
+            #     K makes that sum the gradient of the mean over all K * B sequences
+            #   - this micro-batch's activations are freed here
+            #   - clipping, the optimizer step and the learning rate act once per global batch
             x, y = next(batches)  # (B, T) each, built in CPU memory
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)

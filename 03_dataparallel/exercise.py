@@ -1,12 +1,9 @@
-# Exercise: chapter 03 (03_dataparallel). This is chapter 02's train.py; add chapter 03's idea where
-# the 14 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
-# solution there (or its code), the defs it adds and the helpers it first calls, with their
-# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
-# tests read only this one). Then check your copy:
+# Exercise: chapter 03 (03_dataparallel). Add its idea to chapter 02's train.py
+# where the 13 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# tests read only this one), then check it:
 #     cp -n 03_dataparallel/exercise.py 03_dataparallel/my_exercise.py
 #     python -m tools.check 03_dataparallel/my_exercise.py
-# The solution is 03_dataparallel/train.py (its README shows the diff). `cp -n` never overwrites a
-# copy; to start again, copy this file under another name. This file is made by
+# The solution is 03_dataparallel/train.py; its README shows the diff. This file is made by
 # maintainer/make_exercises.py from the two scripts.
 """Chapter 02: gradient accumulation, a bigger batch than memory holds.
 
@@ -17,9 +14,9 @@ micro-batch's activations are in memory at a time, yet the step is the step of t
     python 02_grad_accumulation/train.py --batch-size 2 --grad-accum 4   # the same run as 01 with 8
 """
 
-# TODO 1/14: the imports: remove (-) and add (+)
-#     + from torch import nn
-#     + from common.dataparallel import choose_dataparallel_gpus, in_autocast
+# TODO 1/13: the imports:
+#   + from torch import nn
+#   + from common.dataparallel import choose_dataparallel_gpus, in_autocast
 import sys
 from pathlib import Path
 
@@ -52,28 +49,20 @@ from common.training import (
 )
 
 
-# TODO 2/14: add 16 lines of code here:
+# TODO 2/13: add 16 lines of code here:
 #   class AutocastDataParallel(nn.DataParallel): nn.DataParallel whose replicas compute in the run's
 #       number format (bfloat16 or float16).
-#     overrides __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype,
-#         **kwargs)
-#     overrides parallel_apply(self, replicas, inputs, kwargs)
-#     (16 lines of code in the solution)
-#   uses common.dataparallel.in_autocast(module, device: torch.device, dtype: torch.dtype): `module`
-#       called inside autocast, which DataParallel's replica threads lose (the trap that
-#       docs/deep/AUTOCAST_TRAP.md describes).
-#   uses torch.nn.DataParallel
+#       def __init__(self, module, autocast_device: torch.device, autocast_dtype: torch.dtype,
+#           **kwargs)
+#       def parallel_apply(self, replicas, inputs, kwargs)
 def main():
-    # TODO 3/14: change the next line of code:
+    # TODO 3/13: change the next 4 lines of code into 7 lines:
     #     parser = CourseParser(chapter=3, description=__doc__)
-    parser = CourseParser(chapter=2, description=__doc__)
-    # TODO 4/14: add 5 lines of code here:
     #     parser.add_argument(
     #         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     #     )
-    #     parser.add_argument(
-    #         "--gpus", type=positive_int,
-    #             help="GPUs DataParallel splits over (default: all visible)"
+    #   (and 1 more in the solution)
+    parser = CourseParser(chapter=2, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
@@ -85,17 +74,13 @@ def main():
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
-    # TODO 5/14: add 3 lines of code here:
-    #   DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
-    #   The settings it cannot run with (more GPUs than visible, --device cpu on a machine with
+    # TODO 4/13: add 3 lines of code here:
+    #   - DataParallel runs one replica per GPU; --gpus picks how many of the visible ones it uses.
+    #     The settings it cannot run with (more GPUs than visible, --device cpu on a machine with
     #     GPUs, --compile over several GPUs) are refused with one line each
     #     (common/dataparallel.py).
-    #   on a CPU: one, the model itself
-    #   DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
-    #   uses common.dataparallel.choose_dataparallel_gpus(device: torch.device, requested: int |
-    #       None, compile: bool, cuda_gpus: int) -> list[int]: The GPU numbers DataParallel spreads
-    #       over, or [] on a machine without a CUDA GPU.
-    #   uses torch.cuda.device_count
+    #   - on a CPU: one, the model itself
+    #   - DataParallel takes one batch of all replicas' sequences and cuts it into one per replica
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
     data_folder = prepare(
@@ -103,8 +88,8 @@ def main():
     )
     train_set, val_set = load_splits(data_folder, model_config.block_size)
 
-    # TODO 6/14: change the next line of code:
-    #   One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
+    # TODO 5/13: change the next line of code:
+    #   - One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after
     #     another, each of `batch_size` sequences per replica, which DataParallel cuts out of one
     #     big batch.
     # One optimizer step sees `global_batch` sequences: grad_accum micro-batches, one after another.
@@ -135,12 +120,12 @@ def main():
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
-    # TODO 7/14: change the next line of code into 3 lines:
-    #   nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
+    # TODO 6/13: change the next line of code into 3 lines:
+    #   - nn.DataParallel in the run's number format (the class above); without GPUs (gpu_ids is [])
     #     it calls the model as it is
-    #   The wrapper keeps the real model in model.module. Its state dict would prefix every name
+    #   - The wrapper keeps the real model in model.module. Its state dict would prefix every name
     #     with "module.", so checkpoints save model.module's, which any chapter can load.
-    #   DataParallel, not compiled: see the evaluation below
+    #   - DataParallel, not compiled: see the evaluation below
     raw_model = model  # the plain module: its state dict is what checkpoints hold
     if args.compile:
         model = torch.compile(model)
@@ -148,30 +133,24 @@ def main():
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
     print(f"device {describe(device)}, {str(dtype).removeprefix('torch.')}; model {model_size}")
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
-    # TODO 8/14: change the next line of code:
+    # TODO 7/13: change the next line of code:
     #     split = f"{args.grad_accum} micro-batches x {replicas} replica(s) x {args.batch_size}"
     split = f"{args.grad_accum} micro-batches x {args.batch_size}"
     print(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 9/14: add 11 lines of code here:
-    #     if replicas > 1:
-    #         print(
-    #             f"DataParallel: 1 process, {replicas} threads, "
-    #             f"one replica per GPU on cuda:0..{replicas - 1}; "
-    #             f"each step scatters the batch, replicates the model and gathers the outputs on
-    #                 cuda:0"
-    #         )
+    # TODO 8/13: add 11 lines of code here:
     #     else:
     #         print(
     #             f"DataParallel has nothing to split on one {device.type} device: "
     #             "the run is chapter 02's"
     #         )
+    #   (and 1 more in the solution)
     if iter_num:
         print(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
     train_config = vars(args) | {"global_batch": global_batch}
-    # TODO 10/14: change the next line of code:
-    #   tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
-    #   metrics.jsonl and the printed lines: one call per log step
+    # TODO 9/13: change the next line of code:
+    #   - tokens/s and MFU between log lines: MFU against the peak of all the replicas' GPUs
+    #   - metrics.jsonl and the printed lines: one call per log step
     # tokens/s and MFU between log lines; metrics.jsonl and the printed lines: one call per log step
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype)
     report = RunLog(out_dir, iter_num, speed)
@@ -184,7 +163,7 @@ def main():
         sampler = RandomSampler(train_set, generator=epoch_generator)
         # micro-batches of this epoch a resumed run trained on
         skip = step_in_epoch * args.grad_accum
-        # TODO 11/14: change the next line of code:
+        # TODO 10/13: change the next line of code:
         #     loader = batch_loader(train_set, sampler, whole_batch, skip, device)
         loader = batch_loader(train_set, sampler, args.batch_size, skip, device)
         batches = iter(loader)
@@ -201,10 +180,9 @@ def main():
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
                 with autocast:
-                    # TODO 12/14: change the next line of code into 2 lines:
-                    #   each replica returns its own mean loss: a vector of `replicas` losses on
+                    # TODO 11/13: change the next line of code into 2 lines:
+                    #   - each replica returns its own mean loss: a vector of `replicas` losses on
                     #     cuda:0. Every replica has B sequences, so their mean is the micro-batch's.
-                    #   uses micro_loss.mean
                     _, micro_loss = model(x, y)  # mean cross-entropy over B * T predictions
                     # backward() adds into .grad, so K micro-steps sum K gradients; each loss
                     # divided by K makes that sum the gradient of the mean over all K * B sequences
@@ -231,9 +209,10 @@ def main():
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling
-                # TODO 13/14: change the next 2 lines of code:
+                # TODO 12/13: change the next 3 lines of code:
                 #     val_loss = evaluate(
                 #         eval_model, val_set, val_windows, whole_batch, device, autocast
+                #     ).item()
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
@@ -241,10 +220,9 @@ def main():
                 check_finite(iter_num, val_loss, "validation loss")
                 save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
+    # TODO 13/13: add 6 lines of code here:
+    #   - cuda:0 also holds the optimizer state, the gathered outputs and the loss
 
-    # TODO 14/14: add 6 lines of code here:
-    #   cuda:0 also holds the optimizer state, the gathered outputs and the loss
-    #   uses torch.cuda.max_memory_allocated
     if args.sample_tokens:
         print(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)

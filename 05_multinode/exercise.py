@@ -1,12 +1,9 @@
-# Exercise: chapter 05 (05_multinode). This is chapter 04's train.py; add chapter 05's idea where
-# the 5 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
-# solution there (or its code), the defs it adds and the helpers it first calls, with their
-# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
-# tests read only this one). Then check your copy:
+# Exercise: chapter 05 (05_multinode). Add its idea to chapter 04's train.py
+# where the 5 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# tests read only this one), then check it:
 #     cp -n 05_multinode/exercise.py 05_multinode/my_exercise.py
 #     python -m tools.check 05_multinode/my_exercise.py --nproc-per-node 2
-# The solution is 05_multinode/train.py (its README shows the diff). `cp -n` never overwrites a
-# copy; to start again, copy this file under another name. This file is made by
+# The solution is 05_multinode/train.py; its README shows the diff. This file is made by
 # maintainer/make_exercises.py from the two scripts.
 """Chapter 04: DistributedDataParallel, one process per GPU, started by torchrun.
 
@@ -77,9 +74,8 @@ def main():
     parser.add_argument(
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
-    # TODO 2/5: add 1 line of code here:
-    #     parser.add_argument("--shared-fs", action="store_true",
-    #         help="one file system on all nodes")
+    # TODO 2/5: add a line of code here:
+    #   (and 1 more in the solution)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -88,8 +84,8 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process among those on its machine: its GPU
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     is_rank0 = rank == 0
-    # TODO 3/5: add 1 line of code here:
-    #   torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or
+    # TODO 3/5: add a line of code here:
+    #   - torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or
     #     c10d's choice). Every line names it: "which machine?" comes first when a job of many
     #     machines fails.
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
@@ -123,7 +119,7 @@ def main():
     # ---- data: token files on disk, read as fixed windows of block_size tokens -------------------
     model_config = gpt_config_from_args(args)
     # TODO 5/5: change the next line of code into 4 lines:
-    #   On node-local disks every machine needs its own token files: local rank 0 of EVERY node
+    #   - On node-local disks every machine needs its own token files: local rank 0 of EVERY node
     #     prepares them. With --shared-fs all nodes see one --data-dir, where two machines writing
     #     the same files would corrupt them: global rank 0 alone prepares. The others wait for it.
     # Local rank 0 of each machine prepares the token files once; the other ranks there wait for it

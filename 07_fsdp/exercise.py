@@ -1,35 +1,40 @@
-# Exercise: chapter 07 (07_fsdp). This is chapter 05's train.py; add chapter 07's idea where the 13
-# TODOs say. A TODO says how the lines below it change, and hints: the new comments of the solution
-# there (or its code), the defs it adds and the helpers it first calls, with their signatures. Solve
-# a copy, not this file: a my_*.py file is yours (git ignores it, and the course's tests read only
-# this one). Then check your copy:
+# Exercise: chapter 07 (07_fsdp). Add its idea to chapter 06's train.py
+# where the 15 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# tests read only this one), then check it:
 #     cp -n 07_fsdp/exercise.py 07_fsdp/my_exercise.py
 #     python -m tools.check 07_fsdp/my_exercise.py --nproc-per-node 2
-# The solution is 07_fsdp/train.py (its README shows the diff). `cp -n` never overwrites a copy; to
-# start again, copy this file under another name. This file is made by maintainer/make_exercises.py
-# from the two scripts.
-"""Chapter 05: the same job on several machines ("nodes"), one torchrun on each.
+# The solution is 07_fsdp/train.py; its README shows the diff. This file is made by
+# maintainer/make_exercises.py from the two scripts.
+"""Chapter 06: a training job that survives a failed process and a scheduler's stop.
 
-Chapter 04's program with the same step: DDP averages the gradients over every process, wherever
-it runs. Several machines are mostly a launch problem: each node's torchrun is told the number of
-nodes, this node's rank and where node 0 listens (README.md in this folder). In the code, every
-line names its node, and the token files are prepared once per node's disk (or once, --shared-fs).
+Chapter 05's program, with the same step. A job of many machines for many hours meets both: a
+process dies (torchrun --max-restarts starts the group again, which continues from the last
+checkpoint), and a scheduler stops the job (SIGTERM, or --stop-signal, before a time limit or a
+preemption: the ranks agree on a step, rank 0 saves it, and every rank exits with status 75, to be
+requeued and resumed). Slurm's recipe: slurm.sbatch in this folder.
 
-    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
-    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
+    MAX_RESTARTS=1 SCRIPT=06_fault_tolerance/train.py bash 05_multinode/simulate_two_nodes.sh
+    sbatch 06_fault_tolerance/slurm.sbatch                               # on a Slurm cluster
 """
 
-# TODO 1/13: the imports: remove (-) and add (+)
-#     - import contextlib
-#     - from torch.nn.parallel import DistributedDataParallel as DDP
-#     - from common.checkpoint import load_checkpoint, save_checkpoint
-#     - from common.device import autocast_context
-#     - from common.distributed import ranks_unlike_rank0
-#     + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-#     + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-#     + from common.model import GPT
-#     + from common.sharding import PeakMemory, describe_held_bytes, gather_and_save,
-#         load_checkpoint_on_rank0, shard_full_state
+# TODO 1/15: the imports:
+#   - import contextlib
+#   - from torch.nn.parallel import DistributedDataParallel as DDP
+#   - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+#   - from common.device import autocast_context, describe, pick_dtype, setup_math
+#   - from common.distributed import RankLog, agree_on_restart, claim_out_dir_on_rank0,
+#       one_rank_first, ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun,
+#       restart_store, share_cpu_cores
+#   + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+#   + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+#   + from common.checkpoint import restore_training_state
+#   + from common.device import describe, pick_dtype, setup_math
+#   + from common.distributed import RankLog, agree_on_restart, claim_out_dir_on_rank0,
+#       one_rank_first, ranks_use_gpus, refuse_shared_gpus, require_torchrun, restart_store,
+#       share_cpu_cores
+#   + from common.model import GPT
+#   + from common.sharding import PeakMemory, describe_held_bytes, gather_and_save,
+#       load_checkpoint_on_rank0, shard_full_state
 import contextlib
 import datetime
 import os
@@ -57,16 +62,20 @@ from common.data import (
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
+    agree_on_restart,
     claim_out_dir_on_rank0,
     one_rank_first,
     ranks_unlike_rank0,
     ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
+    restart_store,
     share_cpu_cores,
 )
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
+from common.support.preempt import Preemption, stop_signal
+from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.training import (
     build_model,
     check_finite,
@@ -78,9 +87,9 @@ from common.training import (
 
 
 def main():
-    # TODO 2/13: change the next line of code:
+    # TODO 2/15: change the next line of code:
     #     parser = CourseParser(chapter=7, description=__doc__)
-    parser = CourseParser(chapter=5, description=__doc__)
+    parser = CourseParser(chapter=6, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
@@ -88,6 +97,8 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
+    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
+    parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -99,6 +110,8 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
+    # how often torchrun (--max-restarts) has restarted this node's processes after a failure
+    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -112,8 +125,7 @@ def main():
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/13: remove the next line of code:
-    #   gone from the solution: autocast, autocast_context
+    # TODO 3/15: remove the next line of code
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -121,8 +133,10 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
-    dist.init_process_group(backend, timeout=timeout)
+    # a meeting point of its own for every attempt, as torchrun's store outlives a restart
+    # (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
+    store = restart_store(world_size, restart_count, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
@@ -150,27 +164,28 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
+    # torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
+    # continues from the last checkpoint, if any. The ranks agree on the restart count and on
+    # whether all of them see the checkpoint (--out-dir on a file system every node sees).
+    restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    claim_out_dir_on_rank0(out_dir, resume=args.resume)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
     checkpoint = None
-    # TODO 4/13: change the next 3 lines of code into 12 lines:
-    #   rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
-    #   the most memory this rank holds from here on
-    #   The chapter is for a model too large for one device, so no rank builds it whole. On the meta
-    #     device a tensor has a shape and a type but no storage: this model costs no memory yet.
-    #   this rank's shards, on its device, not yet filled
-    #   (3 more comments in the solution)
-    #   uses common.sharding.load_checkpoint_on_rank0(out_dir: str | Path, config: GPTConfig) ->
-    #       dict: ckpt.pt, read by rank 0 alone: the other ranks get the rest of it (the step, the
-    #       settings, the random state) with empty model and optimizer states, so no rank but rank 0
-    #       ever holds the whole model.
-    #   uses common.sharding.PeakMemory(device: torch.device, proc: Path = Path("/proc/self")): The
-    #       most memory this rank held since it was made, above what it held then, in MB: on a GPU
-    #       the tensors' bytes there, on the CPU the process's resident memory (Linux's /proc/self).
-    #   uses common.model.GPT(config: GPTConfig)
-    #   uses torch.distributed.fsdp.MixedPrecisionPolicy, torch.distributed.fsdp.fully_shard,
-    #       model.to_empty
-    if args.resume:
+    if args.resume or (restarts > 0 and seen_by_all):
+        # TODO 4/15: change the next 2 lines of code into 11 lines:
+        #   - rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
+        #   - the most memory this rank holds from here on
+        #   - The chapter is for a model too large for one device, so no rank builds it whole. On
+        #     the meta device a tensor has a shape and a type but no storage: this model costs no
+        #     memory yet.
+        #   - In bfloat16 or float16 (--dtype auto on GPUs) FSDP computes in that type: each block's
+        #     parameters are gathered cast to it, which halves the bytes sent; the gradients are
+        #     reduced in float32 and the optimizer steps on float32 shards. In float32 or float64
+        #     (the CPU's) the default policy keeps the parameters' own type everywhere.
+        #   - this rank's shards, on its device, not yet filled
+        #   - AdamW keeps two running averages per parameter, each its shape: built on the shards,
+        #     the optimizer state is sharded too, and every rank updates only its own rows.
+        #   (and 1 more in the solution)
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
@@ -180,31 +195,24 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 5/13: add 4 lines of code here:
-    #   Rank 0 alone makes the whole model's state dict, in CPU memory: the checkpoint's, or a fresh
-    #     model's from the seed, which is chapter 01's initialisation (the runs match chapter 01's
-    #     from the first step). Every rank takes its rows of it (and of AdamW's), one tensor at a
-    #     time.
-    #   torchtitan instead initialises each shard on its own rank: no whole copy anywhere, other
-    #     numbers than chapter 01's.
-    #   uses common.sharding.shard_full_state(model: torch.nn.Module, optimizer: Optimizer,
-    #       model_state: dict, checkpoint: dict | None) -> None: Fill this rank's shards from rank
-    #       0's whole tensors (a fresh model's, or ckpt.pt's and its optimizer state), which rank 0
-    #       broadcasts one tensor at a time: each rank keeps its rows of each and frees the rest.
+    # TODO 5/15: change the next line of code into 5 lines:
+    #   - Rank 0 alone makes the whole model's state dict, in CPU memory: the checkpoint's, or a
+    #     fresh model's from the seed, which is chapter 01's initialisation (the runs match chapter
+    #     01's from the first step). Every rank takes its rows of it (and of AdamW's), one tensor at
+    #     a time. torchtitan instead initialises each shard on its own rank: no whole copy anywhere,
+    #     other numbers than chapter 01's.
+    #   - float16 can underflow small gradients to zero; the scaler multiplies the loss to keep
+    #     them. The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
-    # TODO 6/13: change the next line of code:
-    #   The sharded scaler agrees over all ranks on whether a step had an inf in any shard.
-    #   uses torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    # TODO 7/13: change the next 5 lines of code into 6 lines:
-    #   None: AdamW is sharded
-    #   rank 0's whole tensors are freed
-    #   fully_shard wraps nothing: the state dict's names are unchanged
-    #   uses memory.since_start
     if checkpoint is not None:
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
+        # TODO 6/15: change the next 3 lines of code into 5 lines:
+        #   - None: AdamW is sharded
+        #   - rank 0's whole tensors are freed
+        #   - fully_shard wraps nothing: the state dict's names are unchanged
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
     # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     # into backward to average the gradients over ranks (no device_ids: the model is on this rank's
@@ -219,10 +227,11 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 8/13: change the next line of code:
-    #     log(f"FSDP: {world_size} process(es), 1/{world_size} of the model each, backend
-    #         {backend}")
+    # TODO 7/15: change the next line of code:
+    #   (and 1 more in the solution)
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
+    if restarts:
+        log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -238,6 +247,15 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
+
+    # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
+    # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
+    # collective, so every `stop_check_every` steps the ranks all-reduce their stop flags over a CPU
+    # group of their own (bench/stop_check.py measures it): one rank's signal stops all of them.
+    preemption = Preemption(args.stop_signal)  # its handler only notes the signal
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)
+    stop_check_every = 10
+    stop_if_stopped_before(out_dir, restarts, stop_group)  # a restart after a stop stops too
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -256,16 +274,16 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
-            # TODO 9/13: change the next 12 lines of code into 8 lines:
-            #   FSDP reduce-scatters the gradients inside backward(); before the last micro-step
-            #     that traffic would be wasted, so without sync they add up on this rank, whole and
-            #     unsharded (more memory than no_sync() in chapter 04, which adds none)
-            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
-            #     makes that sum the gradient of the mean over all K * B sequences
-            #   the last backward reduce-scatters block after block of gradients while it still
-            #     computes the rest; this micro-batch's activations are freed here
-            #   uses model.set_requires_gradient_sync
             for micro_step in range(args.grad_accum):
+                # TODO 8/15: change the next 11 lines of code into 7 lines:
+                #   - FSDP reduce-scatters the gradients inside backward(); before the last micro-
+                #     step that traffic would be wasted, so without sync they add up on this rank,
+                #     whole and unsharded (more memory than no_sync() in chapter 04, which adds
+                #     none)
+                #   - backward() adds into .grad, so K micro-steps sum K gradients; each loss
+                #     divided by K makes that sum the gradient of the mean over all K * B sequences
+                #   - the last backward reduce-scatters block after block of gradients while it
+                #     still computes the rest; this micro-batch's activations are freed here
                 # DDP all-reduces the gradients inside backward(); before the last micro-step that
                 # traffic would be wasted, so no_sync() lets them add up on this rank
                 sync = contextlib.nullcontext()
@@ -294,6 +312,9 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
             last_step = iter_num == args.max_iters
+            # TODO 9/15: add 2 lines of code here:
+            #     if iter_num == first_step:
+            #         log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
@@ -304,10 +325,11 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            # TODO 10/13: change the next 4 lines of code into 2 lines:
-            #   the model uncompiled (see chapter 01); every rank evaluates the same windows, and
-            #     every forward gathers each block's parameters from all ranks
+            saved = False  # whether this step's checkpoint is written (the stop below asks)
             if iter_num % args.eval_interval == 0 or last_step:
+                # TODO 10/15: change the next 3 lines of code into a line:
+                #   - the model uncompiled (see chapter 01); every rank evaluates the same windows,
+                #     and every forward gathers each block's parameters from all ranks
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling. Every rank evaluates the same windows with its own
                 # copy: all get the same loss, with no collective.
@@ -316,39 +338,49 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 11/13: change the next 2 lines of code into 1 line:
-                #   every rank holds a shard of every tensor, so every rank takes part; rank 0
+                # TODO 11/15: change the next 2 lines of code into a line:
+                #   - every rank holds a shard of every tensor, so every rank takes part; rank 0
                 #     writes
-                #   uses common.sharding.gather_and_save(out_dir: str | Path, iter_num: int, model:
-                #       torch.nn.Module, optimizer: Optimizer, scaler, train_config: dict) -> None:
-                #       ckpt.pt from a sharded model, as every chapter writes it: the whole tensors,
-                #       gathered into rank 0's CPU memory one tensor at a time, and rank 0 writes
-                #       them (save_checkpoint's file).
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
+                saved = True
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 12/13: change the next 4 lines of code into 2 lines:
-    #   FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
-    #     state.
-    #   A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or empty.
-    #   every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
-    #   uses common.sharding.describe_held_bytes(model: torch.nn.Module, optimizer:
-    #       torch.optim.Optimizer) -> str: One line: what this rank holds, against what a DDP rank
-    #       holds, in MB (10^6 bytes).
+
+            # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
+            if iter_num % stop_check_every == 0 and not last_step:
+                # 0, or the number of the signal this rank received; the MAX over ranks stops all
+                stop_flag = torch.tensor(preemption.signal_number())
+                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
+                agreed_signal = stop_flag.item()
+                if agreed_signal:
+                    # save the step (unless its evaluation just did), then the marker, a line, 75
+                    # TODO 12/15: change the next 4 lines of code:
+                    #     if not saved:
+                    #         gather_and_save(
+                    #             out_dir, iter_num, raw_model, optimizer, scaler, train_config
+                    #         )
+                    if is_rank0 and not saved:
+                        save_checkpoint(
+                            out_dir, iter_num, raw_model, optimizer, scaler, train_config
+                        )
+                    stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
+    # TODO 13/15: change the next 3 lines of code into a line:
+    #   - FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
+    #     state. A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or
+    #     empty.
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 13/13: change the next 4 lines of code into 5 lines:
-    #     if args.sample_tokens:
-    #         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
-    #         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
-    #         if is_rank0:
-    #             print(text)
+    # TODO 14/15: change the next line of code:
+    #   - every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
+        # TODO 15/15: change the next line of code into 2 lines:
+        #     if is_rank0:
+        #         print(text)
         print(text)
 
 
