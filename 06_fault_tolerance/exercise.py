@@ -1,5 +1,5 @@
 # Exercise: chapter 06 (06_fault_tolerance). Add its idea to chapter 05's train.py
-# where the 12 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# where the 7 TODOs say, in a copy (git ignores my_*.py files, and the course's
 # tests read only this one), then check it:
 #     cp -n 06_fault_tolerance/exercise.py 06_fault_tolerance/my_exercise.py
 #     python -m tools.check 06_fault_tolerance/my_exercise.py --nproc-per-node 2
@@ -16,14 +16,13 @@ line names its node, and the token files are prepared once per node's disk (or o
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/12: the imports:
+# TODO 1/7: the imports:
 #   - from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first,
 #       ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun, share_cpu_cores
 #   + from common.distributed import RankLog, agree_on_restart, claim_out_dir_on_rank0,
 #       one_rank_first, ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun,
-#       restart_store, share_cpu_cores
+#       share_cpu_cores
 #   + from common.support.preempt import Preemption, stop_signal
-#   + from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 import contextlib
 import datetime
 import os
@@ -72,7 +71,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/12: change the next line of code:
+    # TODO 2/7: change the next line of code:
     #     parser = CourseParser(chapter=6, description=__doc__)
     parser = CourseParser(chapter=5, description=__doc__)
     parser.add_argument(
@@ -82,8 +81,8 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    # TODO 3/12: add 2 lines of code here:
-    #     stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
+    # TODO 3/7: add 2 lines of code here:
+    #     stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops the run"
     #     parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
@@ -96,8 +95,6 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
-    # TODO 4/12: add a line of code here:
-    #   - how often torchrun (--max-restarts) has restarted this node's processes after a failure
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -118,9 +115,6 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # TODO 5/12: change the next line of code into 2 lines:
-    #   - a meeting point of its own for every attempt, as torchrun's store outlives a restart
-    #     (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
     # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
     dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
@@ -149,16 +143,16 @@ def main():
     # every chapter evaluates these windows: eval_batches whole global batches, spread evenly
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
-    # TODO 6/12: change the next line of code into 2 lines:
-    #   - torchrun --max-restarts: when a process fails, torchrun starts the whole group again,
-    #     which continues from the last checkpoint, if any. The ranks agree on the restart count and
-    #     on whether all of them see the checkpoint (--out-dir on a file system every node sees).
+    # TODO 4/7: change the next line of code into 3 lines:
+    #   - torchrun --max-restarts: a failed group starts again, from the last checkpoint if every
+    #     rank sees it (--out-dir shared). Each node counts its own restarts: the ranks agree on any
+    #     restart.
     # ---- model and optimizer ---------------------------------------------------------------------
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    # TODO 7/12: change the next line of code:
-    #     if args.resume or (restarts > 0 and seen_by_all):
+    # TODO 5/7: change the next line of code:
+    #     if args.resume or (restarted and seen_by_all):
     if args.resume:
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
@@ -190,9 +184,6 @@ def main():
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
-    # TODO 8/12: add 2 lines of code here:
-    #     if restarts:
-    #         log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -208,14 +199,11 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
-    # TODO 9/12: add 4 lines of code here:
+    # TODO 6/7: add 3 lines of code here:
     #   - a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption
-    #   - Save the step, exit 75. A rank that stopped alone would leave the others waiting in their
-    #     next collective, so every `stop_check_every` steps the ranks all-reduce their stop flags
-    #     over a CPU group of their own (bench/stop_check.py measures it): one rank's signal stops
-    #     all of them.
+    #   - all ranks stop after the same step: every `stop_check_every` steps they all-reduce their
+    #     flags
     #   - its handler only notes the signal
-    #   - a restart after a stop stops too
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -273,8 +261,6 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            # TODO 10/12: add a line of code here:
-            #   - whether this step's checkpoint is written (the stop below asks)
             if iter_num % args.eval_interval == 0 or last_step:
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling. Every rank evaluates the same windows with its own
@@ -286,13 +272,13 @@ def main():
                 check_finite(iter_num, val_loss, "validation loss")
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
-                # TODO 11/12: add a line of code here:
-                #     saved = True
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 12/12: add 10 lines of code here:
+    # TODO 7/7: add 11 lines of code here:
     #   - has any rank been asked to stop? (on the last step, the run just ends)
     #   - 0, or the number of the signal this rank received; the MAX over ranks stops all
-    #   - save the step (unless its evaluation just did), then the marker, a line, 75
+    #   - the signal some rank got
+    #   - else saved above
+    #   - status 0: torchrun restarts nothing; slurm.sbatch requeues the job
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

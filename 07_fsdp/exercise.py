@@ -1,37 +1,34 @@
-# Exercise: chapter 07 (07_fsdp). Add its idea to chapter 06's train.py
-# where the 15 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# Exercise: chapter 07 (07_fsdp). Add its idea to chapter 05's train.py
+# where the 13 TODOs say, in a copy (git ignores my_*.py files, and the course's
 # tests read only this one), then check it:
 #     cp -n 07_fsdp/exercise.py 07_fsdp/my_exercise.py
 #     python -m tools.check 07_fsdp/my_exercise.py --nproc-per-node 2
 # The solution is 07_fsdp/train.py; its README shows the diff. This file is made by
 # maintainer/make_exercises.py from the two scripts.
-"""Chapter 06: a training job that survives a failed process and a scheduler's stop.
+"""Chapter 05: the same job on several machines ("nodes"), one torchrun on each.
 
-Chapter 05's program, with the same step. A job of many machines for many hours meets both: a
-process dies (torchrun --max-restarts starts the group again, which continues from the last
-checkpoint), and a scheduler stops the job (SIGTERM, or --stop-signal, before a time limit or a
-preemption: the ranks agree on a step, rank 0 saves it, and every rank exits with status 75, to be
-requeued and resumed). Slurm's recipe: slurm.sbatch in this folder.
+Chapter 04's program with the same step: DDP averages the gradients over every process, wherever
+it runs. Several machines are mostly a launch problem: each node's torchrun is told the number of
+nodes, this node's rank and where node 0 listens (README.md in this folder). In the code, every
+line names its node, and the token files are prepared once per node's disk (or once, --shared-fs).
 
-    MAX_RESTARTS=1 SCRIPT=06_fault_tolerance/train.py bash 05_multinode/simulate_two_nodes.sh
-    sbatch 06_fault_tolerance/slurm.sbatch                               # on a Slurm cluster
+    bash 05_multinode/simulate_two_nodes.sh                              # two nodes on this machine
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/15: the imports:
+# TODO 1/13: the imports:
 #   - import contextlib
 #   - from torch.nn.parallel import DistributedDataParallel as DDP
 #   - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 #   - from common.device import autocast_context, describe, pick_dtype, setup_math
-#   - from common.distributed import RankLog, agree_on_restart, claim_out_dir_on_rank0,
-#       one_rank_first, ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun,
-#       restart_store, share_cpu_cores
+#   - from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first,
+#       ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun, share_cpu_cores
 #   + from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 #   + from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 #   + from common.checkpoint import restore_training_state
 #   + from common.device import describe, pick_dtype, setup_math
-#   + from common.distributed import RankLog, agree_on_restart, claim_out_dir_on_rank0,
-#       one_rank_first, ranks_use_gpus, refuse_shared_gpus, require_torchrun, restart_store,
-#       share_cpu_cores
+#   + from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first,
+#       ranks_use_gpus, refuse_shared_gpus, require_torchrun, share_cpu_cores
 #   + from common.model import GPT
 #   + from common.sharding import PeakMemory, describe_held_bytes, gather_and_save,
 #       load_checkpoint_on_rank0, shard_full_state
@@ -62,20 +59,16 @@ from common.data import (
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
-    agree_on_restart,
     claim_out_dir_on_rank0,
     one_rank_first,
     ranks_unlike_rank0,
     ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
-    restart_store,
     share_cpu_cores,
 )
 from common.metrics import RunLog, Throughput
 from common.support.errors import run_main
-from common.support.preempt import Preemption, stop_signal
-from common.support.preempt_ranks import stop_after_saving, stop_if_stopped_before
 from common.training import (
     build_model,
     check_finite,
@@ -87,9 +80,9 @@ from common.training import (
 
 
 def main():
-    # TODO 2/15: change the next line of code:
+    # TODO 2/13: change the next line of code:
     #     parser = CourseParser(chapter=7, description=__doc__)
-    parser = CourseParser(chapter=6, description=__doc__)
+    parser = CourseParser(chapter=5, description=__doc__)
     parser.add_argument(
         "--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step"
     )
@@ -97,8 +90,6 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    stop = "besides SIGTERM, the signal (e.g. USR1) that saves the step and stops (status 75)"
-    parser.add_argument("--stop-signal", type=stop_signal, default="SIGTERM", help=stop)
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -110,8 +101,6 @@ def main():
     # torchrun numbers the machines too: GROUP_RANK is this machine's place (--node-rank, or c10d's
     # choice). Every line names it: "which machine?" comes first when a job of many machines fails.
     node_rank = int(os.environ["GROUP_RANK"])
-    # how often torchrun (--max-restarts) has restarted this node's processes after a failure
-    restart_count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # log(...) prints on rank 0, which speaks for every rank; log.every_rank(...) on each
     log = RankLog(f"[node {node_rank} rank {rank} local {local_rank}]", speaks=is_rank0)
     torch.manual_seed(args.seed)  # on every rank: the copies start equal, before DDP's broadcast
@@ -125,7 +114,7 @@ def main():
     share_cpu_cores(device, local_world_size)  # ranks on one CPU share its cores
     dtype = pick_dtype(args.dtype, device)
     setup_math(device, dtype)
-    # TODO 3/15: remove the next line of code
+    # TODO 3/13: remove the next line of code
     autocast = autocast_context(device, dtype)
     out_dir = Path(args.out_dir)
 
@@ -133,10 +122,8 @@ def main():
     backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL: GPU to GPU; gloo: CPU over TCP
     # a collective that waits longer than this for a peer (dead or stuck) fails instead of hanging
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # a meeting point of its own for every attempt, as torchrun's store outlives a restart
-    # (pytorch/pytorch#135712; None: MASTER_ADDR:MASTER_PORT, as in chapter 04)
-    store = restart_store(world_size, restart_count, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # every rank meets the others at MASTER_ADDR:MASTER_PORT, which torchrun sets
+    dist.init_process_group(backend, timeout=timeout)
     refuse_shared_gpus(device, timeout)  # two ranks on one GPU: one line, not NCCL's traceback
     place = f"rank {rank} of {world_size}, local rank {local_rank}"
     log.every_rank(f"process {os.getpid()} on {platform.node()}: {place}, device {device}")
@@ -164,15 +151,11 @@ def main():
     val_windows = validation_windows(val_set, args.eval_batches, global_batch)
 
     # ---- model and optimizer ---------------------------------------------------------------------
-    # torchrun --max-restarts: when a process fails, torchrun starts the whole group again, which
-    # continues from the last checkpoint, if any. The ranks agree on the restart count and on
-    # whether all of them see the checkpoint (--out-dir on a file system every node sees).
-    restarts, seen_by_all = agree_on_restart(restart_count, out_dir, args.resume)
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
-    claim_out_dir_on_rank0(out_dir, resume=args.resume or restarts > 0)
+    claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    if args.resume or (restarts > 0 and seen_by_all):
-        # TODO 4/15: change the next 2 lines of code into 11 lines:
+    if args.resume:
+        # TODO 4/13: change the next 2 lines of code into 11 lines:
         #   - rank 0 reads ckpt.pt; the others get the step, settings and random state, no tensors
         #   - the most memory this rank holds from here on
         #   - The chapter is for a model too large for one device, so no rank builds it whole. On
@@ -195,7 +178,7 @@ def main():
         betas=(args.beta1, args.beta2),
         fused=device.type == "cuda",
     )
-    # TODO 5/15: change the next line of code into 5 lines:
+    # TODO 5/13: change the next line of code into 5 lines:
     #   - Rank 0 alone makes the whole model's state dict, in CPU memory: the checkpoint's, or a
     #     fresh model's from the seed, which is chapter 01's initialisation (the runs match chapter
     #     01's from the first step). Every rank takes its rows of it (and of AdamW's), one tensor at
@@ -209,7 +192,7 @@ def main():
     if checkpoint is not None:
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
-        # TODO 6/15: change the next 3 lines of code into 5 lines:
+        # TODO 6/13: change the next 3 lines of code into 4 lines:
         #   - None: AdamW is sharded
         #   - rank 0's whole tensors are freed
         #   - fully_shard wraps nothing: the state dict's names are unchanged
@@ -227,11 +210,9 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 7/15: change the next line of code:
+    # TODO 7/13: change the next line of code:
     #   (and 1 more in the solution)
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
-    if restarts:
-        log(f"restarted by torchrun (restart {restarts}), from step {iter_num}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
 
@@ -247,15 +228,6 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
-
-    # ---- a scheduler's stop: SIGTERM (or --stop-signal) before a time limit or a preemption ------
-    # Save the step, exit 75. A rank that stopped alone would leave the others waiting in their next
-    # collective, so every `stop_check_every` steps the ranks all-reduce their stop flags over a CPU
-    # group of their own (bench/stop_check.py measures it): one rank's signal stops all of them.
-    preemption = Preemption(args.stop_signal)  # its handler only notes the signal
-    stop_group = dist.new_group(backend="gloo", timeout=timeout)
-    stop_check_every = 10
-    stop_if_stopped_before(out_dir, restarts, stop_group)  # a restart after a stop stops too
 
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
@@ -275,7 +247,7 @@ def main():
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
             for micro_step in range(args.grad_accum):
-                # TODO 8/15: change the next 11 lines of code into 7 lines:
+                # TODO 8/13: change the next 11 lines of code into 7 lines:
                 #   - FSDP reduce-scatters the gradients inside backward(); before the last micro-
                 #     step that traffic would be wasted, so without sync they add up on this rank,
                 #     whole and unsharded (more memory than no_sync() in chapter 04, which adds
@@ -312,9 +284,6 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
             last_step = iter_num == args.max_iters
-            # TODO 9/15: add 2 lines of code here:
-            #     if iter_num == first_step:
-            #         log.every_rank(f"peak memory, first step: {memory.since_start():.1f} MB")
 
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
@@ -325,9 +294,8 @@ def main():
                 report.step(iter_num, loss_value, lr)
 
             # ---- evaluation and checkpoint ----
-            saved = False  # whether this step's checkpoint is written (the stop below asks)
             if iter_num % args.eval_interval == 0 or last_step:
-                # TODO 10/15: change the next 3 lines of code into a line:
+                # TODO 9/13: change the next 3 lines of code into a line:
                 #   - the model uncompiled (see chapter 01); every rank evaluates the same windows,
                 #     and every forward gathers each block's parameters from all ranks
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
@@ -338,33 +306,13 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 11/15: change the next 2 lines of code into a line:
+                # TODO 10/13: change the next 2 lines of code into a line:
                 #   - every rank holds a shard of every tensor, so every rank takes part; rank 0
                 #     writes
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
-                saved = True
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-
-            # ---- has any rank been asked to stop? (on the last step, the run just ends) ----
-            if iter_num % stop_check_every == 0 and not last_step:
-                # 0, or the number of the signal this rank received; the MAX over ranks stops all
-                stop_flag = torch.tensor(preemption.signal_number())
-                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, group=stop_group)
-                agreed_signal = stop_flag.item()
-                if agreed_signal:
-                    # save the step (unless its evaluation just did), then the marker, a line, 75
-                    # TODO 12/15: change the next 4 lines of code:
-                    #     if not saved:
-                    #         gather_and_save(
-                    #             out_dir, iter_num, raw_model, optimizer, scaler, train_config
-                    #         )
-                    if is_rank0 and not saved:
-                        save_checkpoint(
-                            out_dir, iter_num, raw_model, optimizer, scaler, train_config
-                        )
-                    stop_after_saving(iter_num, agreed_signal, out_dir, stop_group)
-    # TODO 13/15: change the next 3 lines of code into a line:
+    # TODO 11/13: change the next 3 lines of code into a line:
     #   - FSDP's promise: each rank holds 1/W of the parameters, the gradients and the optimizer
     #     state. A tensor of n rows is cut in pieces of ceil(n / W) rows, the last ones shorter or
     #     empty.
@@ -373,12 +321,12 @@ def main():
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
     log(f"parameters identical on all {world_size} rank(s): {verdict}")
 
-    # TODO 14/15: change the next line of code:
+    # TODO 12/13: change the next line of code:
     #   - every forward gathers parameters from all ranks, so all of them generate; rank 0 prints
     if args.sample_tokens and is_rank0:
         log(f"---- a sample from the model ({args.sample_tokens} tokens) ----")
         text = sample_text(raw_model, args.prompt, args.sample_tokens, device, seed=args.seed)
-        # TODO 15/15: change the next line of code into 2 lines:
+        # TODO 13/13: change the next line of code into 2 lines:
         #     if is_rank0:
         #         print(text)
         print(text)

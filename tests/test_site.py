@@ -243,6 +243,6 @@ def test_every_figure_has_its_caption_and_opens_full_size_on_a_click(browser, vi
 def test_chapter_07_shows_the_fsdp_step_and_the_memory_bars(visited):
     pictures = visited[f"{FSDP}/"]["pictures"]
     shown = {picture["src"].split("/")[-1]: picture for picture in pictures if picture["loaded"]}
-    for name in ("fsdp_step.png", "fsdp_step_gpu.png", "memory_per_rank.png"):
+    for name in ("fsdp_step.png", "fsdp_step_gpu.svg", "memory_per_rank.png"):
         assert name in shown, f"{FSDP}'s page does not show {name}: it shows {sorted(shown)}"
         assert shown[name]["width"] >= 400, f"{name} is shown {shown[name]['width']:.0f} px wide"
