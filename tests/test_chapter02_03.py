@@ -119,7 +119,7 @@ def check_root(tmp_path_factory) -> Path:
     ],
     ids=["02_b2x4", "02_b4x2", "03"],
 )
-def test_same_run_as_chapter_01_step_by_step(check_root, script, flags):
+def test_same_losses_and_parameters_as_chapter_01(check_root, script, flags):
     """Windows, loss, learning rate, gradient norm and parameters at every step, in float64."""
     assert parity(script, root=check_root, **flags) is None
 
@@ -193,7 +193,7 @@ FIRST = {
 
 
 @pytest.mark.parametrize("name", list(BREAKAGES))
-def test_parity_fails_for_a_broken_accumulation(check_root, tmp_path, name):
+def test_parity_check_fails_for_a_broken_accumulation(check_root, tmp_path, name):
     source = CH02.read_text()
     broken = BREAKAGES[name](source)
     assert broken != source

@@ -14,6 +14,7 @@ same code with a diagnosis on top.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ def differs(a, b, rtol: float = RTOL) -> bool:
     return abs(a - b) > rtol * abs(b)
 
 
+def relative_distance(a, b) -> float:
+    """|a - b| / |b| of two parameter vectors; inf where one is missing or the shapes differ."""
+    if a is None or b is None or a.shape != b.shape:
+        return math.inf
+    return ((a - b).norm() / b.norm()).item()
+
+
 @dataclass(frozen=True)
 class Difference:
     """The first quantity that differs: at optimizer step `step` (from 1; the validation loss and
@@ -58,6 +66,8 @@ class Difference:
         said = f"the first difference: the {self.quantity} at step {self.step}{who}"
         if isinstance(self.mine, float) and isinstance(self.theirs, float):
             said += f": {self.mine:.10g} here, {self.theirs:.10g} in {against}"
+            if self.theirs:
+                said += f" (ratio {self.mine / self.theirs:.10g})"
         return said
 
 
@@ -114,12 +124,9 @@ def first_difference(run: Run, ref: Run, offset: int = 0) -> Difference | None:
 def final_params(run: Run, ref: Run, last: int, same_layout: bool, ranks: int):
     """Every rank's parameters at the end, whole, against the reference's."""
     for rank in range(ranks):
-        a, b = run.params(rank), ref.params(rank if same_layout else 0)
-        if a is None or b is None or a.shape != b.shape:
-            return Difference("final parameters", last, rank)
-        distance = ((a - b).norm() / b.norm()).item()
+        distance = relative_distance(run.params(rank), ref.params(rank if same_layout else 0))
         if distance > RTOL:
-            return Difference("final parameters", last, rank, distance, 0.0)
+            return Difference("final parameters", last, rank)
     return None
 
 

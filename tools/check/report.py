@@ -228,7 +228,11 @@ def different_lines(
     lines = ["not the same run:"]
     if first is not None:
         lines.append(first.words(s.facts.plan.against))
-    lines += [say(s) for when, say in DIFFERENCES if when(s)]
+    for when, say in DIFFERENCES:
+        line = say(s) if when(s) else ""
+        # the first difference's own column, said above already
+        if line and not (first is not None and line.startswith(f"the {first.quantity} differs")):
+            lines.append(line)
     found, notes = diagnose(s.facts)
     lines += placed(s.facts) + notes
     said = []
