@@ -30,7 +30,6 @@ from tools.launch import REPO
 # between the chapters (micro-batches, ranks), so allow a little more, still far below float32's
 # rounding (1e-7) and any real difference
 LOSS_RTOL, RTOL = 1e-10, 1e-9
-QUANTITIES = ("windows", "loss", "learning rate", "gradient norm", "parameters")
 
 
 def differs(a, b, rtol: float = RTOL) -> bool:
@@ -95,12 +94,12 @@ def first_difference(run: Run, ref: Run, offset: int = 0) -> Difference | None:
         i = step - 1 - offset
         wanted = together(theirs, step - 1)
         read = together(mine, i)
+        if read is None or wanted is None:  # a step one of the runs (or a rank) did not take
+            rank = next((r for r, s in enumerate(mine) if i >= len(s)), None)
+            return Difference("optimizer steps", step, rank)
         if read != wanted:
-            batch = set(wanted or [])
-            rank = next(
-                (r for r, s in enumerate(mine) if i >= len(s) or not set(s[i]["windows"]) <= batch),
-                None,
-            )
+            batch = set(wanted)
+            rank = next((r for r, s in enumerate(mine) if not set(s[i]["windows"]) <= batch), None)
             return Difference("windows", step, rank)
         if differs(losses.get(step), ref_losses.get(step), LOSS_RTOL):
             return Difference("loss", step, 0, losses.get(step), ref_losses.get(step))
@@ -203,7 +202,10 @@ def parity(
     within the global batch of 8. A run that fails is its failure line, as a CannotRun."""
     script = Path(script)
     if chapter is None:
-        chapter = next(n for n, name in CHAPTERS.items() if script.resolve().parent == REPO / name)
+        folders = {REPO / name: n for n, name in CHAPTERS.items()}
+        if script.resolve().parent not in folders:
+            raise CannotRun(f"{script} is in no chapter's folder: give chapter=N")
+        chapter = folders[script.resolve().parent]
     pair, ref = pair_of(script, chapter, nproc, Path(root or REPO / "out" / "check"), **more)
     run = pair.run("run")
     if run.status != 0:
