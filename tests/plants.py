@@ -207,6 +207,19 @@ PLANTS = {
         ((rewrite, P(assigns="moved"), "g.detach() - p.detach()", "p.detach() - g.detach()"),),
         ranks=2,
     ),
+    # a new user's own mistake: the sum of the ranks' pseudo-gradients taken as their mean
+    "the pseudo-gradients summed, never divided by the ranks": Plant(
+        8,
+        (
+            (
+                rewrite,
+                P(assigns="mean_pseudo_grad"),
+                "sent.to(pseudo_grad.dtype) / world_size",
+                "sent.to(pseudo_grad.dtype)",
+            ),
+        ),
+        ranks=2,
+    ),
     "the outer step on the local copy": Plant(
         8,
         (

@@ -1,15 +1,14 @@
 """Chapters 02 (gradient accumulation) and 03 (nn.DataParallel) are chapter 01's run.
 
-Every script runs as a real process, as a reader starts it. Chapter 01 with a batch of 8 is the
-reference; chapter 02 with 2 x 4 and 4 x 2 micro-batches and chapter 03 with a batch of 8 (on the
-CPU DataParallel has one replica) must log the same loss at every step and end with the same
-parameters. Three deliberately broken copies of chapter 02 must NOT pass that same comparison,
-which shows the comparison can fail. Checkpoints of the three chapters resume in each other.
+The parity harness (tools/check/harness.py) runs each beside chapter 01 in float64: chapter 02 with
+4 x 2 and 2 x 4 micro-batches, chapter 03 with its batches split over stand-in replicas. Every
+step's windows, loss, learning rate, gradient norm and parameters must be chapter 01's. Three
+deliberately broken copies of chapter 02 must NOT pass, each caught at the quantity it breaks.
+Checkpoints of the three chapters resume in each other (real float32 runs, as a reader starts
+them).
 
-The runs use `--warmup-iters 2`: with the default 50-step warm-up the learning rate stays tiny for
-10 steps and a wrongly scaled gradient would hardly move the parameters differently.
-`--lr-decay-iters 14` fixes the schedule, so a 10-step run and its resumption to 14 steps
-follow one schedule."""
+Those runs use `--warmup-iters 2`, and `--lr-decay-iters 14` fixes the schedule, so a 10-step run
+and its resumption to 14 steps follow one schedule."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from common.chapters import CHAPTERS
 from common.metrics import read_metrics
 from common.support.errors import CourseError
 from layout import REPO
+from tools.check.harness import parity
 from tools.launch import run_python
 
 ITERS = 10
@@ -84,12 +84,11 @@ def assert_same_run(reference_dir: Path, other_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory) -> dict:
-    """name -> (out_dir, the finished process) for the reference and the parity runs."""
+    """name -> (out_dir, the finished process): each chapter's 10-step run, for the resumes."""
     root = tmp_path_factory.mktemp("ch02_03")
     plan = {
         "01_b8": (CH01, {"batch_size": 8}),
         "02_b2x4": (CH02, {"batch_size": 2, "grad_accum": 4}),
-        "02_b4x2": (CH02, {"batch_size": 4, "grad_accum": 2}),
         "03_b8": (CH03, {"batch_size": 8}),
     }
 
@@ -105,9 +104,24 @@ def runs(data_dir, tmp_path_factory) -> dict:
 # ---- parity with chapter 01 ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["02_b2x4", "02_b4x2", "03_b8"])
-def test_same_losses_and_parameters_as_chapter_01(runs, name):
-    assert_same_run(runs["01_b8"][0], runs[name][0])
+@pytest.fixture(scope="module")
+def check_root(tmp_path_factory) -> Path:
+    """The parity harness's folder: chapter 01's float64 run is made once there, for every test."""
+    return tmp_path_factory.mktemp("parity")
+
+
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        (CH02, {"batch_size": 2, "grad_accum": 4}),
+        (CH02, {"batch_size": 4, "grad_accum": 2}),
+        (CH03, {}),  # 4 micro-batches of 2, each split over 2 stand-in replicas
+    ],
+    ids=["02_b2x4", "02_b4x2", "03"],
+)
+def test_same_losses_and_parameters_as_chapter_01(check_root, script, flags):
+    """Windows, loss, learning rate, gradient norm and parameters at every step, in float64."""
+    assert parity(script, root=check_root, **flags) is None
 
 
 def test_global_batch_is_printed(runs):
@@ -170,46 +184,23 @@ BREAKAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def broken_runs(data_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ch02_broken")
-    source = CH02.read_text()
-
-    def run(name):
-        script = root / name / "train.py"
-        script.parent.mkdir()
-        broken = BREAKAGES[name](source)
-        assert broken != source
-        script.write_text(broken)
-        out = root / f"{name}_out"
-        # the copy puts its own folder on sys.path; PYTHONPATH lets it find the repository's common/
-        run_python(
-            [script, *tiny_run_args(data_dir, out, ITERS, **BROKEN_FLAGS, **SCHEDULE)],
-            PYTHONPATH=str(REPO),
-            **CPU_ONLY,
-        )
-        return name, out
-
-    return dict(in_parallel(*[lambda n=n: run(n) for n in BREAKAGES]))
+# what the harness finds first in each: (the quantity, the step)
+FIRST = {
+    "loss_not_scaled": ("loss", 1),  # the logged loss is the sum over the micro-steps: K times
+    "gradient_not_scaled": ("gradient norm", 1),  # the loss is right, its gradient K times
+    "step_every_micro_batch": ("windows", 1),  # a step reads one micro-batch
+}
 
 
 @pytest.mark.parametrize("name", list(BREAKAGES))
-def test_parity_check_fails_for_a_broken_accumulation(runs, broken_runs, name):
-    reference = runs["01_b8"][0]
-    with pytest.raises(AssertionError):
-        assert_same_run(reference, broken_runs[name])
-    ref_losses, broken_losses = train_losses(reference), train_losses(broken_runs[name])
-    # the logged loss is the sum over the micro-steps: K times too big
-    if name == "loss_not_scaled":
-        assert loss_mismatch(ref_losses, broken_losses) > 1.0
-    else:  # the parameters, and with them the losses after the first step, go elsewhere
-        assert loss_mismatch(ref_losses, broken_losses) > LOSS_RTOL
-        assert not params_match(model_state(reference), model_state(broken_runs[name]))
-    # the first step's loss is computed before any update, so every variant logs the right one
-    # there, except where the optimizer has already stepped inside the first global batch
-    logged_factor = BROKEN_FLAGS["grad_accum"] if name == "loss_not_scaled" else 1
-    first_off = abs(broken_losses[1] / logged_factor - ref_losses[1]) / ref_losses[1]
-    assert (first_off > LOSS_RTOL) == (name == "step_every_micro_batch")
+def test_parity_check_fails_for_a_broken_accumulation(check_root, tmp_path, name):
+    source = CH02.read_text()
+    broken = BREAKAGES[name](source)
+    assert broken != source
+    (tmp_path / "train.py").write_text(broken)
+    found = parity(tmp_path / "train.py", chapter=2, root=check_root, **BROKEN_FLAGS)
+    assert found is not None
+    assert (found.quantity, found.step) == FIRST[name], found
 
 
 # ---- checkpoints load across chapters ------------------------------------------------------------

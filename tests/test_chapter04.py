@@ -1,12 +1,14 @@
 """Chapter 04: DistributedDataParallel under torchrun is chapter 01's run, on several processes.
 
 Every test starts real processes: torchrun with 2 ranks, gloo on 127.0.0.1, the tiny model on the
-CPU. The runs of the parity tests are made once (a module fixture) and shared:
+CPU. The parity harness (tools/check/harness.py) compares the chapter with chapter 01 step by step
+and rank by rank in float64: 2 ranks x 4, 2 ranks x 2 x 2 micro-batches stopped at step 5 and
+resumed, and a world of one. Float32 runs as a reader starts them, made once (module fixtures):
 
-    01 --batch-size 8, 20 steps                         the reference
-    04, 2 ranks x --batch-size 4, 20 steps              the same global batch of 8
-    04, 2 ranks x --batch-size 2 --grad-accum 2,        10 steps, then --resume to 20 under torchrun
-    01 --resume from that 04 checkpoint at step 10   a chapter 04 checkpoint continues in chapter 01
+    01 --batch-size 8, 20 steps                         chapter 01's
+    04, 2 ranks x --batch-size 4, 20 steps              its files and its output
+    04, 2 ranks x --batch-size 2 --grad-accum 2,        10 steps, then chapter 01 --resume from
+                                                        that checkpoint to 20
 
 All use --lr-decay-iters 20, so a 10-step run is the first half of a 20-step one.
 """
@@ -30,6 +32,7 @@ from helpers import epoch_permutation, start, tiny_run_args
 
 from common.metrics import read_metrics
 from layout import REPO
+from tools.check.harness import parity
 from tools.launch import run_python, run_torchrun, torchrun_command
 
 SCRIPT = REPO / "04_ddp" / "train.py"
@@ -43,12 +46,6 @@ def train_losses(out_dir: Path) -> dict[int, float]:
     iters = [m["iter"] for m in lines]
     assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
     return {m["iter"]: m["loss"] for m in lines}
-
-
-def val_losses(out_dir: Path) -> dict[int, float]:
-    return {
-        m["iter"]: m["val_loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "val_loss" in m
-    }
 
 
 def assert_same_losses(run: dict[int, float], reference: dict[int, float]) -> None:
@@ -97,13 +94,6 @@ def runs(pair, data_dir, tmp_path_factory) -> dict[str, Path]:
     accum = tiny_run_args(data_dir, out["ddp_accum"], 10, batch_size=2, grad_accum=2, **common)
     run_torchrun(SCRIPT, 2, accum)
     shutil.copytree(out["ddp_accum"], out["ch01_resumed"])  # the chapter 04 checkpoint at step 10
-    run_torchrun(
-        SCRIPT,
-        2,
-        tiny_run_args(
-            data_dir, out["ddp_accum"], ITERS, batch_size=2, grad_accum=2, resume=True, **common
-        ),
-    )
     run_python(
         [
             CHAPTER01,
@@ -115,24 +105,24 @@ def runs(pair, data_dir, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def check_root(tmp_path_factory) -> Path:
+    """The parity harness's folder: chapter 01's float64 run is made once there, for every test."""
+    return tmp_path_factory.mktemp("parity")
+
+
 @pytest.mark.quick
-def test_two_ranks_equal_chapter01_step_for_step(pair):
-    runs = pair
-    reference = train_losses(runs["ch01"])
-    ddp = train_losses(runs["ddp"])
-    assert sorted(ddp) == list(range(1, ITERS + 1))
-    assert_same_losses(ddp, reference)
-    # the validation loss, split over the ranks and averaged, is the one chapter 01 computes alone
-    assert val_losses(runs["ddp"])[ITERS] == pytest.approx(val_losses(runs["ch01"])[ITERS], rel=REL)
-    assert_same_params(runs["ddp"], runs["ch01"])
+def test_two_ranks_equal_chapter01_step_for_step(check_root):
+    assert parity(SCRIPT, nproc=2, root=check_root, batch_size=4, grad_accum=1) is None
 
 
-def test_two_ranks_with_accumulation_and_resume_equal_chapter01(runs):
-    # steps 1-10 from the first launch, 11-20 from the resumed one, each logged once
-    losses = train_losses(runs["ddp_accum"])
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    assert_same_losses(losses, train_losses(runs["ch01"]))
-    assert_same_params(runs["ddp_accum"], runs["ch01"])
+def test_two_ranks_with_accumulation_and_resume_equal_chapter01(check_root):
+    """2 ranks x 2 micro-batches of 2, and the same run stopped after step 5 and resumed."""
+    assert parity(SCRIPT, nproc=2, root=check_root, resume=True) is None
+
+
+def test_one_process_under_torchrun_is_chapter01s_run(check_root):
+    assert parity(SCRIPT, nproc=1, root=check_root) is None
 
 
 def test_chapter04_checkpoint_continues_in_chapter01(runs):
@@ -207,12 +197,6 @@ def test_plain_python_gives_the_torchrun_command(data_dir, tmp_path):
         f"torchrun --standalone --nproc_per_node=N {SCRIPT} (N=1 for a single process)"
     ]
     assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def test_one_process_under_torchrun_is_chapter01s_run(runs, data_dir, tmp_path):
-    args = tiny_run_args(data_dir, tmp_path, 5, batch_size=8, lr_decay_iters=ITERS)
-    run_torchrun(SCRIPT, 1, args)
-    assert_same_losses(train_losses(tmp_path), train_losses(runs["ch01"]))
 
 
 def test_gpus_flag_points_to_torchrun(data_dir, tmp_path):

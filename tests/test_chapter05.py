@@ -29,6 +29,7 @@ from two_nodes import (
 
 from common.support.corpus import shakespeare_texts
 from layout import REPO
+from tools.check.harness import parity
 from tools.launch import child_env, free_port, run_python
 
 CHAPTER = REPO / "05_multinode"
@@ -69,6 +70,13 @@ def chapter01(corpus, static_run, tmp_path_factory) -> dict[int, float]:
         ]
     )
     return losses(out)
+
+
+def test_two_nodes_are_chapter_01s_run_step_by_step_and_resume(tmp_path):
+    """The parity harness (tools/check/harness.py): two nodes of one process each, in float64,
+    every step's windows, loss, learning rate, gradient norm and parameters on every rank are
+    chapter 01's; stopped after step 5 and resumed too."""
+    assert parity(CHAPTER / "train.py", nproc=2, root=tmp_path, resume=True) is None
 
 
 def test_simulation_static_rendezvous_ranks_node_local_preparation_and_losses(

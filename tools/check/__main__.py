@@ -17,8 +17,11 @@ each (so LOCAL_RANK is not RANK), and in chapter 06, instead of a plain resume, 
 after step 6 and torchrun restarts the group. Chapter 07's ranks hold shards of the parameters
 (FSDP): they are gathered whole to be compared. A hang (ranks waiting in collectives that do not
 match) is named with each rank's line within seconds. The verdict: "same run" (exit 0), with what
-the check could not observe; "not the same run" (exit 1) with what differs first and a diagnosis
-from tools/check/mistakes.py (or, where no entry fits, what the facts show); or "could not run"
+the check could not observe; "not the same run" (exit 1) with the first quantity that differs
+(its step and rank, from tools/check/harness.py), where it sits (the epochs, the micro-batches, the
+resume, the number format, the ranks, the syncs), the mistakes of tools/check/mistakes.py whose
+mechanism the facts show (or, where none does, what the facts show) and the line of the script
+nearest the difference; or "could not run"
 (exit 2). The logs, metrics, facts and a plot of both loss curves go to a new folder under
 out/check/ (about 1 MB; the checkpoints and parameter files are deleted once compared).
 """
@@ -28,31 +31,18 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import re
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from common.chapters import CHAPTERS
 from tools.check import facts as gather
-from tools.check.mistakes import MISTAKES, fits, known_failure, mismatched, same_run, where_to_look
+from tools.check.harness import Pair, first_difference, pair_of
+from tools.check.lines import code_statements, quoted
+from tools.check.mistakes import MISTAKES, fits, known_failure, mismatched, nearest_line, same_run
 from tools.check.plan import GLOBAL_BATCH, PLANS, RESTART_EVAL, RESTART_KILL, Plan
-from tools.check.reference import checked_launch, prepared_corpus, reference_run, run_flags
 from tools.check.report import Seen, different_lines, plot, same_lines
-from tools.check.runner import (
-    CannotRun,
-    Launch,
-    Run,
-    failure_line,
-    finish,
-    run_one,
-    shown,
-    start,
-    stop,
-)
+from tools.check.runner import CannotRun, Launch, Run, failure_line, shown
 from tools.launch import REPO
-from tools.statements import quoted, statements
 
 
 def written_as(source: str) -> tuple[int | None, int | None]:
@@ -83,69 +73,6 @@ def chapter_of(script: Path, source: str, given: int | None) -> int:
     return number
 
 
-def fresh_folder(root: Path, script: Path) -> Path:
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{script.resolve().parent.name}_{script.stem}")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        folder = root / f"{stem}_{stamp}" if n == 0 else root / f"{stem}_{stamp}_{n}"
-        try:
-            folder.mkdir(parents=True)
-            return folder
-        except FileExistsError:
-            continue
-    raise CannotRun(f"no free folder under {root}")
-
-
-def hang_report(run: Run, script: Path, source: str, nproc: int) -> list[str]:
-    """Each rank's line in the script and the collective it waits in (or how it ended)."""
-    hangs, lines, mine = run.hangs(), source.splitlines(), statements(source)
-    statuses = {r["rank"]: r.get("status") for r in run.ranks()}
-    out = []
-    for rank in range(nproc):
-        if rank in hangs:
-            where = hangs[rank]
-            node = mine.get(where["line"])
-            said = quoted(node[0], lines) if node else lines[where["line"] - 1].strip()
-            out.append(
-                f"  rank {rank} waits in {where['collective']} at line {where['line']} of "
-                f"{shown(script)}: `{said}`"
-            )
-        elif statuses.get(rank) == 0:
-            out.append(f"  rank {rank} finished the script: nobody answers the others")
-        else:
-            out.append(f"  rank {rank} stopped: no line recorded")
-    return out
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check: the script, the chapter's plan, its ranks, and where its runs go."""
-
-    script: Path
-    source: str
-    plan: Plan
-    nproc: int
-    folder: Path
-    corpus: Path
-    data: Path
-    resume: bool  # the stop-and-resume (or restart) check runs
-    theirs: str  # the chapter's own train.py
-
-    @property
-    def launch(self) -> Launch:
-        return checked_launch(self.plan, self.nproc)
-
-    def flags(self, out: str, iters: int | None = None, **more) -> list[str]:
-        split, extra = self.plan.split(self.nproc), self.plan.extra_flags()
-        if iters is not None:
-            more["iters"] = iters
-        return run_flags(self.corpus, self.data, self.folder / out, **split, **extra, **more)
-
-    def run(self, name: str, launch: Launch | None = None, **more) -> Run:
-        args = self.flags(name, **more)
-        return run_one(self.script, launch or self.launch, args, self.folder, name)
-
-
 def planned(args) -> tuple[Plan, int, str]:
     """The chapter's plan, the ranks to run and the script's source; or CannotRun saying why not."""
     script = Path(args.script)
@@ -173,18 +100,48 @@ def planned(args) -> tuple[Plan, int, str]:
     return plan, nproc, source
 
 
+def hang_report(run: Run, script: Path, source: str, nproc: int) -> list[str]:
+    """Each rank's line in the script and the collective it waits in (or how it ended)."""
+    hangs, lines = run.hangs(), source.splitlines()
+    nodes = {n.lineno: n for n in code_statements(source)}
+    statuses = {r["rank"]: r.get("status") for r in run.ranks()}
+    out = []
+    for rank in range(nproc):
+        if rank in hangs:
+            where = hangs[rank]
+            node = nodes.get(where["line"])
+            said = quoted(node, lines) if node else lines[where["line"] - 1].strip()
+            out.append(
+                f"  rank {rank} waits in {where['collective']} at line {where['line']} of "
+                f"{shown(script)}: `{said}`"
+            )
+        elif statuses.get(rank) == 0:
+            out.append(f"  rank {rank} finished the script: nobody answers the others")
+        else:
+            out.append(f"  rank {rank} stopped: no line recorded")
+    return out
+
+
+class Check:
+    """One check: the pair of runs (tools/check/harness.py), the script's source, the chapter's
+    own train.py, and whether the stop-and-resume (or restart) check runs."""
+
+    def __init__(self, pair: Pair, source: str, resume: bool):
+        self.pair, self.source, self.resume = pair, source, resume
+        self.plan, self.script, self.nproc = pair.plan, pair.script, pair.nproc
+        self.theirs = (REPO / CHAPTERS[self.plan.chapter] / "train.py").read_text()
+
+    def near(self, facts: gather.Facts, kind: str | None) -> str | None:
+        return nearest_line(facts, self.source, shown(self.script), self.theirs, kind)
+
+
 def resumed_run(c: Check) -> Run:
-    """Stopped at step 5, then resumed to the end: the resumed run, or the failed one where the
-    catalogue names its failure."""
-    first = c.run("resumed", iters=c.plan.resume_at)
-    if first.status == 0:
-        resumed = c.run("resumed", resume=True)
-    failed = first if first.status != 0 else resumed
-    if failed.status != 0:
-        if known_failure(failure_line(failed, c.script)) is not None:
-            return failed
+    """Stopped at the plan's step, then resumed to the end: the resumed run, or the failed one
+    where the catalogue names its failure."""
+    _, resumed = c.pair.resumed()
+    if resumed.status != 0 and known_failure(failure_line(resumed, c.script)) is None:
         raise CannotRun(
-            f"the resume check failed: {failure_line(failed, c.script)} (see {shown(failed.log)})"
+            f"the resume check failed: {failure_line(resumed, c.script)} (see {shown(resumed.log)})"
         )
     return resumed
 
@@ -192,9 +149,9 @@ def resumed_run(c: Check) -> Run:
 def restart_check(c: Check, ref: Run) -> str | None:
     """Kill rank 1 after step 6 (checkpoint at step 4); torchrun restarts the group, which must
     continue from the checkpoint to the reference's end. None: it did."""
-    env = (*c.launch.env, ("CHECK_KILL", f"1:{RESTART_KILL}"))
+    env = (*c.pair.launch.env, ("CHECK_KILL", f"1:{RESTART_KILL}"))
     launch = Launch(c.nproc, c.plan.nodes, env, ("--max-restarts=1",), torchrun=True)
-    run = c.run("restarted", launch, eval_interval=RESTART_EVAL)
+    run = c.pair.run("restarted", launch, eval_interval=RESTART_EVAL)
     if run.status == 0 and not any(r.get("restart") for r in run.ranks()):
         return "rank 1 was killed, yet the run ended without a restart"
     if run.status != 0:
@@ -226,13 +183,10 @@ def hung(c: Check, run: Run, failure: str | None, stopped: gather.Facts) -> int:
         print(f"  (the whole output: {shown(run.log)})")
     hang = next(m for m in MISTAKES if m.kind == "hang" and fits(m, stopped))
     print(f"diagnosis: {hang.name}: {hang.did}")
-    look = where_to_look(hang, c.source, shown(c.script), c.theirs)
-    if look.text.startswith("look at"):  # the statement around the collective that differs
-        where = look.text.split("; chapter")[0]
-        print(
-            f"  {where}; chapter {c.plan.chapter:02d} has no such statement: "
-            "every rank reaches the collective"
-        )
+    if not run.hangs():
+        near = c.near(stopped, None)
+        if near is not None:
+            print(f"  {near}")
     return 1
 
 
@@ -244,7 +198,9 @@ def failed_early(c: Check, run: Run, when: str = "it stopped before step 1") -> 
         raise CannotRun(f"{failure} (the whole output: {shown(run.log)})")
     print(f"not the same run: {when}: {failure}")
     print(f"diagnosis: {known.name}: {known.did}")
-    print(f"  {where_to_look(known, c.source, shown(c.script), c.theirs).text}")
+    near = c.near(gather.Facts(plan=c.plan).but(failure=failure), known.kind)
+    if near is not None:
+        print(f"  {near}")
     return 1
 
 
@@ -258,29 +214,31 @@ def verdict(c: Check, run: Run, ref: Run, args) -> int:
     if not run.losses():
         return failed_early(c, run)
     facts = gather.gather(c.plan, c.nproc, run, ref, failure)
+    first = first_difference(run, ref)
     resumed = None
     restarted = False
     # the stop and the resume (or the restart) are checked on a run whose plain part is right
-    plain = run.status == 0 and facts.log.first_loss_diff is None and facts.grads.params_equal
-    if plain and c.resume and c.plan.restart:
+    if first is None and run.status == 0 and c.resume and c.plan.restart:
         facts = gather.with_restart(facts, restart_check(c, ref))
         restarted = True
-    elif plain and c.resume:
+    elif first is None and run.status == 0 and c.resume:
         resumed = resumed_run(c)
         if resumed.status != 0:
             return failed_early(c, resumed, when="the resumed run failed")
         facts = gather.with_resume(facts, run, resumed, ref)
-    (c.folder / "facts.json").write_text(json.dumps(facts.as_dict(), indent=1))
+        first = first_difference(resumed, ref, offset=c.plan.resume_at)
+    (c.pair.folder / "facts.json").write_text(json.dumps(facts.as_dict(), indent=1))
     if args.facts:
         print(json.dumps(facts.as_dict(), indent=1))
     seen = Seen(facts, run, ref, resumed, failure, restarted)
     if same_run(facts):
         print(*same_lines(seen), sep="\n")
     else:
-        facts_file = shown(c.folder / "facts.json")
-        print(*different_lines(seen, c.source, shown(c.script), c.theirs, facts_file), sep="\n")
+        facts_file = shown(c.pair.folder / "facts.json")
+        said = different_lines(seen, c.source, shown(c.script), c.theirs, facts_file, first)
+        print(*said, sep="\n")
     if not args.no_plot:
-        png = c.folder / "losses.png"
+        png = c.pair.folder / "losses.png"
         drawn = plot(png, seen, f"{shown(c.script)} against {c.plan.against}")
         print(f"plot: {shown(png)}" if drawn else "plot: none (matplotlib is not installed)")
     return 0 if same_run(facts) else 1
@@ -295,29 +253,22 @@ def tidy(folder: Path) -> None:
 
 def check(args) -> int:
     plan, nproc, source = planned(args)
-    script, root = Path(args.script), Path(args.out_root)
-    corpus_file, data, corpus = prepared_corpus(root)
-    folder = fresh_folder(root, script)
-    theirs = (REPO / CHAPTERS[plan.chapter] / "train.py").read_text()
-    c = Check(script, source, plan, nproc, folder, corpus_file, data, not args.no_resume, theirs)
-    shape = plan.shape(nproc)
+    script = Path(args.script)
     against = plan.against
     if plan.reference == plan.chapter:  # its run is not chapter 01's
         against = f"chapter {plan.chapter:02d}'s own train.py, run the same way"
+    shape = plan.shape(nproc)
     print(f"checking {shown(script)} as chapter {plan.chapter:02d} ({shape}) against {against}")
-    print(f"  float64, tiny model, 8 steps over 3 epochs of a small corpus; in {shown(folder)}/")
-    started = start(script, c.launch, c.flags("run"), folder, "run")
-    try:
-        # meanwhile, unless already made
-        ref = reference_run(root, corpus_file, data, corpus, plan, nproc)
-    except BaseException:
-        stop(started)
-        raise
-    run = finish(started)
+    pair, ref = pair_of(script, plan.chapter, nproc, Path(args.out_root))
+    print(
+        f"  float64, tiny model, 8 steps over 3 epochs of a small corpus; in {shown(pair.folder)}/"
+    )
+    c = Check(pair, source, not args.no_resume)
+    run = pair.run("run")
     try:
         return verdict(c, run, ref, args)
     finally:
-        tidy(folder)
+        tidy(pair.folder)
 
 
 def main(argv: list[str] | None = None) -> int:

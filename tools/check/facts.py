@@ -9,19 +9,11 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance
 from tools.check.plan import GLOBAL_BATCH, SEED, STEPS, Plan
 from tools.check.runner import Run
 
-# float64: runs that take the same steps agree to about 1e-15; the order of additions differs
-# between the chapters (micro-batches, ranks), so allow a little more, still far below any
-# real difference
-LOSS_RTOL, PARAM_RTOL = 1e-10, 1e-9
-
-
-def relative_distance(a, b) -> float:
-    if a is None or b is None or a.shape != b.shape:
-        return math.inf
-    return ((a - b).norm() / b.norm()).item()
+PARAM_RTOL = RTOL
 
 
 def rel_diff(a: float | None, b: float | None) -> float | None:
@@ -29,12 +21,6 @@ def rel_diff(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b:
         return None
     return abs(a / b - 1)
-
-
-def differs(a: float | None, b: float | None, rtol: float) -> bool:
-    if a is None or b is None:
-        return a is not b
-    return abs(a - b) > rtol * abs(b)
 
 
 def first_diff(run: dict[int, float], ref: dict[int, float], after: int = 0, rtol=LOSS_RTOL):
@@ -45,16 +31,10 @@ def first_diff(run: dict[int, float], ref: dict[int, float], after: int = 0, rto
     return None
 
 
-def first_step_diff(steps: list[dict], ref_steps: list[dict], read, offset: int = 0, rtol=1e-9):
+def first_step_diff(steps: list[dict], ref_steps: list[dict], read, offset: int = 0):
     """The first optimizer step (numbered as chapter 01's) where read(step) differs."""
     for i, step in enumerate(steps):
-        if offset + i >= len(ref_steps):
-            return offset + i + 1
-        mine, theirs = read(step), read(ref_steps[offset + i])
-        if isinstance(mine, list):
-            if any(differs(a, b, rtol) for a, b in zip(mine, theirs)) or len(mine) != len(theirs):
-                return offset + i + 1
-        elif differs(mine, theirs, rtol):
+        if offset + i >= len(ref_steps) or differs(read(step), read(ref_steps[offset + i])):
             return offset + i + 1
     return None
 
@@ -147,7 +127,7 @@ class Logged:
             first_loss_diff=first_loss,
             loss_rel_diff=rel_diff(losses.get(first_loss), ref_losses.get(first_loss)),
             loss_ratio_at_1=losses[1] / ref_losses[1] if 1 in losses else math.nan,
-            first_lr_diff=first_diff(lrs, ref_lrs, rtol=1e-9),
+            first_lr_diff=first_diff(lrs, ref_lrs, rtol=RTOL),
             lr_speed=lr_speed(lrs, ref_lrs),
             first_val_diff=first_val,
             val_ratio=val_ratio,

@@ -1,44 +1,35 @@
-"""The classic mistakes of data-parallel training, each with its signature in the numbers.
+"""The classic mistakes of data-parallel training, each named by its mechanism in the numbers.
 
-The checker (tools/check/) compares a learner's run with chapter 01's and gathers facts
-(tools/check/facts.py). An entry of MISTAKES is the diagnosis when its signature fits the facts,
-the facts do not rule it out (ruled_out: parameters equal to chapter 01's rule out every training
-mistake, ...) and the learner's script does not already have the chapter's statement there
-(where_to_look). The first such entry wins. None fits: the checker describes what the facts show
-(describe) rather than guess, relating them to what the learner can look at: the epoch, the
-micro-batch and the resume where the first difference sits, its size against the number format
-(float32's rounding in a float64 check), and the line of the learner's script nearest it
-(nearest_line).
-
-An entry names the statements it is about by their shape (tools/statements.py: "a call to
-no_sync", "the assignment to skip"), never by a copy of the chapter's text: what the chapter has
-there is read from the chapter's own train.py when the advice is given, so a restyled chapter
-changes nothing here. An entry whose mistake stops the run before any fact can show it is named by
-its failure message (FailsWith) instead of a signature.
+The checker (tools/check/) runs a learner's script beside its reference (tools/check/harness.py)
+and gathers facts (tools/check/facts.py). An entry of MISTAKES is named when its signature, a small
+test of those facts, fits and the facts do not rule it out (ruled_out: parameters equal to the
+reference's rule out every training mistake, ...). Where two entries fit, both are named, except
+that an entry drops the more general ones it names in `over`. None fits: the checker describes what
+the facts show (describe) rather than guess: the epoch, the micro-batch, the resume, the sync and
+the rank where the first difference sits, and its size against the number format (float32's
+rounding in a float64 check). Either way it quotes the learner's line nearest the first difference
+(nearest_line): of the statements that are not the chapter's own (code only, never a comment or a
+docstring), the first about what differs first. An entry whose mistake stops the run before any
+fact can show it is named by its failure message (FailsWith) instead of a signature.
 
 To add a mistake: plant it in a copy of a chapter script, run `python -m tools.check COPY
---facts`, read the facts, and write the entry: what the learner did, the signature as a small test
-of the facts, and the patterns of the right statement, of the learner's version and of a
-neighbour. Then add its plant (the statement edits) to tests/plants.py. Put specific signatures
-before general ones: the first that fits wins. tests/test_check.py checks that every entry's
-patterns still find the chapter's statements, in the chapter scripts as they are and reformatted,
-and that each signature fits the facts its plant leaves.
+--facts`, read the facts, and write the entry: what the learner did and the signature. Then add
+its plant to tests/plants.py and the facts it leaves to tests/test_check.py, which checks that each
+plant's facts are named as the plant, and nothing else is.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.chapters import CHAPTERS
 from tools.check.facts import ORDERS, Facts
+from tools.check.lines import code_statements, header, quoted
 from tools.check.plan import GLOBAL_BATCH
-from tools.launch import REPO
-from tools.statements import Pattern as P
-from tools.statements import find, header, header_end, keys, quoted, statements
 
 
 @dataclass(frozen=True)
@@ -54,17 +45,12 @@ class Mistake:
     name: str
     did: str  # what the learner did, and why the numbers show it
     signature: Callable[[Facts], bool] | FailsWith  # does this mistake explain the facts?
-    chapter: int  # the chapter whose train.py shows the right statements
-    right: tuple[P, ...]  # the right statement(s), as the chapter has them
-    look_for: tuple[P, ...]  # what finds the learner's version of them
-    near: P  # a neighbouring statement: where they belong when the learner has none
     # what the mistake changes: "training" (the parameters), "logging", "evaluation", "resume",
     # "hang", "idea" (the chapter's new part is missing), "device" (what a CPU run cannot show)
     kind: str = "training"
-    # the right statement's place: after the statement of this shape (None: anywhere)
-    comes_after: P | None = None
     # facts that rule the entry out although its signature fits: why, or None
     unless: Callable[[Facts], str | None] | None = None
+    over: tuple[str, ...] = ()  # the more general entries this one explains, where both fit
 
 
 def near(value: float | None, target: float, rel: float = 1e-6) -> bool:
@@ -119,15 +105,6 @@ def averaged(f: Facts) -> str | None:
     return None
 
 
-# the learner's version of the statement that divides the loss by K
-DIVIDED = P(assigns="micro_loss", uses="grad_accum")
-THE_LOSS = P(assigns="micro_loss", call="model")  # the forward that computes the loss
-MICRO_LOOP = P(kind="for", uses="micro_step")
-# the `if` that chooses no_sync() on every micro-step but the last (chapter 04)
-SYNC_SWITCH = P(kind="if", uses="micro_step")
-SAMPLER = P(assigns="sampler", call="DistributedSampler")
-STEP = P(call="step")  # scaler.step(optimizer), optimizer.step()
-OUTER_STEP = P(call="step", uses="outer_optimizer")  # chapter 08's outer SGD moves the global model
 # gloo's words when a rank's collective receives more than it holds: the collectives do not match
 MISMATCH = re.compile(r"collective mismatch|doesn't match expected size")
 
@@ -154,11 +131,8 @@ MISTAKES = [
         '("a distributed collective mismatch") and ends the run. Every rank must reach the sync, '
         "at the same step",
         signature=lambda f: f.plan.rounds and mismatched(f),
-        chapter=8,
-        right=(P(call="all_reduce", arg="sent"),),
-        look_for=(P(call="all_reduce"), P(call="broadcast"), P(call="barrier")),
-        near=P(assigns="pseudo_grad"),
         kind="hang",
+        over=("a collective called by only some ranks",),
     ),
     Mistake(
         name="the pseudo-gradient's sign flipped",
@@ -169,10 +143,15 @@ MISTAKES = [
         "08's, in the opposite direction (-1 times its move). The pseudo-gradient is global - "
         "local",
         signature=lambda f: moved_by(f, -1),
-        chapter=8,
-        right=(P(assigns="moved"),),
-        look_for=(P(assigns="moved"), P(assigns="pseudo_grad")),
-        near=P(assigns="pseudo_grad"),
+    ),
+    Mistake(
+        name="the pseudo-gradients summed, never divided by the ranks",
+        did="the all-reduce sums the ranks' pseudo-gradients, and the sum is never divided by the "
+        "number of ranks W: the outer optimizer steps with W times the mean pseudo-gradient. The "
+        "steps before the first sync are chapter 08's; the outer step, linear in its gradient, "
+        "then moves the global parameters W times as far as chapter 08's. The mean is the sum "
+        "divided by world_size",
+        signature=lambda f: f.ranks.world_size > 1 and moved_by(f, f.ranks.world_size),
     ),
     Mistake(
         name="the outer step on the local copy",
@@ -183,10 +162,6 @@ MISTAKES = [
         "far as chapter 08's). The outer optimizer is built on global_model's parameters, whose "
         "gradients are the mean pseudo-gradient",
         signature=lambda f: moved_by(f, 0, rel=1e-9),
-        chapter=8,
-        right=(P(assigns="outer_optimizer"),),
-        look_for=(P(assigns="outer_optimizer"), OUTER_STEP),
-        near=P(assigns="raw_model"),
     ),
     Mistake(
         name="the copies not reset after the outer step",
@@ -195,10 +170,7 @@ MISTAKES = [
         "start the next round apart (chapter 08's start it equal) and the outer step never reaches "
         "them. Every copy starts each round from the global parameters (copied into it)",
         signature=lambda f: f.plan.rounds and f.syncs.kept_own_copy,
-        chapter=8,
-        right=(P(call="copy_"),),
-        look_for=(P(call="copy_"), P(call="load_state_dict", uses="raw_model")),
-        near=P(call="zero_grad", uses="outer_optimizer"),
+        over=("clipping or stepping on some ranks only",),
     ),
     Mistake(
         name="the parameters averaged, not the pseudo-gradients",
@@ -214,10 +186,6 @@ MISTAKES = [
             and f.syncs.sync_move_ratio is not None
             and f.syncs.sync_move_ratio > 0
         ),
-        chapter=8,
-        right=(P(assigns="moved"), OUTER_STEP),
-        look_for=(OUTER_STEP, P(assigns="moved")),
-        near=P(call="all_reduce", arg="sent"),
     ),
     Mistake(
         name="a collective called by only some ranks",
@@ -225,16 +193,6 @@ MISTAKES = [
         "only, or by each at a different place: the ranks wait for each other forever (or gloo "
         "sees that the sizes differ and ends the run)",
         signature=mismatched,
-        chapter=4,
-        right=(P(call="all_reduce", arg="loss"),),
-        look_for=(
-            P(call="all_reduce"),
-            P(call="barrier"),
-            P(call="broadcast"),
-            P(call="all_gather"),
-            P(call="all_gather_into_tensor"),
-        ),
-        near=P(assigns="loss_value"),
         kind="hang",
     ),
     Mistake(
@@ -242,10 +200,6 @@ MISTAKES = [
         did="DataParallel returns one loss per replica (a vector); without .mean() backward() "
         "refuses it: on GPUs as here, where the check splits each batch over 2 stand-in replicas",
         signature=FailsWith(r"only for scalar outputs|doesn't match the broadcast shape"),
-        chapter=3,
-        right=(P(assigns="micro_loss", call="mean"),),
-        look_for=(P(assigns="micro_loss", call="mean"), P(assigns="micro_loss", call="sum")),
-        near=THE_LOSS,
     ),
     Mistake(
         name="the replicas' losses summed, not averaged",
@@ -256,20 +210,12 @@ MISTAKES = [
             and near(f.log.loss_ratio_at_1, 2)
             and near(f.grads.grad_ratio_at_1, 2)
         ),
-        chapter=3,
-        right=(P(assigns="micro_loss", call="mean"),),
-        look_for=(P(assigns="micro_loss", call="mean"), P(assigns="micro_loss", call="sum")),
-        near=THE_LOSS,
     ),
     Mistake(
         name="no DataParallel",
         did="the model is never called through nn.DataParallel: the script is still chapter 02's "
         "(the check splits every DataParallel batch over 2 stand-in replicas, and saw none)",
         signature=lambda f: f.ranks.replicas == 0,
-        chapter=3,
-        right=(P(assigns="model", call="AutocastDataParallel"),),
-        look_for=(P(call="DataParallel"), P(call="AutocastDataParallel")),
-        near=P(assigns="raw_model"),
         kind="idea",
     ),
     Mistake(
@@ -279,11 +225,6 @@ MISTAKES = [
         "meta device, which have no storage and get no gradient, not the shards the model trains, "
         "so its first step fails",
         signature=FailsWith(r"on meta tensors"),
-        chapter=7,
-        right=(P(assigns="optimizer"),),
-        look_for=(P(assigns="optimizer"),),
-        near=P(call="fully_shard", arg="model"),
-        comes_after=P(call="fully_shard", arg="model"),
     ),
     Mistake(
         name="no FSDP",
@@ -296,10 +237,6 @@ MISTAKES = [
             and not f.ranks.fsdp_forwards
             and f.grads.optimizer_steps > 0
         ),
-        chapter=7,
-        right=(P(call="fully_shard", arg="model"),),
-        look_for=(P(call="fully_shard"),),
-        near=P(assigns="raw_model"),
         kind="idea",
     ),
     Mistake(
@@ -312,43 +249,28 @@ MISTAKES = [
         signature=lambda f: (
             f.plan.shards
             and rounding(f) == "float32"
+            and near(f.grads.grad_ratio_at_1, 1, FLOAT32_SIZED)
             and f.grads.first_grad_diff == 1
             and f.log.first_loss_diff != 1
         ),
-        chapter=7,
-        right=(P(assigns="precision", call="MixedPrecisionPolicy"),),
-        look_for=(P(call="MixedPrecisionPolicy"),),
-        near=P(call="fully_shard", arg="model"),
     ),
     Mistake(
         name="optimizer.step() inside the micro-loop",
         did="the optimizer steps after every micro-batch instead of once per global batch: more "
         "optimizer steps than logged steps, each on a part of the batch",
         signature=lambda f: f.log.logged_steps > 0 and f.grads.optimizer_steps > f.log.logged_steps,
-        chapter=2,
-        right=(P(call="step", arg="optimizer"),),
-        look_for=(STEP,),
-        near=P(call="update"),
     ),
     Mistake(
         name="zero_grad inside the micro-loop",
         did="the gradients are zeroed on every micro-step, so only the last micro-batch's gradient "
         "reaches the optimizer: step 1's loss is right, its gradient is not",
         signature=lambda f: f.grads.grad_accum > 1 and f.grads.zero_grads_per_step > 1,
-        chapter=2,
-        right=(P(call="zero_grad"),),
-        look_for=(P(call="zero_grad"),),
-        near=P(call="update"),
     ),
     Mistake(
         name="the learning rate advanced per micro-step",
         did="the schedule counts micro-steps, not optimizer steps: the logged lr of step s is "
         "chapter 01's of a later step, and warmup and decay end K times too early",
         signature=lambda f: f.log.lr_speed is not None and f.log.lr_speed > 1,
-        chapter=2,
-        right=(P(assigns="lr", call="lr_at"),),
-        look_for=(P(call="lr_at"), P(call="step", uses="scheduler")),
-        near=P(kind="for", uses="param_groups"),
     ),
     Mistake(
         name="the gradient-sync switch off on the last micro-step",
@@ -357,10 +279,6 @@ MISTAKES = [
         "unsharded gradient and never reaches the shards the optimizer steps on: the gradient "
         "is not the batch's from step 1",
         signature=lambda f: f.plan.shards and f.grads.last_micro_step_unsynced,
-        chapter=7,
-        right=(P(call="set_requires_gradient_sync"),),
-        look_for=(P(call="set_requires_gradient_sync"),),
-        near=MICRO_LOOP,
     ),
     Mistake(
         name="no_sync on the wrong micro-step",
@@ -368,10 +286,7 @@ MISTAKES = [
         "the last micro-step is inside it, so what it adds stays this rank's own and the copies "
         "drift",
         signature=lambda f: f.grads.last_micro_step_unsynced and not f.ranks.sharded,
-        chapter=4,
-        right=(SYNC_SWITCH, P(call="no_sync")),
-        look_for=(SYNC_SWITCH, P(call="no_sync")),
-        near=MICRO_LOOP,
+        over=("gradients never averaged",),
     ),
     Mistake(
         name="gradients never averaged",
@@ -383,10 +298,6 @@ MISTAKES = [
             and not f.ranks.ranks_clip_differ
             and not f.ranks.ranks_steps_differ
         ),
-        chapter=4,
-        right=(SYNC_SWITCH, P(call="no_sync")),
-        look_for=(P(call="no_sync"), P(call="DDP"), P(call="DistributedDataParallel")),
-        near=MICRO_LOOP,
         unless=averaged,
     ),
     Mistake(
@@ -401,20 +312,13 @@ MISTAKES = [
                 or (f.ranks.ranks_drift_from is not None and near(f.grads.grad_ratio_at_1, 1, 1e-9))
             )
         ),
-        chapter=4,
-        right=(P(kind="if", uses="grad_clip"), P(call="step", arg="optimizer")),
-        look_for=(P(kind="if", uses="grad_clip"), P(call="clip_grad_norm_"), STEP),
-        near=P(call="update"),
     ),
     Mistake(
         name="a global batch that forgets world_size or grad_accum",
         did="global_batch leaves out a factor, so the epoch is longer than chapter 01's: the ranks "
         "read past the end of chapter 01's epoch (or run out of windows there)",
         signature=lambda f: (f.log.script_steps_per_epoch or 0) > f.data.steps_per_epoch,
-        chapter=4,
-        right=(P(assigns="global_batch"),),
-        look_for=(P(assigns="global_batch"),),
-        near=P(assigns="tokens_per_step"),
+        over=("samplers seeded per rank",),
     ),
     Mistake(
         name="all ranks reading the same windows",
@@ -422,10 +326,7 @@ MISTAKES = [
         "rank=0, a local rank, or one replica), so a step sees fewer distinct windows than "
         "chapter 01's",
         signature=lambda f: f.ranks.world_size > 1 and f.data.ranks_same_windows,
-        chapter=4,
-        right=(SAMPLER,),
-        look_for=(P(call="DistributedSampler"),),
-        near=P(call="batch_loader"),
+        over=("samplers seeded per rank",),
     ),
     Mistake(
         name="loss divided by world_size by hand",
@@ -436,10 +337,6 @@ MISTAKES = [
             and near(f.log.loss_ratio_at_1, 1 / f.ranks.world_size)
             and near(f.grads.grad_ratio_at_1, 1 / f.ranks.world_size)
         ),
-        chapter=4,
-        right=(DIVIDED,),
-        look_for=(DIVIDED, P(assigns="micro_loss", uses="world_size")),
-        near=THE_LOSS,
     ),
     Mistake(
         name="loss not divided by K",
@@ -453,10 +350,6 @@ MISTAKES = [
                 or near(f.grads.grad_ratio_at_1, f.grads.grad_accum)
             )
         ),
-        chapter=2,
-        right=(DIVIDED,),
-        look_for=(DIVIDED, P(call="backward", uses="grad_accum")),
-        near=THE_LOSS,
     ),
     Mistake(
         name="samplers seeded per rank",
@@ -468,10 +361,6 @@ MISTAKES = [
             and f.data.first_data_diff == 1
             and (f.data.rank0_reads_its_share or f.data.ranks_overlap)
         ),
-        chapter=4,
-        right=(SAMPLER,),
-        look_for=(P(call="DistributedSampler"),),
-        near=P(call="batch_loader"),
     ),
     Mistake(
         name="a forgotten set_epoch",
@@ -481,11 +370,8 @@ MISTAKES = [
             f.log.first_loss_diff == f.data.steps_per_epoch + 1
             and f.data.first_data_diff == f.data.steps_per_epoch + 1
             and f.data.repeats_first_epoch
+            and not any(f.data.epoch_orders)  # every epoch read epoch 0's order
         ),
-        chapter=4,
-        right=(P(call="set_epoch"),),
-        look_for=(P(call="set_epoch"), P(call="manual_seed", uses="epoch")),
-        near=P(assigns="step_in_epoch"),
     ),
     Mistake(
         name="set_epoch given the step, not the epoch",
@@ -498,10 +384,6 @@ MISTAKES = [
             and f.data.first_data_diff == f.data.steps_per_epoch + 1
             and all(k == e * f.data.steps_per_epoch for e, k in enumerate(f.data.epoch_orders))
         ),
-        chapter=4,
-        right=(P(call="set_epoch"),),
-        look_for=(P(call="set_epoch"),),
-        near=P(assigns="step_in_epoch"),
     ),
     Mistake(
         name="ranks' logged loss not averaged",
@@ -513,10 +395,6 @@ MISTAKES = [
             and f.log.first_loss_diff is not None
             and f.data.first_data_diff is None
         ),
-        chapter=4,
-        right=(P(call="all_reduce", arg="loss"), P(assigns="loss_value")),
-        look_for=(P(call="all_reduce", arg="loss"), P(assigns="loss_value")),
-        near=P(assigns="loss_value"),
         kind="logging",
     ),
     Mistake(
@@ -525,10 +403,6 @@ MISTAKES = [
         "every rank must evaluate chapter 01's windows (a rank that evaluates only its part of "
         "them needs the others' loss sums and counts, added up over the ranks, before dividing)",
         signature=lambda f: f.log.first_val_diff is not None and f.log.first_loss_diff is None,
-        chapter=4,
-        right=(P(assigns="val_loss", call="evaluate"),),
-        look_for=(P(assigns="val_loss"),),
-        near=P(call="check_finite", uses="val_loss"),
         kind="evaluation",
     ),
     Mistake(
@@ -539,10 +413,6 @@ MISTAKES = [
         "from every rank first, on every rank (gather_and_save: get_model_state_dict with "
         "full_state_dict=True, then rank 0 writes)",
         signature=FailsWith(r"Error\(s\) in loading state_dict"),
-        chapter=7,
-        right=(P(call="gather_and_save"),),
-        look_for=(P(call="save_checkpoint"), P(call="state_dict")),
-        near=P(call="evaluation"),
         kind="resume",
     ),
     Mistake(
@@ -556,11 +426,8 @@ MISTAKES = [
             and len(f.resume.resume_reads_steps) > 1
             and max(f.resume.resume_reads_steps) <= f.resume.resume_at
         ),
-        chapter=2,
-        right=(P(assigns="skip"),),
-        look_for=(P(assigns="skip"),),
-        near=P(assigns="step_in_epoch"),
         kind="resume",
+        over=("a resume that re-reads an earlier step's windows",),
     ),
     Mistake(
         name="a resume that re-reads an earlier step's windows",
@@ -572,10 +439,6 @@ MISTAKES = [
             and bool(f.resume.resume_reads_steps)
             and max(f.resume.resume_reads_steps) <= f.resume.resume_at
         ),
-        chapter=2,
-        right=(P(assigns="skip"),),
-        look_for=(P(assigns="skip"),),
-        near=P(assigns="step_in_epoch"),
         kind="resume",
     ),
     Mistake(
@@ -589,10 +452,6 @@ MISTAKES = [
             and f.resume.resume_first_param_diff == f.resume.resume_at + 1
             and f.resume.resume_first_grad_diff in (None, f.resume.resume_at + 2)
         ),
-        chapter=2,
-        right=(P(assigns="iter_num", call="restore_training_state"),),
-        look_for=(P(call="restore_training_state"), P(assigns="iter_num")),
-        near=P(call="load_checkpoint"),
         kind="resume",
     ),
     Mistake(
@@ -601,10 +460,6 @@ MISTAKES = [
         "from its checkpoint to chapter 01's end: a restarted process must find the checkpoint "
         "and resume as --resume would (chapter 06)",
         signature=lambda f: f.resume.restart is not None,
-        chapter=6,
-        right=(P(assigns="checkpoint", call="load_checkpoint"),),
-        look_for=(P(call="load_checkpoint"),),
-        near=P(call="claim_out_dir_on_rank0"),
         kind="resume",
     ),
     Mistake(
@@ -615,10 +470,6 @@ MISTAKES = [
         "device statement, evaluated with its own variables, gives cuda:1. On a CPU no number "
         "changes; on GPUs the run fails or stacks ranks on one GPU",
         signature=lambda f: f.ranks.gpu_by_global_rank,
-        chapter=5,
-        right=(P(assigns="device", uses="local_rank"),),
-        look_for=(P(assigns="device", uses="rank"), P(call="set_device"), P(assigns="device")),
-        near=P(call="set_device"),
         kind="device",
     ),
 ]
@@ -654,144 +505,10 @@ def known_failure(failure: str | None) -> Mistake | None:
     return None
 
 
-# ---- the learner's statements, compared with the chapter's ----------------------------------
-
-
-@dataclass(frozen=True)
-class Look:
-    fits: bool  # False: the learner's statements are the chapter's, the entry does not fit
-    text: str  # where to look, for the learner
-
-
-def chapter_source(chapter: int) -> str:
-    return (REPO / CHAPTERS[chapter] / "train.py").read_text()
-
-
-def right_statements(mistake: Mistake, theirs: str | None) -> tuple[int, list[ast.stmt], str]:
-    """(the chapter, its right statements, their source): from the checked chapter's script where
-    it has them all, else from the entry's chapter."""
-    for chapter, source in ((None, theirs), (mistake.chapter, None)):
-        source = source if source is not None else chapter_source(mistake.chapter)
-        found = [find(source, pattern) for pattern in mistake.right]
-        if all(found):
-            return chapter or mistake.chapter, [nodes[0] for nodes in found], source
-    raise ValueError(f"{CHAPTERS[mistake.chapter]}/train.py has no {mistake.right}")
-
-
-def in_order(source: str, node: ast.stmt, after: P | None) -> bool:
-    """The statement comes after the first statement of shape `after` (None: anywhere)."""
-    anchors = find(source, after) if after is not None else []
-    return not anchors or node.lineno > anchors[0].lineno
-
-
-def wrong_line(node: ast.stmt, lines: list[str], theirs: list[str]) -> int:
-    """The first line of a statement that the chapter's statement has not (else its first)."""
-    own = [line.split("#")[0].strip() for line in theirs]
-    for number in range(node.lineno, header_end(node) + 1):
-        if lines[number - 1].split("#")[0].strip() not in own:
-            return number
-    return node.lineno
-
-
-def held(name: str, source: str, before: int) -> str | None:
-    """What a local name holds: the last assignment to it before that line, quoted."""
-    found = [n for n in find(source, P(assigns=name)) if n.lineno < before]
-    return quoted(found[-1], source.splitlines()) if found else None
-
-
-def renamed(mine: ast.stmt, right: ast.stmt) -> list[tuple[str, str]]:
-    """(the learner's name, the chapter's) where two statements differ by the names alone."""
-    a, b = list(ast.walk(mine)), list(ast.walk(right))
-    if len(a) != len(b):
-        return []
-    pairs = []
-    for x, y in zip(a, b):
-        if type(x) is not type(y):
-            return []
-        if isinstance(x, ast.Name) and x.id != y.id:
-            pairs.append((x.id, y.id))
-        elif isinstance(x, ast.Constant) and x.value != y.value:
-            return []
-        elif isinstance(x, ast.Attribute) and x.attr != y.attr:
-            return []
-    return pairs
-
-
-def what_names_hold(mine, right, source: str, their_source: str, chapter: int) -> str:
-    """`options=whole` against `options=full`: what each of the two names holds, where known."""
-    said = []
-    for name, theirs in renamed(mine, right):
-        here, there = held(name, source, mine.lineno), held(theirs, their_source, right.lineno)
-        if here and there:
-            said.append(f"your `{here}`; chapter {chapter:02d}'s `{there}`")
-    return f" ({'; '.join(said)})" if said else ""
-
-
-def where_to_look(mistake: Mistake, source: str, script: str, theirs: str | None = None) -> Look:
-    """The line of the learner's script to look at (the first found by look_for that is not the
-    chapter's own statement in the chapter's place), and what the chapter has there."""
-    chapter, rights, their_source = right_statements(mistake, theirs)
-    their_lines, lines = their_source.splitlines(), source.splitlines()
-    right_code = "`; `".join(quoted(node, their_lines) for node in rights)
-    says = f"chapter {chapter:02d} has `{right_code}`"
-    mine, their_keys = statements(source), keys(their_source)
-    for pattern in mistake.look_for:
-        for node in find(source, pattern):
-            _, key = mine[node.lineno]
-            placed = in_order(source, node, mistake.comes_after)
-            if key in their_keys and placed:
-                continue  # the chapter's own statement in the chapter's place
-            if not placed:
-                at = f"look at line {node.lineno} of {script}: `{quoted(node, lines)}`"
-                after = quoted(find(their_source, mistake.comes_after)[0], their_lines)
-                return Look(True, f"{at}; chapter {chapter:02d} has it after `{after}`")
-            return Look(
-                True, differing(mistake, node, key, source, script, chapter, rights, their_source)
-            )
-    have = {key[-1] for key in keys(source)}
-    if all(header(node) in have for node in rights):
-        return Look(False, f"your script has chapter {chapter:02d}'s own `{right_code}`")
-    anchors = find(source, mistake.near)
-    where = f", near line {anchors[0].lineno}" if anchors else ""
-    return Look(True, f"your script has no such line; {says}{where}")
-
-
-def differing(mistake, node, key, source, script, chapter, rights, their_source) -> str:
-    """Where the learner's statement (or the first statement around it, from the outside in) is
-    not the chapter's, and what the chapter has."""
-    lines, their_lines = source.splitlines(), their_source.splitlines()
-    mine, their_keys = statements(source), keys(their_source)
-    depth = next(d for d in range(1, len(key) + 1) if key[:d] not in their_keys)
-    outer = outer_node(mine, key[:depth], node)
-    right = next((r for r in rights if header(r) == key[-1]), rights[0])
-    theirs = their_lines[right.lineno - 1 : header_end(right)]
-    at = f"look at line {wrong_line(outer, lines, theirs)} of {script}: `{quoted(outer, lines)}`"
-    if key[-1] in {header(r) for r in rights} and depth == len(key):
-        # the chapter's statement, in another place: say where each has it
-        at += f" inside `{key[-2]}`" if len(key) > 1 else ""
-        places = [k[-2] for k in their_keys if k[-1] == key[-1] and len(k) > 1]
-        inside = f" inside `{places[0]}`" if places else ""
-        return f"{at}; chapter {chapter:02d} has it{inside}"
-    right_code = "`; `".join(quoted(r, their_lines) for r in rights)
-    names = what_names_hold(outer, right, source, their_source, chapter)
-    return f"{at}; chapter {chapter:02d} has `{right_code}`{names}"
-
-
-def outer_node(mine: dict, key: tuple[str, ...], node: ast.stmt) -> ast.stmt:
-    """The statement of `mine` whose key is `key` and that holds `node`'s line."""
-    best = node
-    for candidate, k in mine.values():
-        if k == key and candidate.lineno <= node.lineno <= (candidate.end_lineno or 0):
-            best = candidate
-    return best
-
-
-def diagnose(
-    facts: Facts, source: str = "", script: str = "", theirs: str | None = None
-) -> tuple[Mistake | None, list[str], str]:
-    """(the first entry that fits, notes on the entries the facts or the script ruled out, where
-    to look)."""
-    notes = []
+def diagnose(facts: Facts) -> tuple[list[Mistake], list[str]]:
+    """(the entries that fit, notes on those the facts rule out): every fitting entry but the more
+    general ones another fitting entry explains (`over`)."""
+    found, notes = [], []
     for mistake in MISTAKES:
         if not fits(mistake, facts):
             continue
@@ -799,14 +516,9 @@ def diagnose(
         if why is not None:
             notes.append(f'not "{mistake.name}": {why}')
             continue
-        if not source:
-            return mistake, notes, ""
-        look = where_to_look(mistake, source, script, theirs)
-        if not look.fits:
-            notes.append(f'not "{mistake.name}": {look.text}')
-            continue
-        return mistake, notes, look.text
-    return None, notes, ""
+        found.append(mistake)
+    general = {name for mistake in found for name in mistake.over}
+    return [m for m in found if m.name not in general], notes
 
 
 def close_to_one(value: float) -> str:
@@ -1086,19 +798,27 @@ CONCERNS = {
     "windows": {
         *("sampler", "set_epoch", "batch_loader", "loader", "batches", "skip", "epoch"),
         *("step_in_epoch", "DistributedSampler", "RandomSampler", "seed", "manual_seed"),
+        *("global_batch", "world_size", "rank"),
     },
     "precision": {
         *("dtype", "float", "float32", "float16", "bfloat16", "half", "double", "to"),
         *("autocast", "MixedPrecisionPolicy", "param_dtype", "reduce_dtype", "register_comm_hook"),
     },
     "learning rate": {"lr", "lr_at", "param_groups", "warmup_iters", "lr_decay_iters", "min_lr"},
-    "loss": {"loss", "micro_loss", "loss_value", "all_reduce"},
+    "loss": {"loss", "micro_loss", "loss_value", "all_reduce", "mean", "sum"},
     "gradient": {
         *("backward", "grad", "clip_grad_norm_", "no_sync", "grad_accum", "micro_loss", "sync"),
         *("all_reduce", "set_requires_gradient_sync", "scale", "unscale_", "DDP", "fully_shard"),
+        *("zero_grad", "step"),
     },
-    "parameters": {"step", "optimizer", "zero_grad", "AdamW", "weight_decay", "scaler"},
+    "parameters": {"step", "optimizer", "zero_grad", "AdamW", "weight_decay", "scaler", "is_rank0"},
     "validation loss": {"evaluate", "val_loss", "val_windows", "val_set"},
+    "sync": {
+        *("moved", "pseudo_grad", "sent", "mean_pseudo_grad", "all_reduce", "outer_optimizer"),
+        *("global_model", "global_params", "copy_", "grad", "world_size"),
+    },
+    "resume": {"skip", "resume", "checkpoint", "load_checkpoint", "restore_training_state"},
+    "device": {"device", "local_rank", "rank", "set_device", "cuda"},
 }
 CONCERN_WORDS = {
     "windows": "the data order",
@@ -1108,6 +828,15 @@ CONCERN_WORDS = {
     "gradient": "the gradient",
     "parameters": "the optimizer step",
     "validation loss": "the evaluation",
+    "sync": "the sync",
+    "resume": "the resume",
+    "device": "the GPU a rank drives",
+}
+KIND_CONCERNS = {
+    "resume": "resume",
+    "device": "device",
+    "logging": "loss",
+    "evaluation": "validation loss",
 }
 
 
@@ -1128,54 +857,62 @@ def names_in(node: ast.stmt) -> set[str]:
     return used
 
 
-def own_statements(source: str) -> list[ast.stmt]:
-    """The statements of a source in line order, each once."""
-    seen, out = set(), []
-    for node, _ in statements(source).values():
-        if id(node) not in seen:
-            seen.add(id(node))
-            out.append(node)
-    return sorted(out, key=lambda n: (n.lineno, n.col_offset))
-
-
-def nearest_line(f: Facts, source: str, script: str, theirs: str) -> str | None:
-    """The learner's statement, of those that are not the chapter's, nearest the first difference:
-    the first that uses a name of what differs first (the number format where the differences are
-    its rounding); else the first that is not the chapter's. None where no line can be named."""
-    import difflib
-
-    if not source or not theirs:
-        return None
+def concern_of(f: Facts, kind: str | None) -> str | None:
+    """What the first difference is about: the named mistake's kind, the sync in DiLoCo's rounds,
+    the number format where it is rounding's size, else the first quantity that differs."""
+    if kind in KIND_CONCERNS:
+        return KIND_CONCERNS[kind]
+    if f.resume.resume_diff is not None and training_right(f):
+        return "resume"
+    if f.plan.rounds and (syncs_differ(f) or kind == "training"):
+        return "sync"
+    if rounding(f):
+        return "precision"
     differ = first_differences(f)
-    if not differ:
+    return differ[0][1] if differ else None
+
+
+def nearest_line(
+    f: Facts, source: str, script: str, theirs: str, kind: str | None = None
+) -> str | None:
+    """Of the learner's statements that are not the chapter's own (compared as code in order), the
+    first that uses a name of what differs first; else the first that is not the chapter's; where
+    the learner has left one of the chapter's out, that one. None where nothing can be named."""
+    mine, chapter = code_statements(source), code_statements(theirs)
+    if not mine or not chapter:
         return None
-    concern = "precision" if rounding(f) else differ[0][1]
-    mine, chapter = own_statements(source), own_statements(theirs)
+    concern = concern_of(f, kind)
+    words = CONCERNS.get(concern, set())
     matcher = difflib.SequenceMatcher(
         None, [header(n) for n in chapter], [header(n) for n in mine], autojunk=False
     )
     changed = []  # (the learner's statement, the chapter's in its place or None)
+    missing = []  # (the chapter's statement the learner left out, the learner's before it)
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
-        if op == "equal":
-            continue
-        for j in range(j1, j2):
-            theirs_there = chapter[i1 + j - j1] if op == "replace" and i2 - i1 == j2 - j1 else None
-            changed.append((mine[j], theirs_there))
+        for j in range(j1, j2) if op != "equal" else ():
+            there = chapter[i1 + j - j1] if op == "replace" and i2 - i1 == j2 - j1 else None
+            changed.append((mine[j], there))
+        if op == "delete":
+            missing += [(chapter[i], mine[j1 - 1] if j1 else None) for i in range(i1, i2)]
     number = f"{f.plan.chapter:02d}"
+    lines, their_lines = source.splitlines(), theirs.splitlines()
+    relevant = [(n, t) for n, t in changed if names_in(n) & words]
+    gone = [(n, a) for n, a in missing if names_in(n) & words] or missing
+    if gone and not relevant and (not changed or gone is not missing):
+        node, after = gone[0]
+        where = f" after your line {after.lineno}, `{quoted(after, lines)}`" if after else ""
+        return (
+            f"your script has no such line; chapter {number} has "
+            f"`{quoted(node, their_lines)}`{where}"
+        )
     if not changed:
         return (
             f"your script's statements are chapter {number}'s: what differs comes from elsewhere "
             "(a module it imports, the flags)"
         )
-    lines, their_lines = source.splitlines(), theirs.splitlines()
-    relevant = [(n, t) for n, t in changed if names_in(n) & CONCERNS[concern]]
     node, there = (relevant or changed)[0]
-    what = (
-        f"the line of {script} nearest the first difference ({CONCERN_WORDS[concern]})"
-        if relevant
-        else f"the first line of {script} that is not chapter {number}'s"
-    )
-    text = f"{what}: line {node.lineno}, `{quoted(node, lines)}`"
+    about = f" ({CONCERN_WORDS[concern]})" if relevant else ""
+    text = f"look at line {node.lineno} of {script}{about}: `{quoted(node, lines)}`"
     if there is not None:
         return f"{text}; chapter {number} has `{quoted(there, their_lines)}` there"
     elsewhere = [n for n in chapter if header(n) == header(node)]

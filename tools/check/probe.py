@@ -24,7 +24,7 @@ three exceptions the checker asks for by environment variable:
   line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
 
 The GPU index: on a CPU the script's GPU branch (`if ranks_use_gpus(...):`) never runs, so the probe
-reads the index instead. It finds the script's statements that choose a GPU by their shape
+reads the index instead. It finds the script's statements that call what chooses a GPU
 (`torch.device("cuda", N)`, `torch.device(f"cuda:{N}")`, `torch.cuda.set_device(N)`) and, while
 the script runs, evaluates each one's N with the script's own variables whenever a line of the
 statement, or the header of a statement around it, is reached (on a CPU: the `if`), until the first
@@ -53,7 +53,7 @@ import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
 
 from tools.check.hangs import watch_for_hangs
-from tools.statements import Pattern, calls_in, find, header_end, quoted
+from tools.check.lines import code_statements, header_end, quoted
 
 # torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
 # state before loading into it) is not a training step: the probe must see it to ignore it. It is a
@@ -334,8 +334,10 @@ def read_devices(recorder: Recorder, script: str) -> None:
     lines = source.splitlines()
     tree = ast.parse(source)
     chosen = []  # (the lines whose run evaluates it, the statement's line, its code, the index)
-    for node in find(source, Pattern()):
-        for call in calls_in(node):
+    for node in code_statements(source):
+        if hasattr(node, "body"):
+            continue  # a compound statement: its body's statements are looked at themselves
+        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
             index = gpu_index(call)
             if index is None:
                 continue

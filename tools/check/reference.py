@@ -151,8 +151,8 @@ def reference_run(
         raise CannotRun(
             f"{plan.against} itself did not run: {failure_line(run, script)} (see {run.log})"
         )
-    for checkpoint in building.rglob("ckpt.pt"):
-        checkpoint.unlink()  # kept: its metrics, facts and parameters
+    for checkpoint in (building / name).rglob("*.pt"):
+        checkpoint.unlink()  # whatever its checkpoints are called; kept: metrics, facts, parameters
     (building / "ok").write_text("")
     try:
         building.rename(final)

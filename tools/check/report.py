@@ -10,14 +10,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.check.facts import Facts
+from tools.check.harness import Difference
 from tools.check.mistakes import (
     close_to_one,
     copies_words,
     describe,
     diagnose,
+    epoch_orders,
+    first_differences,
     logging_right,
+    micro_batches,
     nearest_line,
     resume_right,
+    resumed_words,
+    rounding_words,
+    step_place,
     syncs_differ,
     syncs_words,
     training_right,
@@ -199,21 +206,53 @@ def same_lines(s: Seen) -> list[str]:
     return lines
 
 
-def different_lines(s: Seen, source: str, script: str, theirs: str, facts_file: str) -> list[str]:
+def placed(f: Facts) -> list[str]:
+    """Where the first difference sits: the epochs, the micro-batches, the sampler's orders, the
+    number format, the resume."""
+    differ = first_differences(f)
+    said = []
+    if differ:
+        first = differ[0][0]
+        said = [step_place(first, f), micro_batches(first, f), epoch_orders(f), rounding_words(f)]
+    if f.resume.resume_diff is not None:
+        said.append(resumed_words(f))
+    return [line for line in said if line]
+
+
+def different_lines(
+    s: Seen, source: str, script: str, theirs: str, facts_file: str, first: Difference | None
+) -> list[str]:
+    """A "not the same run" verdict: what differs, first the harness's first difference, where it
+    sits, the mistakes whose mechanism the facts show (or what the facts show), the line to look
+    at. Each fact once."""
     lines = ["not the same run:"]
-    lines += [f"  {say(s)}" for when, say in DIFFERENCES if when(s)]
-    mistake, notes, look = diagnose(s.facts, source, script, theirs)
-    lines += [f"  {note}" for note in notes]
-    if mistake is None:
-        lines.append("diagnosis: no known mistake fits; what the facts show:")
-        lines += [f"  {line}" for line in describe(s.facts)]
-        near = nearest_line(s.facts, source, script, theirs)
-        if near is not None:
-            lines.append(f"  {near}")
-        lines.append(f"  (all the facts: {facts_file})")
-    else:
-        lines += [f"diagnosis: {mistake.name}: {mistake.did}", f"  {look}"]
-    return lines
+    if first is not None:
+        lines.append(first.words(s.facts.plan.against))
+    for when, say in DIFFERENCES:
+        line = say(s) if when(s) else ""
+        # the first difference's own column, said above already
+        if line and not (first is not None and line.startswith(f"the {first.quantity} differs")):
+            lines.append(line)
+    found, notes = diagnose(s.facts)
+    lines += placed(s.facts) + notes
+    said = []
+    for line in lines:
+        if line not in said:
+            said.append(line)
+    out = [said[0]] + [f"  {line}" for line in said[1:]]
+    if len(found) > 1:
+        out.append(f"{len(found)} mistakes fit the facts (one of them, or both):")
+    if not found:
+        out.append("diagnosis: no known mistake fits; what the facts show:")
+        out += [f"  {line}" for line in describe(s.facts) if line not in said]
+    out += [f"diagnosis: {mistake.name}: {mistake.did}" for mistake in found]
+    kind = found[0].kind if found else None
+    near = nearest_line(s.facts, source, script, theirs, kind)
+    if near is not None:
+        out.append(f"  {near}")
+    if not found:
+        out.append(f"  (all the facts: {facts_file})")
+    return out
 
 
 def plotted_run(s: Seen) -> tuple[Run, str, int | None]:

@@ -23,7 +23,6 @@ from tools.launch import (
 )
 
 PROBE_MODULE = "tools.check.probe"
-PROBE = REPO / "tools" / "check" / "probe.py"
 # a collective that waits this long while the other ranks wait in others is a hang; the run's
 # --dist-timeout ends it anyway after DIST_TIMEOUT
 HANG_AFTER, DIST_TIMEOUT = 15, 60
