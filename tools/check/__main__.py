@@ -150,7 +150,10 @@ def restart_check(c: Check, ref: Run) -> str | None:
     """Kill rank 1 after step 6 (checkpoint at step 4); torchrun restarts the group, which must
     continue from the checkpoint to the reference's end. None: it did."""
     env = (*c.pair.launch.env, ("CHECK_KILL", f"1:{RESTART_KILL}"))
-    launch = Launch(c.nproc, c.plan.nodes, env, ("--max-restarts=1",), torchrun=True)
+    # as chapter 06 teaches restarts: under c10d, a fresh store for every attempt
+    env = (*env, ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
+    extra = ("--max-restarts=1",)
+    launch = Launch(c.nproc, c.plan.nodes, env, extra, torchrun=True, rdzv_id="check-restart")
     run = c.pair.run("restarted", launch, eval_interval=RESTART_EVAL)
     if run.status == 0 and not any(r.get("restart") for r in run.ranks()):
         return "rank 1 was killed, yet the run ended without a restart"

@@ -50,6 +50,7 @@ class Launch:
     env: tuple[tuple[str, str], ...] = ()
     torchrun_extra: tuple[str, ...] = ()
     torchrun: bool = False
+    rdzv_id: str | None = None  # c10d's rendezvous (restarts need its fresh store), not static's
 
     def commands(self, probe_args: list[str]) -> list[list[str]]:
         if not self.torchrun and self.nodes == 1 and self.nproc == 1:
@@ -64,6 +65,7 @@ class Launch:
                 node_rank=node,
                 port=port,
                 extra=list(self.torchrun_extra),
+                rdzv_id=self.rdzv_id,
             )
             for node in range(self.nodes)
         ]
