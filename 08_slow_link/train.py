@@ -286,7 +286,7 @@ def main():
                 ]
                 pseudo_grad = torch.cat([m.flatten() for m in moved])  # (num_params,)
                 # This rank's share of the mean, which the all-reduce adds up: divided first, the
-                # sum stays the size of one pseudo-gradient (in bfloat16: its range and rounding)
+                # sum stays the size of one pseudo-gradient (in bfloat16: within its range)
                 sent = pseudo_grad / world_size
                 if args.sync_bf16:
                     sent = sent.to(torch.bfloat16)  # half the bytes on the link

@@ -57,7 +57,6 @@ def write_checkpoint(
 ) -> None:
     """Write <out_dir>/ckpt.pt through a temporary file: a crash while it writes leaves the old
     checkpoint intact."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     # a Path or an object would need unpickling code to read back
     plain = {k: v for k, v in train_config.items() if v is None or isinstance(v, (int, float, str))}
     # the GPUs' generators draw dropout's masks there: a resumed run continues their streams
@@ -85,6 +84,7 @@ def write_checkpoint(
 def save_atomically(state: dict, path: Path) -> None:
     """torch.save(state) to `path` through a temporary file: a crash while it writes leaves the old
     file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # a node's folder that only its ranks write
     # the host and the process in the name: no two writers share a temporary file, even across nodes
     tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
     try:
