@@ -1,5 +1,5 @@
 # Exercise: chapter 08 (08_slow_link). This is chapter 05's train.py; add chapter 08's idea where
-# the 15 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
+# the 17 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
 # solution there (or its code), the defs it adds and the helpers it first calls, with their
 # signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
 # tests read only this one). Then check your copy:
@@ -19,12 +19,14 @@ line names its node, and the token files are prepared once per node's disk (or o
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/15: the imports: remove (-) and add (+)
+# TODO 1/17: the imports: remove (-) and add (+)
 #     - import contextlib
 #     - from torch.nn.parallel import DistributedDataParallel as DDP
+#     - from common.checkpoint import load_checkpoint
 #     + import copy
 #     + from common.config import fraction, non_negative_float
-#     + from common.distributed import check_copies, gather_copies
+#     + from common.distributed import load_own_copy, save_own_copy
+#     + from common.training import check_same_flags
 import contextlib
 import datetime
 import os
@@ -73,7 +75,7 @@ from common.training import (
 
 
 def main():
-    # TODO 2/15: change the next line of code:
+    # TODO 2/17: change the next line of code:
     #     parser = CourseParser(chapter=8, description=__doc__)
     parser = CourseParser(chapter=5, description=__doc__)
     parser.add_argument(
@@ -83,8 +85,9 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    # TODO 3/15: add 15 lines of code here:
-    #   the names torchft's LocalSGD and DiLoCo use; the defaults are the DiLoCo paper's
+    # TODO 3/17: add 15 lines of code here:
+    #   --sync-every is torchft's name (its LocalSGD and DiLoCo take the outer optimizer as an
+    #     object). The outer lr and momentum are the DiLoCo paper's; its H was 500, longer runs' H.
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -148,19 +151,23 @@ def main():
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    if args.resume:
-        checkpoint = load_checkpoint(out_dir)
-    # TODO 4/15: change the next 6 lines of code into 18 lines:
+    # TODO 4/17: add 1 line of code here:
+    #     own_copy = None
+    # TODO 5/17: change the next 8 lines of code into 22 lines:
+    #   ckpt.pt and this rank's own copy, both from its node's disk: a resume needs the same ranks
+    #     on the same nodes, or every rank refuses with one line
     #   The global parameters, the same on every rank: they change only at a sync. The checkpoint's
     #     model is this one, which any chapter loads.
+    #   What this rank hands to collectives, by kind, in bytes: what crosses the link. (The start's
+    #     few small messages, such as the run folder's claim, are left out.)
     #   every copy starts as rank 0's (DDP did this broadcast for chapter 05)
     #   This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
-    #   The inner optimizer, this rank's own. AdamW keeps two running averages per parameter; plain
-    #   SGD (--inner-optimizer sgd, no momentum) makes H = 1 the same run as DDP with SGD.
-    #   The outer optimizer moves the global parameters along the ranks' mean pseudo-gradient, as if
-    #     it were a gradient. Nesterov momentum 0.9 and lr 0.7 are the DiLoCo paper's; momentum 0
-    #     and lr 1 make a sync plain parameter averaging (local SGD).
-    #   uses torch.distributed.broadcast, torch.optim.SGD
+    #   (3 more comments in the solution)
+    #   uses common.distributed.load_own_copy(out_dir: Path) -> tuple[dict, dict]: ckpt.pt and this
+    #       rank's own copy, to resume (a collective: every rank calls it).
+    #   uses torch.distributed.broadcast, torch.optim.SGD, param.numel, param.element_size
+    if args.resume:
+        checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
     optimizer = torch.optim.AdamW(
@@ -172,14 +179,16 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    # TODO 5/15: add 1 line of code here:
+    # TODO 6/17: add 1 line of code here:
     #   the step after which this round's inner steps began (the last sync's)
-    # TODO 6/15: change the next 5 lines of code into 9 lines:
+    # TODO 7/17: change the next 5 lines of code into 9 lines:
     #   resuming needs the same global batch and seed; the outer momentum and RNG go on
+    #   and the same rounds: another H or outer step would change them without a word
     #   mid-round, every copy has moved on its own: each rank takes back its own and its AdamW
-    #   uses common.distributed.check_copies(copies: list[dict] | None, world_size: int) -> None:
-    #       Refuse to resume a checkpoint of per-rank copies with another number of ranks.
-    #   uses checkpoint.get, raw_model.load_state_dict
+    #   uses common.training.check_same_flags(checkpoint: dict, args: argparse.Namespace, names:
+    #       list[str]) -> None: A resumed run goes on with the settings it was trained with: one
+    #       line names the first flag of `names` whose value differs from the checkpoint's.
+    #   uses raw_model.load_state_dict
     if checkpoint is not None:
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
@@ -189,7 +198,7 @@ def main():
     # device). Checkpoints save model.module, whose names any chapter loads (no "module." prefix).
     model = DDP(model)
     raw_model = model.module
-    # TODO 7/15: change the next 2 lines of code:
+    # TODO 8/17: change the next 2 lines of code:
     #     if args.compile:
     #         model = torch.compile(raw_model)
     if args.compile:
@@ -200,7 +209,7 @@ def main():
     per_step = f"{global_batch} sequences x {model_config.block_size} tokens = {tokens_per_step:,}"
     split = f"{args.grad_accum} micro-batches x {world_size} rank(s) x {args.batch_size}"
     log(f"global batch: {split} = {per_step} tokens per step; {steps_per_epoch} steps per epoch")
-    # TODO 8/15: change the next line of code into 3 lines:
+    # TODO 9/17: change the next line of code into 3 lines:
     #     every = f"a sync every {args.sync_every} steps"
     #     outer = f"outer SGD lr {args.outer_lr}, momentum {args.outer_momentum}"
     #     log(f"DiLoCo: {world_size} copies, {args.inner_optimizer} each, {every}, {outer},
@@ -222,8 +231,8 @@ def main():
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
 
-    # TODO 9/15: add 2 lines of code here:
-    #   what this rank handed to all-reduce for the pseudo-gradients, in bytes
+    # TODO 10/17: add 1 line of code here:
+    #     first_step = iter_num
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
@@ -241,7 +250,7 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
-            # TODO 10/15: change the next 12 lines of code into 8 lines:
+            # TODO 11/17: change the next 12 lines of code into 8 lines:
             #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
             #     makes that sum the gradient of the mean over this rank's
             #   K * B sequences
@@ -267,7 +276,7 @@ def main():
                     scaler.scale(micro_loss).backward()
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
-            # TODO 11/15: change the next 4 lines of code:
+            # TODO 12/17: change the next 4 lines of code:
             #     if args.grad_clip > 0:
             #         scaler.unscale_(optimizer)
             #         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
@@ -281,22 +290,25 @@ def main():
             iter_num += 1
             last_step = iter_num == args.max_iters
 
-            # TODO 12/15: add 21 lines of code here:
+            # TODO 13/17: add 21 lines of code here:
             #   ---- the sync: every H steps (and at the end), the copies meet
             #   The pseudo-gradient: how far this copy moved from the global parameters in the
             #     round, pointing back (as a gradient points uphill). One flat tensor, so that the
             #     round's communication is one all-reduce.
             #   (num_params,)
+            #   This rank's share of the mean, which the all-reduce adds up: divided first, the sum
+            #     stays the size of one pseudo-gradient (in bfloat16: within its range)
             #   half the bytes on the link
-            #   the only traffic of the round
+            #   the round's one all-reduce
             #   the outer step: the mean pseudo-gradient is the global parameters' gradient
             #   every copy starts the next round from the new global parameters
-            #   uses torch.cat, torch.no_grad, m.flatten, sent.numel, sent.element_size,
-            #       chunk.view_as, p.copy_
+            #   uses torch.cat, torch.no_grad, m.flatten, chunk.view_as, p.copy_
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                # TODO 14/17: add 1 line of code here:
+                #     bytes_sent["logged losses"] += loss.numel() * loss.element_size()
                 loss_value = loss.item() / world_size
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
@@ -306,7 +318,7 @@ def main():
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling. Every rank evaluates the same windows with its own
                 # copy: all get the same loss, with no collective.
-                # TODO 13/15: change the next 2 lines of code:
+                # TODO 15/17: change the next 2 lines of code:
                 #     val_loss = evaluate(
                 #         global_model, val_set, val_windows, args.batch_size, device, autocast
                 val_loss = evaluate(
@@ -314,18 +326,21 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # TODO 14/15: change the next 2 lines of code into 6 lines:
-                #   Mid-round every copy differs, and so does its AdamW: rank 0 gathers them all, so
-                #     that a resumed run goes on with each rank's own (a collective: every rank).
-                #   uses common.distributed.gather_copies(model: torch.nn.Module, optimizer:
-                #       torch.optim.Optimizer, rank: int, world_size: int) -> list[dict] | None:
-                #       Every rank's model and optimizer state, gathered on rank 0 (None on the
-                #       others), in rank order, on the CPU: for a checkpoint of copies that differ
-                #       (chapter 08, mid-round).
+                # TODO 16/17: change the next 2 lines of code into 6 lines:
+                #   Mid-round every copy differs, and so does its AdamW: each rank saves its own
+                #     where it runs, on its node's disk (ckpt.rank<RANK>.pt). Nothing is sent.
+                #   ckpt.pt: the global parameters, the outer momentum and the round's start, which
+                #     every rank holds; any chapter loads its weights. On node-local disks every
+                #     node keeps one, written by the rank that prepared its data (--shared-fs: rank
+                #     0).
+                #   uses common.distributed.save_own_copy(out_dir: Path, iter_num: int, model:
+                #       torch.nn.Module, optimizer) -> None: This rank's copy and optimizer after
+                #       step `iter_num`, written where it runs: nothing is sent.
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
-    # TODO 15/15: add 5 lines of code here:
+    # TODO 17/17: add 7 lines of code here:
+    #   the checkpoints: 0, every rank saves its own where it runs
     #   the last sync reset every copy to the global parameters: they are equal, bit for bit
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
