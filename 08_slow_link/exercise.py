@@ -154,15 +154,14 @@ def main():
     # TODO 4/17: add 1 line of code here:
     #     own_copy = None
     # TODO 5/17: change the next 8 lines of code into 22 lines:
-    #   ckpt.pt and this rank's own copy, both from its node's disk: a resume needs the same ranks
-    #     on the same nodes, or every rank refuses with one line
+    #   ckpt.pt and this rank's own copy, from its node's disk: the same ranks on the same nodes
     #   The global parameters, the same on every rank: they change only at a sync. The checkpoint's
     #     model is this one, which any chapter loads.
-    #   What this rank hands to collectives, by kind, in bytes: what crosses the link. (The start's
-    #     few small messages, such as the run folder's claim, are left out.)
+    #   what this rank hands to collectives, by kind, in bytes (the start's few small ones aside)
     #   every copy starts as rank 0's (DDP did this broadcast for chapter 05)
     #   This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
-    #   (3 more comments in the solution)
+    #   The inner optimizer, this rank's own. AdamW keeps two running averages per parameter; plain
+    #   (2 more comments in the solution)
     #   uses common.distributed.load_own_copy(out_dir: Path) -> tuple[dict, dict]: ckpt.pt and this
     #       rank's own copy, to resume (a collective: every rank calls it).
     #   uses torch.distributed.broadcast, torch.optim.SGD, param.numel, param.element_size
@@ -296,8 +295,7 @@ def main():
             #     round, pointing back (as a gradient points uphill). One flat tensor, so that the
             #     round's communication is one all-reduce.
             #   (num_params,)
-            #   This rank's share of the mean, which the all-reduce adds up: divided first, the sum
-            #     stays the size of one pseudo-gradient (in bfloat16: within its range)
+            #   this rank's share of the mean: the sum stays in range, in bfloat16 too
             #   half the bytes on the link
             #   the round's one all-reduce
             #   the outer step: the mean pseudo-gradient is the global parameters' gradient
@@ -327,12 +325,9 @@ def main():
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
                 # TODO 16/17: change the next 2 lines of code into 6 lines:
-                #   Mid-round every copy differs, and so does its AdamW: each rank saves its own
-                #     where it runs, on its node's disk (ckpt.rank<RANK>.pt). Nothing is sent.
-                #   ckpt.pt: the global parameters, the outer momentum and the round's start, which
-                #     every rank holds; any chapter loads its weights. On node-local disks every
-                #     node keeps one, written by the rank that prepared its data (--shared-fs: rank
-                #     0).
+                #   mid-round every copy and its AdamW differ: each rank saves its own where it runs
+                #   ckpt.pt: the global parameters, the same on every rank; one per node, as the
+                #     data
                 #   uses common.distributed.save_own_copy(out_dir: Path, iter_num: int, model:
                 #       torch.nn.Module, optimizer) -> None: This rank's copy and optimizer after
                 #       step `iter_num`, written where it runs: nothing is sent.
@@ -340,7 +335,6 @@ def main():
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     # TODO 17/17: add 7 lines of code here:
-    #   the checkpoints: 0, every rank saves its own where it runs
     #   the last sync reset every copy to the global parameters: they are equal, bit for bit
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)

@@ -155,14 +155,12 @@ def main():
     checkpoint = None
     own_copy = None
     if args.resume:
-        # ckpt.pt and this rank's own copy, both from its node's disk: a resume needs the same
-        # ranks on the same nodes, or every rank refuses with one line
+        # ckpt.pt and this rank's own copy, from its node's disk: the same ranks on the same nodes
         checkpoint, own_copy = load_own_copy(out_dir)
     # The global parameters, the same on every rank: they change only at a sync. The checkpoint's
     # model is this one, which any chapter loads.
     global_model = build_model(model_config, args.init_from, checkpoint).to(device)
-    # What this rank hands to collectives, by kind, in bytes: what crosses the link. (The start's
-    # few small messages, such as the run folder's claim, are left out.)
+    # what this rank hands to collectives, by kind, in bytes (the start's few small ones aside)
     bytes_sent = {"first parameters": 0, "pseudo-gradients": 0, "logged losses": 0}
     # every copy starts as rank 0's (DDP did this broadcast for chapter 05)
     for param in global_model.parameters():
@@ -285,8 +283,7 @@ def main():
                     g.detach() - p.detach() for g, p in zip(global_params, raw_model.parameters())
                 ]
                 pseudo_grad = torch.cat([m.flatten() for m in moved])  # (num_params,)
-                # This rank's share of the mean, which the all-reduce adds up: divided first, the
-                # sum stays the size of one pseudo-gradient (in bfloat16: within its range)
+                # this rank's share of the mean: the sum stays in range, in bfloat16 too
                 sent = pseudo_grad / world_size
                 if args.sync_bf16:
                     sent = sent.to(torch.bfloat16)  # half the bytes on the link
@@ -323,12 +320,9 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # Mid-round every copy differs, and so does its AdamW: each rank saves its own
-                # where it runs, on its node's disk (ckpt.rank<RANK>.pt). Nothing is sent.
+                # mid-round every copy and its AdamW differ: each rank saves its own where it runs
                 save_own_copy(out_dir, iter_num, raw_model, optimizer)
-                # ckpt.pt: the global parameters, the outer momentum and the round's start, which
-                # every rank holds; any chapter loads its weights. On node-local disks every node
-                # keeps one, written by the rank that prepared its data (--shared-fs: rank 0).
+                # ckpt.pt: the global parameters, the same on every rank; one per node, as the data
                 if preparer:
                     more = {"round_start": round_start}
                     save_checkpoint(
@@ -341,7 +335,6 @@ def main():
         sent = f"sent {bytes_sent['pseudo-gradients']:,} bytes of pseudo-gradients in {steps} steps"
         losses = f"{bytes_sent['logged losses']:,} bytes of logged losses"
         first = f"{bytes_sent['first parameters']:,} bytes of the first parameters"
-        # the checkpoints: 0, every rank saves its own where it runs
         log(f"{sent} ({per_step:,.0f} per step), {losses}, 0 bytes of checkpoints, {first}")
     # the last sync reset every copy to the global parameters: they are equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
