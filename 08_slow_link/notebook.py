@@ -14,11 +14,11 @@
 # (`--sync-every H`), sending nothing. Then the copies meet: each computes how far it moved in the
 # round, the **pseudo-gradient** Δ = θ_global − θ_local, one all-reduce averages it, and an outer
 # SGD with Nesterov momentum (`--outer-lr 0.7 --outer-momentum 0.9`, the DiLoCo paper's: Douillard
-# et al., 2023) moves the global parameters along the mean Δ as if it were a gradient. Every copy
-# starts the next round from the new global parameters.
+# et al., 2023, arXiv 2311.08105) moves the global parameters along the mean Δ as if it were a
+# gradient. Every copy starts the next round from the new global parameters.
 #
-# Below: the outer step on a toy tensor; H = 1 with plain SGD, which is DDP; H = 10 against DDP;
-# and the bytes each rank sends.
+# Below: the outer step on a toy tensor; H = 1 with plain SGD and an outer lr 1 without momentum,
+# which is DDP; H = 10 against DDP; and the bytes each rank sends.
 
 # %%
 # Setup: import the notebooks' helpers (tools/notebook.py) from the course's root folder,
@@ -145,7 +145,8 @@ assert abs(val["local_sgd"] / val["ddp"] - 1) < 0.05
 # Local SGD stays close to DDP, not equal: each copy followed its own gradients for 10 steps.
 # The paper's outer step does better after the first sync (step 11), then overshoots: besides 1.33
 # times the second round's mean move, the second outer step adds 0.7 x 0.81 of the first round's,
-# a long one from the random start. Its lr and momentum are tuned for hundreds of rounds, not 3.
+# a long one from the random start. The paper tuned its lr and momentum on runs of 32 rounds or
+# more (at most 176), not 3.
 #
 # ## The bytes
 #

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from common.checkpoint import restore_training_state, save_checkpoint
 from common.config import (
     CourseParser,
     fraction,
@@ -41,14 +41,14 @@ from common.data import (
 from common.device import autocast_context, describe, pick_dtype, setup_math
 from common.distributed import (
     RankLog,
-    check_copies,
     claim_out_dir_on_rank0,
-    gather_copies,
+    load_own_copy,
     one_rank_first,
     ranks_unlike_rank0,
     ranks_use_gpus,
     refuse_shared_gpus,
     require_torchrun,
+    save_own_copy,
     share_cpu_cores,
 )
 from common.metrics import RunLog, Throughput
@@ -57,6 +57,7 @@ from common.training import (
     build_model,
     check_finite,
     check_resume,
+    check_same_flags,
     evaluate,
     lr_at,
     sample_text,
@@ -72,7 +73,8 @@ def main():
         "--dist-timeout", type=positive_int, default=300, help="seconds a collective may wait"
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
-    # the names torchft's LocalSGD and DiLoCo use; the defaults are the DiLoCo paper's
+    # --sync-every is torchft's name (its LocalSGD and DiLoCo take the outer optimizer as an
+    # object). The outer lr and momentum are the DiLoCo paper's; its H was 500, longer runs' H.
     parser.add_argument(
         "--sync-every", type=positive_int, default=50, help="H: inner steps between syncs"
     )
@@ -151,18 +153,24 @@ def main():
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
+    own_copy = None
     if args.resume:
-        checkpoint = load_checkpoint(out_dir)
+        # ckpt.pt and this rank's own copy, from its node's disk: the same ranks on the same nodes
+        checkpoint, own_copy = load_own_copy(out_dir)
     # The global parameters, the same on every rank: they change only at a sync. The checkpoint's
     # model is this one, which any chapter loads.
     global_model = build_model(model_config, args.init_from, checkpoint).to(device)
+    # what this rank hands to collectives, by kind, in bytes (the start's few small ones aside)
+    bytes_sent = {"first parameters": 0, "pseudo-gradients": 0, "logged losses": 0}
     # every copy starts as rank 0's (DDP did this broadcast for chapter 05)
     for param in global_model.parameters():
         dist.broadcast(param.data, src=0)
+        bytes_sent["first parameters"] += param.numel() * param.element_size()
     # This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
     raw_model = copy.deepcopy(global_model)
     # The inner optimizer, this rank's own. AdamW keeps two running averages per parameter; plain
-    # SGD (--inner-optimizer sgd, no momentum) makes H = 1 the same run as DDP with SGD.
+    # SGD (--inner-optimizer sgd, no momentum) with --outer-lr 1 --outer-momentum 0 makes H = 1
+    # the same run as DDP with SGD.
     if args.inner_optimizer == "adamw":
         optimizer = torch.optim.AdamW(
             raw_model.optimizer_groups(args.weight_decay),
@@ -188,12 +196,13 @@ def main():
     if checkpoint is not None:
         # resuming needs the same global batch and seed; the outer momentum and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
+        # and the same rounds: another H or outer step would change them without a word
+        round_flags = ["sync_every", "outer_lr", "outer_momentum", "inner_optimizer", "sync_bf16"]
+        check_same_flags(checkpoint, args, round_flags)
         iter_num = restore_training_state(checkpoint, outer_optimizer, scaler)
         # mid-round, every copy has moved on its own: each rank takes back its own and its AdamW
-        copies = checkpoint.get("copies")
-        check_copies(copies, world_size)
-        raw_model.load_state_dict(copies[rank]["model"])
-        optimizer.load_state_dict(copies[rank]["optimizer"])
+        raw_model.load_state_dict(own_copy["model"])
+        optimizer.load_state_dict(own_copy["optimizer"])
         round_start = checkpoint["round_start"]
     model = raw_model
     if args.compile:
@@ -222,7 +231,6 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
-    bytes_sent = 0  # what this rank handed to all-reduce for the pseudo-gradients, in bytes
     first_step = iter_num
 
     while iter_num < args.max_iters:
@@ -275,12 +283,13 @@ def main():
                     g.detach() - p.detach() for g, p in zip(global_params, raw_model.parameters())
                 ]
                 pseudo_grad = torch.cat([m.flatten() for m in moved])  # (num_params,)
-                sent = pseudo_grad
+                # this rank's share of the mean: the sum stays in range, in bfloat16 too
+                sent = pseudo_grad / world_size
                 if args.sync_bf16:
-                    sent = pseudo_grad.to(torch.bfloat16)  # half the bytes on the link
-                dist.all_reduce(sent, op=dist.ReduceOp.SUM)  # the only traffic of the round
-                bytes_sent += sent.numel() * sent.element_size()
-                mean_pseudo_grad = sent.to(pseudo_grad.dtype) / world_size
+                    sent = sent.to(torch.bfloat16)  # half the bytes on the link
+                dist.all_reduce(sent, op=dist.ReduceOp.SUM)  # the round's one all-reduce
+                bytes_sent["pseudo-gradients"] += sent.numel() * sent.element_size()
+                mean_pseudo_grad = sent.to(pseudo_grad.dtype)
                 # the outer step: the mean pseudo-gradient is the global parameters' gradient
                 sizes = [g.numel() for g in global_params]
                 for g, chunk in zip(global_params, mean_pseudo_grad.split(sizes)):
@@ -297,6 +306,7 @@ def main():
             if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                bytes_sent["logged losses"] += loss.numel() * loss.element_size()
                 loss_value = loss.item() / world_size
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
                 report.step(iter_num, loss_value, lr)
@@ -310,20 +320,22 @@ def main():
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
-                # Mid-round every copy differs, and so does its AdamW: rank 0 gathers them all,
-                # so that a resumed run goes on with each rank's own (a collective: every rank).
-                copies = gather_copies(raw_model, optimizer, rank, world_size)
-                if is_rank0:
-                    more = {"copies": copies, "round_start": round_start}
+                # mid-round every copy and its AdamW differ: each rank saves its own where it runs
+                save_own_copy(out_dir, iter_num, raw_model, optimizer)
+                # ckpt.pt: the global parameters, the same on every rank; one per node, as the data
+                if preparer:
+                    more = {"round_start": round_start}
                     save_checkpoint(
                         out_dir, iter_num, global_model, outer_optimizer, scaler, train_config, more
                     )
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     steps = iter_num - first_step
     if steps:
-        per_step = bytes_sent / steps
-        sent = f"sent {bytes_sent:,} bytes of pseudo-gradients in {steps} steps"
-        log(f"{sent}: {per_step:,.0f} bytes per step")
+        per_step = bytes_sent["pseudo-gradients"] / steps
+        sent = f"sent {bytes_sent['pseudo-gradients']:,} bytes of pseudo-gradients in {steps} steps"
+        losses = f"{bytes_sent['logged losses']:,} bytes of logged losses"
+        first = f"{bytes_sent['first parameters']:,} bytes of the first parameters"
+        log(f"{sent} ({per_step:,.0f} per step), {losses}, 0 bytes of checkpoints, {first}")
     # the last sync reset every copy to the global parameters: they are equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"

@@ -1,41 +1,28 @@
-"""Chapter 08 (DiLoCo) against chapter 05 (DDP) over a slow link: both trained across two
-machines of machines.sh, one process on each, at three rates of the link between them. Needs root
-(network namespaces).
+"""Chapter 08 (DiLoCo) against chapter 05 (DDP) as the papers compare them: at equal tokens, the
+same data and seed, over 30 rounds or more (Douillard et al. 2023, arXiv 2311.08105; Charles et
+al. 2025, arXiv 2503.09799), and the tokens/s across two machines of machines.sh.
 
-    sudo env "PATH=$PATH" python -m bench.slow_link            # about 40 minutes on 2 busy cores
-    sudo env "PATH=$PATH" python -m bench.slow_link --rates 100mbit --presets tiny --iters 100
-    sudo env "PATH=$PATH" python -m bench.slow_link --again    # then the goal's pair again
-    python -m maintainer.link_picture --slow-link              # then its figures and results
+    python -m bench.slow_link                      # the losses: about 7,500 steps of tiny
+    python -m bench.slow_link --quick              # every arm for a few steps: that it all runs
+    sudo env "PATH=$PATH" python -m bench.slow_link --speed   # then the tokens/s (needs root)
 
-For each preset, at each rate in turn (tc's tbf on both directions of each machine's link, or
-none), the same run three times, the same seed, data and steps:
+The arms, for each H (10 for 300 steps of tiny, 30 for 900), each with warm-up then cosine decay
+over the run's steps, B sequences a step:
 
-    ddp         chapter 05 (DDP: an all-reduce of every gradient at every step)
-    diloco H    chapter 08 with --sync-every H, for each H of --sync-every (10 and 50): an
-                all-reduce of the pseudo-gradient every H steps, nothing in between
+    ddp      chapter 05, 2 ranks of B / 2 (a global batch of B)
+    diloco2  chapter 08, M = 2 ranks of B / 2, a sync every H steps
+    diloco1  chapter 08, M = 1 rank of B, the same H and outer optimizer (DiLoCo as a lookahead)
+    warm2    chapter 08, M = 2, from ddp's weights at 27% of the steps (--init-from) for the rest:
+             its learning rate decays from ddp's at that step (the chapters start a schedule at
+             step 0, so the rest is a cosine of its own), and its data order starts again
 
-For each run, from its own metrics.jsonl and its printed lines:
+The outer lr is chosen from OUTER_LRS by diloco2's last validation loss with H = 10 on the first
+seed; every arm then uses it (all three losses are recorded). The losses run on this machine
+(torchrun, 127.0.0.1): the loss at equal tokens does not depend on the link. --speed: ddp and
+diloco2 with the largest H across two machines, on the unlimited link and at 100 Mbit, REPEATS
+times back to back each: the tokens/s after the first round, median and range.
 
-    tokens/s        the tokens of the steps after the first warmup_steps over their time (the sum of
-                    the log intervals' times, evaluations excluded as the chapters exclude them):
-                    a whole number of rounds for every H, so each run pays its syncs' full share
-    bytes per step  what each rank hands to all-reduce per optimizer step. DDP: every gradient,
-                    4 bytes a parameter in float32 (bench/scaling_model.py counts the model's
-                    parameters); DiLoCo: the count chapter 08 prints at its end
-    val loss        the global parameters' validation loss at each evaluation (every run of a
-                    preset sees the same tokens at the same step)
-    the clock       the loss at each log step against the time trained so far (the same sum)
-
-Then, at --timeline-rate, one round seen step by step: chapter 08 with the tiny model and the
-largest H for one round, and chapter 05 for a few steps, each with --log-interval 1 (every step's
-time; each log step all-reduces the 4-byte loss).
-
-With --again, afterwards: the goal's two runs once more for each model, back to back (DDP on the
-unlimited link, then DiLoCo with the largest H at 100mbit), added to --out: on a machine that other
-work shares, the load moves tokens/s from run to run, and two runs in a row see nearly the same.
-
-Writes --out (bench/results/slow_link.json): every figure, with the commands that gave it and the
-machine's load; each run's logs stay under --work-dir.
+Writes --out (bench/results/slow_link_arms.json): every loss and figure, with the commands.
 """
 
 from __future__ import annotations
@@ -43,289 +30,238 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import secrets
-import shutil
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench import scaling_model
-from bench.link_rates import WORLD, chapter_run, machines
+from bench.link_rates import chapter_run, machines
 from common.data import prepare
 from common.metrics import read_metrics
-from common.model import PRESETS
+from common.training import lr_at
 from layout import REPO
-from maintainer.make_plots import load_average, machine_description
-from tools.launch import child_env
+from maintainer.results import load_average, machine_description
+from tools.launch import child_env, flags, shown_command, torchrun_command
 
 DDP = "05_multinode/train.py"
 DILOCO = "08_slow_link/train.py"
-LOG_INTERVAL = 10  # steps per timed interval: a divisor of every H, so rounds end at log steps
-# Each preset's run: steps, sequences per rank, evaluations (on every H's syncs), and the steps
-# left out of tokens/s (whole rounds of every H, so that what is measured is whole rounds too).
-# Short, to fit a 2-core machine that other work shares, where a tiny step can take 1 s: two
-# rounds of H = 50 for the tiny model; one for the small one, on a smaller batch (its step is
-# about ten times the tiny one's), its first step included in its tokens/s.
-PLAN = {
-    "tiny": {"iters": 100, "batch_size": 8, "eval_interval": 50, "warmup_steps": 50},
-    "small": {"iters": 50, "batch_size": 2, "eval_interval": 50, "warmup_steps": 0},
-}
-TIMELINE_DDP_STEPS = 10
-SENT = re.compile(
-    r"sent ([\d,]+) bytes of pseudo-gradients in (\d+) steps: ([\d,]+) bytes per step"
-)
+BATCH = 16  # B: sequences of 32 tokens a step, in every arm
+LR, MIN_LR = 2e-3, 2e-4  # the chapters' defaults, written out: the warm start continues them
+OUTER_LRS = [0.4, 0.6, 0.8]
+WARM_SHARE = 0.27  # the DiLoCo paper's warm start: 24,000 of 88,000 steps
+REPEATS = 3
+# H -> (steps, seeds): 30 rounds or more
+FULL = {10: (300, [1337, 1338, 1339]), 30: (900, [1337])}
+QUICK = {2: (8, [1337])}
+EVALUATIONS = 10  # per run, each just after a sync
 
 
-def method_name(sync_every: int | None) -> str:
-    """ddp, or diloco H=50."""
-    return "ddp" if sync_every is None else f"diloco H={sync_every}"
+def median_range(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def clock(metrics: list[dict]) -> list[dict]:
-    """The log steps, each with the time trained up to it (s): the sum of the intervals so far,
-    each interval's dt_ms (its mean step) times its steps."""
-    points = []
-    elapsed = 0.0
-    previous = 0
-    for record in metrics:
-        if "dt_ms" not in record:
-            continue
-        elapsed += record["dt_ms"] * (record["iter"] - previous) / 1000
-        previous = record["iter"]
-        points.append({"iter": record["iter"], "t_s": round(elapsed, 4), "loss": record["loss"]})
-    return points
-
-
-def tokens_per_sec(metrics: list[dict], warmup_steps: int) -> float:
-    """Tokens over time for the log intervals after the first `warmup_steps` steps."""
-    tokens = 0
-    seconds = 0.0
-    previous = {"iter": 0, "tokens_seen": 0}
-    for record in metrics:
-        if "dt_ms" not in record:
-            continue
-        if previous["iter"] >= warmup_steps:
-            tokens += record["tokens_seen"] - previous["tokens_seen"]
-            seconds += record["dt_ms"] * (record["iter"] - previous["iter"]) / 1000
-        previous = record
-    if seconds == 0:
-        raise SystemExit(f"error: no log interval after step {warmup_steps}: train longer")
-    return tokens / seconds
-
-
-def pseudo_gradient_bytes(printed: str) -> dict:
-    """Chapter 08's own count of what it sent, from its last lines."""
-    found = SENT.search(printed)
-    if found is None:
-        raise SystemExit("error: chapter 08 printed no 'sent N bytes of pseudo-gradients' line")
-    return {
-        "bytes": int(found.group(1).replace(",", "")),
-        "steps": int(found.group(2)),
-        "bytes_per_step": int(found.group(3).replace(",", "")),
-    }
-
-
-def one_run(prefix: str, preset: str, sync_every: int | None, run: argparse.Namespace, work: Path):
-    """One chapter's run across the machines, and what it measured."""
-    name = f"{preset}_ddp" if sync_every is None else f"{preset}_diloco{sync_every}"
-    more = ["--eval-interval", str(run.eval_interval)]
-    script = DDP
-    if sync_every is not None:
-        script = DILOCO
-        more += ["--sync-every", str(sync_every)]
-    loads = [load_average()]
-    done = chapter_run(prefix, run, work, child_env(threads=1), script, tuple(more), name)
-    loads.append(load_average())
-    metrics = read_metrics(work / name / "metrics.jsonl")
-    if sync_every is None:
-        sent = {
-            "bytes_per_step": scaling_model.gradient_layout(preset)["grad_bytes"],
-            "how": "every gradient once a step, 4 bytes a parameter (float32)",
-        }
-    else:
-        sent = pseudo_gradient_bytes((work / name / "node0.log").read_text(errors="replace"))
-        sent["how"] = "chapter 08's printed count"
-    result = {
-        "preset": preset,
-        "method": method_name(sync_every),
-        "sync_every": sync_every,
-        "command": done["command"],
-        "tokens_per_sec": round(tokens_per_sec(metrics, run.warmup_steps), 1),
-        "sent": sent,
-        "val_loss": {str(m["iter"]): m["val_loss"] for m in metrics if "val_loss" in m},
-        "clock": clock(metrics),
-        "load_average": [round(load, 2) for load in loads if load is not None],
-    }
-    print(
-        f"  {preset} {result['method']}: {result['tokens_per_sec']:,.0f} tokens/s, "
-        f"{sent['bytes_per_step']:,} bytes/step, val loss {result['val_loss']}",
-        flush=True,
+def run_flags(steps: int, h: int, seed: int, batch: int) -> list[str]:
+    """A measured run of the tiny model: warm-up over a tenth of the steps, then cosine decay to
+    the last step; an evaluation every few rounds (just after a sync) and at the end."""
+    every = max(h, steps // EVALUATIONS // h * h)
+    return flags(
+        preset="tiny",
+        device="cpu",
+        dtype="float32",
+        max_iters=steps,
+        warmup_iters=steps // 10,
+        lr_decay_iters=steps,
+        lr=LR,
+        min_lr=MIN_LR,
+        eval_interval=every,
+        eval_batches=4,
+        log_interval=h,
+        sample_tokens=0,
+        dropout=0,
+        seed=seed,
+        batch_size=batch,
     )
-    return result
 
 
-def timeline(prefix: str, sync_every: int, args, work: Path) -> dict:
-    """Every step's time: chapter 08 with the tiny model for one round of `sync_every` steps, and
-    chapter 05 for a few, each with --log-interval 1."""
-    rows = {}
-    for script, steps, more, name in (
-        (DILOCO, sync_every, ("--sync-every", str(sync_every)), "timeline_diloco"),
-        (DDP, TIMELINE_DDP_STEPS, (), "timeline_ddp"),
-    ):
-        run = argparse.Namespace(
-            iters=steps, log_interval=1, preset="tiny", batch_size=PLAN["tiny"]["batch_size"]
-        )
-        run.data_dir = args.data_dir
-        loads = [load_average()]
-        done = chapter_run(prefix, run, work, child_env(threads=1), script, more, name)
-        loads.append(load_average())
-        metrics = read_metrics(work / name / "metrics.jsonl")
-        rows[name.removeprefix("timeline_")] = {
-            "command": done["command"],
-            "step_ms": [m["dt_ms"] for m in metrics if "dt_ms" in m],
-            "load_average": [round(load, 2) for load in loads if load is not None],
-        }
-    rows["sync_every"] = sync_every
-    rows["rate"] = args.timeline_rate
-    return rows
+def train(script: str, ranks: int, args: list[str], out: Path) -> dict:
+    """One arm's run (torchrun on this machine, one thread a rank): its validation losses."""
+    command = torchrun_command(script, ranks, [*args, "--out-dir", out])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".log")
+    started = time.perf_counter()
+    with open(log, "w") as sink:
+        done = subprocess.run(command, cwd=REPO, env=child_env(), stdout=sink, stderr=sink)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise SystemExit(f"error: {script} failed (status {done.returncode}):\n{tail}")
+    metrics = read_metrics(out / "metrics.jsonl")
+    losses = {m["iter"]: m["val_loss"] for m in metrics if "val_loss" in m}
+    last = max(losses)
+    print(f"  {out.name}: val loss {losses[last]:.4f} at step {last}", flush=True)
+    shown = shown_command(command).replace(str(out.parent), "WORK")
+    return {
+        "command": shown,
+        "val_loss": losses,
+        "final": losses[last],
+        "wall_s": round(time.perf_counter() - started),
+    }
 
 
-def again(args, argv: list[str] | None) -> int:
-    """The goal's two runs once more, back to back for each model of the measurement in --out, so
-    that the load of other work is nearly the same for both: DDP on the unlimited link, then
-    DiLoCo with the largest H at 100 Mbit. Added to --out as its "again" runs."""
-    measured = json.loads(args.out.read_text())
-    work = Path(args.work_dir) / "again"
-    shutil.rmtree(work, ignore_errors=True)
-    prefix = "sl" + secrets.token_hex(3)
-    largest = max(run["sync_every"] or 0 for row in measured["rates"] for run in row["runs"])
-    runs = []
+def arms(h: int, steps: int, seed: int, outer_lr: float, work: Path, data: list[str]) -> dict:
+    """ddp, diloco2 and diloco1 with one H and seed (and warm2 on the first seed)."""
+    base = run_flags(steps, h, seed, BATCH // 2) + data
+    outer = flags(sync_every=h, outer_lr=outer_lr)
+    runs = {
+        "ddp": train(DDP, 2, base, work / "ddp"),
+        "diloco2": train(DILOCO, 2, base + outer, work / "diloco2"),
+    }
+    one_rank = run_flags(steps, h, seed, BATCH) + data + outer
+    runs["diloco1"] = train(DILOCO, 1, one_rank, work / "diloco1")
+    return runs
+
+
+def warm_start(h: int, steps: int, seed: int, outer_lr: float, work: Path, data: list[str]):
+    """ddp up to WARM_SHARE of the steps (a whole number of rounds), then diloco2 from its
+    weights for the rest."""
+    start = max(h, round(steps * WARM_SHARE / h) * h)
+    base = run_flags(steps, h, seed, BATCH // 2) + data
+    # the same schedule as the whole ddp run (the last --max-iters counts): stopped at `start`
+    first = train(DDP, 2, base + flags(max_iters=start), work / "ddp_first")
+    schedule = argparse.Namespace(lr=LR, min_lr=MIN_LR, warmup_iters=steps // 10)
+    schedule.lr_decay_iters = steps
+    rest = run_flags(steps - start, h, seed, BATCH // 2) + data
+    lr_there = lr_at(start, schedule)
+    rest += flags(init_from=work / "ddp_first" / "ckpt.pt", warmup_iters=0, lr=lr_there)
+    rest += flags(sync_every=h, outer_lr=outer_lr)
+    warm = train(DILOCO, 2, rest, work / "warm2")
+    warm["from_step"] = start
+    warm["ddp_first"] = first
+    return warm
+
+
+def against_ddp(seeds: dict) -> dict:
+    """Each arm's last validation loss over the seeds (median, range), and its ratio to ddp's."""
+    summary = {}
+    names = {name for runs in seeds.values() for name in runs}
+    for name in sorted(names):
+        finals = [runs[name]["final"] for runs in seeds.values() if name in runs]
+        ratios = [
+            runs[name]["final"] / runs["ddp"]["final"] for runs in seeds.values() if name in runs
+        ]
+        summary[name] = {"val_loss": median_range(finals), "ratio_to_ddp": median_range(ratios)}
+    return summary
+
+
+def speed(h: int, steps: int, args) -> dict:
+    """ddp and diloco2 across two machines, unlimited and 100mbit, REPEATS times back to back:
+    the tokens/s after the first round (its first step warms up)."""
+    prefix = "sl" + secrets.token_hex(3)  # this run's machines, nobody else's
+    result = {}
+    run = argparse.Namespace(iters=steps, log_interval=h, preset="tiny", data_dir=args.data_dir)
+    run.batch_size = BATCH // 2
     try:
-        for preset, plan in measured["settings"]["presets"].items():
-            run = argparse.Namespace(
-                preset=preset,
-                data_dir=args.data_dir,
-                iters=plan["iters"],
-                batch_size=plan["batch_size_per_rank"],
-                eval_interval=plan["eval_interval"],
-                warmup_steps=plan["warmup_steps"],
-                log_interval=measured["settings"]["log_interval"],
-            )
-            for rate, sync_every in (("unlimited", None), ("100mbit", largest)):
-                machines("up", "--prefix", prefix, "--machines", str(WORLD), "--rate", rate)
-                print(f"{rate}, again:", flush=True)
-                (work / rate).mkdir(parents=True, exist_ok=True)
-                runs.append(one_run(prefix, preset, sync_every, run, work / rate) | {"rate": rate})
+        for rate in ("unlimited", "100mbit"):
+            machines("up", "--prefix", prefix, "--machines", "2", "--rate", rate)
+            for name, script, more in (
+                ("ddp", DDP, ()),
+                ("diloco2", DILOCO, ("--sync-every", str(h), "--outer-lr", str(args.outer_lr))),
+            ):
+                rates = []
+                for repeat in range(REPEATS):
+                    work = Path(args.work_dir) / "speed" / rate
+                    work.mkdir(parents=True, exist_ok=True)
+                    label = f"{name}_{repeat}"
+                    done = chapter_run(prefix, run, work, child_env(), script, more, label)
+                    metrics = read_metrics(work / label / "metrics.jsonl")
+                    timed = [m for m in metrics if "dt_ms" in m and m["iter"] > h]
+                    seconds = sum(m["dt_ms"] * h / 1000 for m in timed)
+                    rates.append(len(timed) * h * BATCH * 32 / seconds)
+                result.setdefault(rate, {})[name] = {
+                    "command": done["command"],
+                    "tokens_per_sec": [round(r, 1) for r in rates],
+                    **median_range(rates),
+                    "load_average": load_average(),
+                }
+                print(f"  {rate} {name}: {statistics.median(rates):,.0f} tokens/s", flush=True)
     finally:
         machines("down", "--prefix", prefix)
-    measured["again"] = {
-        "made_by": " ".join(["python -m bench.slow_link", *(argv or sys.argv[1:])]),
-        "runs": runs,
-    }
-    args.out.write_text(json.dumps(measured, indent=1) + "\n")
-    print(f"added to {args.out}")
-    return 0
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rates", default="unlimited,1gbit,100mbit", help="tc's rates, in turn")
-    p.add_argument("--presets", default="tiny,small", help="the models, each of PLAN")
-    p.add_argument("--sync-every", default="10,50", help="chapter 08's H, one run each")
-    p.add_argument("--iters", type=int, help="steps of every run (default: each preset's PLAN)")
-    p.add_argument("--timeline-rate", default="100mbit", help="the rate of the step-by-step runs")
-    p.add_argument(
-        "--again",
-        action="store_true",
-        help="only the goal's two runs once more for each model of --out, back to back (DDP on "
-        "the unlimited link, DiLoCo with the largest H at 100mbit), added there: other work on "
-        "the machine moves tokens/s between runs",
-    )
+    p.add_argument("--quick", action="store_true", help="every arm for a few steps (H = 2)")
+    p.add_argument("--speed", action="store_true", help="only the tokens/s, added to --out")
     p.add_argument("--data-dir", default=str(REPO / "data"))
     p.add_argument("--work-dir", default=str(REPO / "out" / "slow_link"))
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "slow_link.json")
+    out_default = REPO / "bench" / "results" / "slow_link_arms.json"
+    p.add_argument("--out", type=Path, default=out_default)
     args = p.parse_args(argv)
-    if args.again:
-        return again(args, argv)
-    presets = args.presets.split(",")
-    unknown = [preset for preset in presets if preset not in PLAN]
-    if unknown:
-        raise SystemExit(f"error: --presets {','.join(unknown)}: choose among {','.join(PLAN)}")
-    syncs = [int(h) for h in args.sync_every.split(",")]
-    plans = {}
-    for preset in presets:
-        plan = PLAN[preset] | {"log_interval": LOG_INTERVAL}
-        if args.iters:
-            plan |= {"iters": args.iters, "eval_interval": args.iters}
-        plans[preset] = plan
-        for h in syncs:
-            if h % LOG_INTERVAL or plan["warmup_steps"] % h or plan["iters"] % h:
-                raise SystemExit(
-                    f"error: --sync-every {h}: a multiple of {LOG_INTERVAL} that divides "
-                    f"{preset}'s steps ({plan['iters']}) and warm-up ({plan['warmup_steps']})"
-                )
+    plan = QUICK if args.quick else FULL
     prepare("shakespeare", args.data_dir, log=lambda *a: None)
-    prefix = "sl" + secrets.token_hex(3)  # this run's machines, nobody else's
+    data = flags(data_dir=args.data_dir)
+    work = Path(args.work_dir)
     started = time.perf_counter()
-    rates = args.rates.split(",")
-    for rate in rates:
-        # this script's own folders, from an earlier measurement: start them afresh (a chapter
-        # refuses a folder that holds a run)
-        shutil.rmtree(Path(args.work_dir) / rate, ignore_errors=True)
+    if args.speed:
+        measured = json.loads(args.out.read_text())
+        args.outer_lr = measured["outer_lr"]["chosen"]
+        h = max(plan)
+        speed_steps = 3 * h  # one round of warm-up, two timed
+        measured["speed"] = {"sync_every": h, "steps": speed_steps, **speed(h, speed_steps, args)}
+        slow = measured["speed"]["100mbit"]
+        # the goal: DiLoCo at least 3 times DDP's tokens/s at 100 Mbit
+        measured["speed"]["ratio_at_100mbit"] = slow["diloco2"]["median"] / slow["ddp"]["median"]
+        measured["speed"]["wall_s"] = round(time.perf_counter() - started)
+        args.out.write_text(json.dumps(measured, indent=1) + "\n")
+        print(f"added the tokens/s to {args.out}")
+        return 0
     import torch
 
     result = {
         "made_by": " ".join(["python -m bench.slow_link", *(argv or sys.argv[1:])]),
         "date": datetime.date.today().isoformat(),
-        "wall_s": None,
-        "complete": False,
         "machine": machine_description("cpu"),
         "torch": torch.__version__,
-        "settings": {
-            "ranks": WORLD,
-            "threads_per_rank": 1,
-            "log_interval": LOG_INTERVAL,
-            "eval_batches": 2,
-            "presets": {
-                preset: {
-                    "iters": plans[preset]["iters"],
-                    "batch_size_per_rank": plans[preset]["batch_size"],
-                    "eval_interval": plans[preset]["eval_interval"],
-                    "warmup_steps": plans[preset]["warmup_steps"],
-                    "block_size": PRESETS[preset].block_size,
-                    "params": scaling_model.gradient_layout(preset)["params"],
-                }
-                for preset in presets
-            },
-        },
-        "rates": [{"rate": rate, "runs": []} for rate in rates],
-        "timeline": None,
+        "load_average_start": load_average(),
+        "settings": {"preset": "tiny", "batch": BATCH, "block_size": 32, "eval_batches": 4},
+        "outer_lr": {},
+        "by_h": {},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        # the tiny model at every rate first, then the small one: a measurement cut short still
-        # has a whole table for the first preset (the file is written after each rate)
-        for preset in presets:
-            run = argparse.Namespace(preset=preset, data_dir=args.data_dir, **plans[preset])
-            for row in result["rates"]:
-                rate = row["rate"]
-                work = Path(args.work_dir) / rate
-                work.mkdir(parents=True, exist_ok=True)
-                machines("up", "--prefix", prefix, "--machines", str(WORLD), "--rate", rate)
-                print(f"{rate}:", flush=True)
-                for sync_every in [None, *syncs]:
-                    row["runs"].append(one_run(prefix, preset, sync_every, run, work))
-                if rate == args.timeline_rate and preset == "tiny":
-                    result["timeline"] = timeline(prefix, max(syncs), args, work)
-                result["wall_s"] = round(time.perf_counter() - started)
-                args.out.write_text(json.dumps(result, indent=1) + "\n")
-    finally:
-        machines("down", "--prefix", prefix)
-    result["complete"] = True
+    # the outer lr: diloco2 with the first H and seed, each of OUTER_LRS
+    h, (steps, seeds) = next(iter(plan.items()))
+    tried = {}
+    for outer_lr in OUTER_LRS:
+        args_lr = run_flags(steps, h, seeds[0], BATCH // 2) + data
+        args_lr += flags(sync_every=h, outer_lr=outer_lr)
+        tried[outer_lr] = train(DILOCO, 2, args_lr, work / f"lr{outer_lr}" / "diloco2")
+    chosen = min(tried, key=lambda lr: tried[lr]["final"])
+    result["outer_lr"] = {
+        "chosen": chosen,
+        "by": f"diloco2's last validation loss, H = {h}, seed {seeds[0]}",
+        "final": {str(lr): run["final"] for lr, run in tried.items()},
+    }
+    for h, (steps, seeds) in plan.items():
+        by_seed = {}
+        for seed in seeds:
+            by_seed[seed] = arms(h, steps, seed, chosen, work / f"h{h}_seed{seed}", data)
+        warm = warm_start(h, steps, seeds[0], chosen, work / f"h{h}_warm", data)
+        result["by_h"][str(h)] = {
+            "steps": steps,
+            "tokens": steps * BATCH * 32,
+            "rounds": steps // h,
+            "seeds": {str(seed): runs for seed, runs in by_seed.items()},
+            "summary": against_ddp(by_seed),
+            "warm2": warm,
+            "warm2_ratio_to_ddp": warm["final"] / by_seed[seeds[0]]["ddp"]["final"],
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")  # a run cut short keeps its H
     result["wall_s"] = round(time.perf_counter() - started)
+    result["load_average_end"] = load_average()
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out} ({result['wall_s']} s)")
     return 0

@@ -57,9 +57,6 @@ def write_checkpoint(
 ) -> None:
     """Write <out_dir>/ckpt.pt through a temporary file: a crash while it writes leaves the old
     checkpoint intact."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    # the host and the process in the name: no two writers share a temporary file, even across nodes
-    tmp = Path(out_dir, f".{CKPT_NAME}.tmp.{socket.gethostname()}.{os.getpid()}")
     # a Path or an object would need unpickling code to read back
     plain = {k: v for k, v in train_config.items() if v is None or isinstance(v, (int, float, str))}
     # the GPUs' generators draw dropout's masks there: a resumed run continues their streams
@@ -81,12 +78,21 @@ def write_checkpoint(
         "scaler": scaler_state or {},
         **(more or {}),
     }
+    save_atomically(checkpoint, Path(out_dir) / CKPT_NAME)
+
+
+def save_atomically(state: dict, path: Path) -> None:
+    """torch.save(state) to `path` through a temporary file: a crash while it writes leaves the old
+    file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # a node's folder that only its ranks write
+    # the host and the process in the name: no two writers share a temporary file, even across nodes
+    tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, tmp.with_name(CKPT_NAME))
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # after a failure (a full disk): no half-written file left
 

@@ -1,8 +1,8 @@
 """What the DDP chapters need but do not teach: the refusal of a start without torchrun, lines that
 say which rank wrote them, the refusal of devices the ranks cannot use and their CPU threads, the
-check that no two ranks share a GPU, rank 0's claim of the run folder for all, one rank first, the
-copies check, and what chapter 06 adds for torchrun's restarts: a meeting point that survives them
-and the ranks' agreement on where to continue.
+check that no two ranks share a GPU, rank 0's claim of the run folder for all, one rank first,
+each rank's own copy on its own disk (chapter 08), and what chapter 06 adds for torchrun's
+restarts: a meeting point that survives them and the ranks' agreement on where to continue.
 
 Every function here that takes no device facts is a collective or joins one: every rank of the
 group must call it, in the same order, or the ranks that did wait for the others until the timeout.
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .checkpoint import load_checkpoint, save_atomically
 from .device import parse_device
 from .support.errors import CourseError
 from .support.rundir import CKPT_NAME, folder_problem
@@ -158,41 +159,67 @@ def ranks_unlike_rank0(model: torch.nn.Module) -> int:
     return int(differing.item())
 
 
-def gather_copies(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int
-) -> list[dict] | None:
-    """Every rank's model and optimizer state, gathered on rank 0 (None on the others), in rank
-    order, on the CPU: for a checkpoint of copies that differ (chapter 08, mid-round). Every rank
-    must call it."""
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    state = _to_cpu(state)
-    gathered = None
-    if rank == 0:
-        gathered = [None] * world_size
-    dist.gather_object(state, gathered, dst=0)
-    return gathered
+def own_copy_path(out_dir: Path, rank: int) -> Path:
+    """Where a rank keeps its own copy of the model and its optimizer (chapter 08): beside ckpt.pt,
+    in its own --out-dir, on the disk of the node it runs on."""
+    return out_dir / f"ckpt.rank{rank}.pt"
 
 
-def _to_cpu(value):
-    """A state dict's tensors on the CPU, the rest as it is: a checkpoint loads anywhere."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(item) for item in value)
-    return value
+def save_own_copy(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer) -> None:
+    """This rank's copy and optimizer after step `iter_num`, written where it runs: nothing is
+    sent. With the rank, the number of ranks and the node, which a resume must have again."""
+    rank = dist.get_rank()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "iter_num": iter_num,
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "node_rank": int(os.environ["GROUP_RANK"]),
+    }
+    save_atomically(state, own_copy_path(out_dir, rank))
 
 
-def check_copies(copies: list[dict] | None, world_size: int) -> None:
-    """Refuse to resume a checkpoint of per-rank copies with another number of ranks."""
-    if copies is None:
-        raise CourseError("this checkpoint holds no per-rank copies: resume it with its chapter")
-    if len(copies) != world_size:
-        raise CourseError(
-            f"the checkpoint holds the copies of {len(copies)} ranks, and this run has "
-            f"{world_size}: resume with {len(copies)} ranks, or start a new run in a new --out-dir"
-        )
+def load_own_copy(out_dir: Path) -> tuple[dict, dict]:
+    """ckpt.pt and this rank's own copy, to resume (a collective: every rank calls it).
+
+    A resume needs the same ranks on the same nodes: each rank finds, in its own --out-dir, the
+    file it saved itself, of ckpt.pt's step. Otherwise every rank stops with the first problem
+    that a rank found, in one line."""
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    node_rank = int(os.environ["GROUP_RANK"])
+    path = own_copy_path(out_dir, rank)
+    redo = "resume with the same ranks on the same nodes, or start a new run in a new --out-dir"
+    checkpoint = None
+    own = None
+    problem = None
+    try:
+        checkpoint = load_checkpoint(out_dir)
+        if not path.exists():
+            problem = f"rank {rank} on node {node_rank} finds no copy of its own at {path}: {redo}"
+        else:
+            own = torch.load(path, map_location="cpu", weights_only=True)
+            saved = (own["rank"], own["world_size"], own["node_rank"])
+            if saved != (rank, world_size, node_rank):
+                problem = (
+                    f"{path} was saved by rank {saved[0]} of {saved[1]} on node {saved[2]}, and "
+                    f"this is rank {rank} of {world_size} on node {node_rank}: {redo}"
+                )
+            elif own["iter_num"] != checkpoint["iter_num"]:
+                problem = (
+                    f"{path} is of step {own['iter_num']} and ckpt.pt of step "
+                    f"{checkpoint['iter_num']} (the run stopped while it saved): start a new run "
+                    "in a new --out-dir"
+                )
+    except CourseError as err:
+        problem = f"rank {rank} on node {node_rank}: {err}"
+    problems: list[str | None] = [None] * world_size
+    dist.all_gather_object(problems, problem)
+    for found in problems:
+        if found is not None:
+            raise CourseError(found)
+    return checkpoint, own
 
 
 def restart_store(

@@ -38,6 +38,20 @@ def check_resume(checkpoint: dict, global_batch: int, seed: int) -> None:
             )
 
 
+def check_same_flags(checkpoint: dict, args: argparse.Namespace, names: list[str]) -> None:
+    """A resumed run goes on with the settings it was trained with: one line names the first flag
+    of `names` whose value differs from the checkpoint's."""
+    saved = checkpoint.get("train_config", {})
+    for name in names:
+        now = getattr(args, name)
+        if name in saved and saved[name] != now:
+            flag = "--" + name.replace("_", "-")
+            raise CourseError(
+                f"the checkpoint was trained with {flag} {saved[name]}, this run has {flag} "
+                f"{now}: resume with the same {flag}, or start a new run in a new --out-dir"
+            )
+
+
 def lr_at(iteration: int, args: argparse.Namespace) -> float:
     """Linear warm-up to --lr, then cosine decay to --min-lr over --lr-decay-iters steps."""
     if iteration < args.warmup_iters:

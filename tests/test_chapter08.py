@@ -10,10 +10,16 @@ Every run is real: torchrun with 2 ranks, gloo on 127.0.0.1, the tiny model on t
     bytes                 what each rank hands to all-reduce per step: DDP's (counted by a hook on
                           its buckets) divided by H, and by 2H in bfloat16
     resume                stopped mid-round and resumed: the uninterrupted run's losses and
-                          parameters
+                          parameters; across two machines, from each node's own folder
+    the outer step        one round's global parameters and outer momentum against Nesterov's
+                          step computed here from the ranks' copies, as torch's SGD defines it;
+                          the second round's step from its momentum
+    bfloat16              the mean pseudo-gradient sent in bfloat16 within bfloat16's rounding of
+                          the float64 mean, for 2 and 3 ranks
+    refusals              a resume with another H, or with other ranks, is one line
 
-The suite runs the proofs of H = 1 and of the bytes; the slow stage (python -m pytest -m slow)
-all four.
+The suite runs the proofs of H = 1, of the bytes, of the outer step and of bfloat16 with 2 ranks;
+the slow stage (python -m pytest -m slow) all of them.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import outputs_of, read_until, replace_statement, start, tiny_run_args
+from machines import machine_set, static_launch
 
 from common.metrics import read_metrics
+from common.model import GPT, GPTConfig
 from layout import REPO
-from tools.launch import child_env, shown_command, stop_launchers, torchrun_command
+from tools.launch import child_env, free_port, shown_command, stop_launchers, torchrun_command
 from tools.statements import Pattern, replace
 
 SCRIPT = REPO / "08_slow_link" / "train.py"
@@ -73,13 +81,16 @@ def variant(source: str, folder: Path) -> Path:
     return script
 
 
-def torchrun(script: Path, args: list, timeout: float = 240) -> str:
-    """Two ranks of `script` under torchrun; its output, or the test fails with it."""
-    cmd = torchrun_command(script, 2, args)
+def torchrun(
+    script: Path, args: list, timeout: float = 240, nproc: int = 2, status: int = 0
+) -> str:
+    """`nproc` ranks of `script` under torchrun; its output, or the test fails with it unless it
+    ends with `status`."""
+    cmd = torchrun_command(script, nproc, args)
     env = child_env(PYTHONPATH=str(REPO))
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{shown_command(cmd)} exited {done.returncode}\n{output}"
+    assert done.returncode == status, f"{shown_command(cmd)} exited {done.returncode}\n{output}"
     return output
 
 
@@ -220,7 +231,209 @@ def test_resume_mid_round_equals_the_uninterrupted_run(data_dir, tmp_path):
     at = checkpoint["iter_num"]
     assert at < iters and at % every != 0, f"not stopped inside a round: step {at}"
     assert at - checkpoint["round_start"] == at % every
-    assert len(checkpoint["copies"]) == 2
+    for rank in (0, 1):  # each rank's own copy, of the same step
+        assert torch.load(stopped / f"ckpt.rank{rank}.pt", weights_only=True)["iter_num"] == at
     output = torchrun(SCRIPT, args(stopped, resume=True))
     assert f"resuming from {stopped / 'ckpt.pt'} at step {at}" in output
     assert_same_run(stopped, whole, rel=1e-6)
+
+
+# ---- the outer step by hand --------------------------------------------------------------------
+H = 4  # inner steps of a round
+NO_SYNC = 1000  # an H that never comes: the copies train apart, the global parameters stay
+
+
+def round_args(data_dir: Path, out: Path, iters: int, batch_size: int = 2, **more) -> list[str]:
+    """float64, the learning rate's schedule independent of --max-iters (no warm-up, the decay over
+    100 steps), a checkpoint at the end of the first round."""
+    return tiny_run_args(
+        data_dir,
+        out,
+        iters,
+        dtype="float64",
+        batch_size=batch_size,
+        warmup_iters=0,
+        lr_decay_iters=100,
+        eval_interval=H,
+        **more,
+    )
+
+
+def stopped_before_the_first_sync(data_dir: Path, out: Path, ranks: int) -> dict:
+    """A run whose sync never comes, stopped after its checkpoint of step H: its global
+    parameters are the start (theta0), and its ranks' files hold the copies after the H inner
+    steps that the first round of a run with --sync-every H ends with. The global parameters and
+    each rank's copy, by parameter name."""
+    args = round_args(data_dir, out, 100, sync_every=NO_SYNC)
+    proc = start(torchrun_command(SCRIPT, ranks, args))
+    try:
+        # rank 0's loss of the step after: every rank has saved its copy of step H by then
+        seen = read_until(proc, f"iter {H + 1:>6} |")
+        assert f"iter {H + 1:>6} |" in seen, seen
+        stop_launchers([proc])
+    finally:
+        outputs_of([proc], timeout=60)
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+    assert checkpoint["iter_num"] == H, "stopped too late: the next checkpoint came"
+    copies = [torch.load(out / f"ckpt.rank{r}.pt", weights_only=True) for r in range(ranks)]
+    assert [c["iter_num"] for c in copies] == [H] * ranks
+    return {"global": checkpoint["model"], "copies": [c["model"] for c in copies]}
+
+
+def parameter_names(out: Path) -> list[str]:
+    """The model's parameters in the outer optimizer's order (the tied weight once)."""
+    config = GPTConfig(**torch.load(out / "ckpt.pt", weights_only=True)["model_config"])
+    return [name for name, _ in GPT(config).named_parameters()]
+
+
+def mean_pseudo_gradient(start: dict, name: str) -> torch.Tensor:
+    """The ranks' mean of (global - copy) for one parameter, in float64."""
+    moved = [start["global"][name] - copy[name] for copy in start["copies"]]
+    return torch.stack(moved).mean(dim=0)
+
+
+@pytest.fixture(scope="module")
+def two_copies(data_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("chapter08_round") / "no_sync"
+    return out, stopped_before_the_first_sync(data_dir, out, ranks=2)
+
+
+def test_the_outer_step_is_nesterovs_on_the_mean_pseudo_gradient(two_copies, data_dir, tmp_path):
+    """The default outer SGD (lr 0.7, Nesterov momentum 0.9) over two rounds. As torch.optim.SGD
+    defines it: buf = g in the first step, buf = 0.9 buf + g after; the step is lr (g + 0.9 buf)."""
+    _, start = two_copies
+    out = tmp_path / "two_rounds"
+    output = torchrun(SCRIPT, round_args(data_dir, out, 2 * H, sync_every=H))
+    assert f"a sync every {H} steps, outer SGD lr 0.7, momentum 0.9" in output
+    lr, momentum = 0.7, 0.9
+    final = torch.load(out / "ckpt.pt", weights_only=True)
+    buffers = final["optimizer"]["state"]
+    for index, name in enumerate(parameter_names(out)):
+        # round 1, by hand from the ranks' copies
+        g1 = mean_pseudo_gradient(start, name)
+        buf1 = g1
+        theta1 = start["global"][name] - lr * (g1 + momentum * buf1)  # 1.33 g1
+        # round 2: its mean pseudo-gradient is what the momentum added
+        buf2 = buffers[index]["momentum_buffer"]
+        g2 = buf2 - momentum * buf1
+        theta2 = theta1 - lr * (g2 + momentum * buf2)
+        torch.testing.assert_close(final["model"][name], theta2, rtol=1e-9, atol=1e-12, msg=name)
+    assert final["round_start"] == 2 * H
+
+
+def assert_bfloat16_mean(out: Path, start: dict) -> None:
+    """The global parameters after one round with --sync-bf16, outer lr 1 and no momentum:
+    theta0 - the mean pseudo-gradient sent in bfloat16. Within bfloat16's rounding of the float64
+    mean: each rank's share (Δ / W) and each partial sum of the all-reduce is rounded by at most
+    2^-8 of itself (8 significant bits), at most W 2^-8 of the mean of the ranks' |Δ| in all."""
+    moved = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    ranks = len(start["copies"])
+    rounded_somewhere = False
+    for name in parameter_names(out):
+        exact = mean_pseudo_gradient(start, name)
+        sent = start["global"][name] - moved[name]
+        scale = torch.stack([start["global"][name] - c[name] for c in start["copies"]]).abs()
+        bound = ranks * 2**-8 * scale.mean(dim=0) + 1e-12
+        assert bool(((sent - exact).abs() <= bound).all()), name
+        rounded_somewhere |= not torch.equal(sent, exact)
+    assert rounded_somewhere  # it was sent in bfloat16
+
+
+def test_bfloat16_sync_is_the_mean_within_its_rounding_with_2_ranks(two_copies, data_dir, tmp_path):
+    _, start = two_copies
+    out = tmp_path / "bf16"
+    args = round_args(data_dir, out, H, sync_every=H, sync_bf16=True, outer_lr=1, outer_momentum=0)
+    torchrun(SCRIPT, args)
+    assert_bfloat16_mean(out, start)
+
+
+@pytest.mark.slow
+def test_bfloat16_sync_is_the_mean_within_its_rounding_with_3_ranks(data_dir, tmp_path):
+    start = stopped_before_the_first_sync(data_dir, tmp_path / "no_sync", ranks=3)
+    out = tmp_path / "bf16"
+    args = round_args(data_dir, out, H, sync_every=H, sync_bf16=True, outer_lr=1, outer_momentum=0)
+    torchrun(SCRIPT, args, nproc=3)
+    assert_bfloat16_mean(out, start)
+
+
+def test_a_resume_with_another_h_or_other_ranks_is_refused(two_copies, data_dir):
+    """Stopped mid-round (step H of a round that never ends): resumed with another H, the run
+    would end its round at once, or never; with another number of ranks, no rank has its copy."""
+    out, _ = two_copies
+    saved = {path.name: path.read_bytes() for path in out.glob("ckpt*.pt")}
+    args = round_args(data_dir, out, 100, sync_every=2, resume=True)
+    output = torchrun(SCRIPT, args, status=1)  # torchrun's status when its ranks failed
+    refusal = (
+        f"error: the checkpoint was trained with --sync-every {NO_SYNC}, this run has "
+        "--sync-every 2: resume with the same --sync-every, or start a new run in a new --out-dir"
+    )
+    assert f"[rank 0] {refusal}" in output and f"[rank 1] {refusal}" in output
+    # one rank with the global batch of two: the same data order, but not the same ranks
+    args = round_args(data_dir, out, 100, sync_every=NO_SYNC, resume=True, batch_size=4)
+    output = torchrun(SCRIPT, args, nproc=1, status=1)
+    assert (
+        f"[rank 0] error: {out}/ckpt.rank0.pt was saved by rank 0 of 2 on node 0, and this is "
+        "rank 0 of 1 on node 0: resume with the same ranks on the same nodes" in output
+    )
+    assert {path.name: path.read_bytes() for path in out.glob("ckpt*.pt")} == saved
+
+
+@pytest.mark.slow
+def test_across_two_machines_a_resume_from_node_local_folders_equals_the_uninterrupted_run(
+    data_dir, tmp_path
+):
+    """Two machines of machines.sh, one rank on each, each with its own --out-dir (its node's
+    disk): a checkpoint sends nothing over the link, and a run stopped mid-round resumes from the
+    two folders as if never stopped. With the folders swapped, it is refused."""
+    iters, every, eval_every = 12, 5, 6  # the checkpoint of step 6 is inside the second round
+
+    def args(out: Path, **more) -> list[str]:
+        return tiny_run_args(
+            data_dir, out, iters, batch_size=4, sync_every=every, eval_interval=eval_every, **more
+        )
+
+    whole = tmp_path / "whole"
+    torchrun(SCRIPT, args(whole))  # the uninterrupted run: 2 ranks on this machine
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    with machine_set(machines=2) as machines:
+
+        def both_nodes(folders: list[Path], **more) -> list:
+            port = free_port()
+            return [
+                start(
+                    machines.run_command(
+                        node, static_launch(str(SCRIPT), node, port) + args(folder, **more)
+                    )
+                )
+                for node, folder in enumerate(folders)
+            ]
+
+        nodes = both_nodes(folders)
+        try:
+            seen = read_until(nodes[0], f"iter {eval_every + 1:>6} |")
+            assert f"iter {eval_every + 1:>6} |" in seen, seen
+            stop_launchers(nodes)
+        finally:
+            outputs_of(nodes, timeout=60)
+        # each node's folder: ckpt.pt and the copy of its own rank, nothing of the other's
+        for node, folder in enumerate(folders):
+            names = sorted(path.name for path in folder.glob("ckpt*.pt"))
+            assert names == ["ckpt.pt", f"ckpt.rank{node}.pt"], names
+            checkpoint = torch.load(folder / "ckpt.pt", weights_only=True)
+            assert (checkpoint["iter_num"], checkpoint["round_start"]) == (eval_every, every)
+        # the folders swapped: no rank finds a copy of its own, and both nodes say so
+        nodes = both_nodes(folders[::-1], resume=True)
+        outputs = outputs_of(nodes, timeout=240)
+        missing = f"rank 0 on node 0 finds no copy of its own at {folders[1]}/ckpt.rank0.pt"
+        for node, output in zip(nodes, outputs):
+            assert node.returncode != 0 and f"error: {missing}" in output, output
+        nodes = both_nodes(folders, resume=True)
+        outputs = outputs_of(nodes, timeout=240)
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+    assert f"resuming from {folders[0] / 'ckpt.pt'} at step {eval_every}" in outputs[0]
+    assert "bytes of logged losses, 0 bytes of checkpoints" in outputs[0]
+    assert_same_run(folders[0], whole, rel=1e-6)
+    # node 1 keeps the same global parameters, written on its own disk
+    for name, value in parameters(folders[0]).items():
+        assert torch.equal(parameters(folders[1])[name], value), name
