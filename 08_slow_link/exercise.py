@@ -1,12 +1,9 @@
-# Exercise: chapter 08 (08_slow_link). This is chapter 05's train.py; add chapter 08's idea where
-# the 17 TODOs say. A TODO says how the lines below it change, and hints: the new comments of the
-# solution there (or its code), the defs it adds and the helpers it first calls, with their
-# signatures. Solve a copy, not this file: a my_*.py file is yours (git ignores it, and the course's
-# tests read only this one). Then check your copy:
+# Exercise: chapter 08 (08_slow_link). Add its idea to chapter 05's train.py
+# where the 17 TODOs say, in a copy (git ignores my_*.py files, and the course's
+# tests read only this one), then check it:
 #     cp -n 08_slow_link/exercise.py 08_slow_link/my_exercise.py
 #     python -m tools.check 08_slow_link/my_exercise.py --nproc-per-node 2
-# The solution is 08_slow_link/train.py (its README shows the diff). `cp -n` never overwrites a
-# copy; to start again, copy this file under another name. This file is made by
+# The solution is 08_slow_link/train.py; its README shows the diff. This file is made by
 # maintainer/make_exercises.py from the two scripts.
 """Chapter 05: the same job on several machines ("nodes"), one torchrun on each.
 
@@ -19,14 +16,24 @@ line names its node, and the token files are prepared once per node's disk (or o
     NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 05_multinode/launch_static.sh  # node 0 (and 1 on node 1)
 """
 
-# TODO 1/17: the imports: remove (-) and add (+)
-#     - import contextlib
-#     - from torch.nn.parallel import DistributedDataParallel as DDP
-#     - from common.checkpoint import load_checkpoint
-#     + import copy
-#     + from common.config import fraction, non_negative_float
-#     + from common.distributed import load_own_copy, save_own_copy
-#     + from common.training import check_same_flags
+# TODO 1/17: the imports:
+#   - import contextlib
+#   - from torch.nn.parallel import DistributedDataParallel as DDP
+#   - from common.checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+#   - from common.config import CourseParser, gpt_config_from_args, positive_int
+#   - from common.distributed import RankLog, claim_out_dir_on_rank0, one_rank_first,
+#       ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun, share_cpu_cores
+#   - from common.training import build_model, check_finite, check_resume, evaluate, lr_at,
+#       sample_text
+#   + import copy
+#   + from common.checkpoint import restore_training_state, save_checkpoint
+#   + from common.config import CourseParser, fraction, gpt_config_from_args, non_negative_float,
+#       positive_int
+#   + from common.distributed import RankLog, claim_out_dir_on_rank0, load_own_copy, one_rank_first,
+#       ranks_unlike_rank0, ranks_use_gpus, refuse_shared_gpus, require_torchrun, save_own_copy,
+#       share_cpu_cores
+#   + from common.training import build_model, check_finite, check_resume, check_same_flags,
+#       evaluate, lr_at, sample_text
 import contextlib
 import datetime
 import os
@@ -86,8 +93,8 @@ def main():
     )
     parser.add_argument("--shared-fs", action="store_true", help="one file system on all nodes")
     # TODO 3/17: add 15 lines of code here:
-    #   --sync-every is torchft's name (its LocalSGD and DiLoCo take the outer optimizer as an
-    #     object). The outer lr and momentum are the DiLoCo paper's; its H was 500, longer runs' H.
+    #   - sync-every is torchft's name (its LocalSGD and DiLoCo take the outer optimizer as an
+    #   - object). The outer lr and momentum are the DiLoCo paper's; its H was 500, longer runs' H.
     args = parser.parse_args()
     # ---- who is who: torchrun tells each of the WORLD_SIZE copies its place ----------------------
     require_torchrun()  # started with plain `python`: one line that gives the torchrun command
@@ -151,21 +158,22 @@ def main():
     # the run folder: refused if another run holds it or is using it; rank 0 locks it for all
     claim_out_dir_on_rank0(out_dir, resume=args.resume)
     checkpoint = None
-    # TODO 4/17: add 1 line of code here:
+    # TODO 4/17: add a line of code here:
     #     own_copy = None
-    # TODO 5/17: change the next 8 lines of code into 22 lines:
-    #   ckpt.pt and this rank's own copy, from its node's disk: the same ranks on the same nodes
-    #   The global parameters, the same on every rank: they change only at a sync. The checkpoint's
-    #     model is this one, which any chapter loads.
-    #   what this rank hands to collectives, by kind, in bytes (the start's few small ones aside)
-    #   every copy starts as rank 0's (DDP did this broadcast for chapter 05)
-    #   This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
-    #   The inner optimizer, this rank's own. AdamW keeps two running averages per parameter; plain
-    #   (2 more comments in the solution)
-    #   uses common.distributed.load_own_copy(out_dir: Path) -> tuple[dict, dict]: ckpt.pt and this
-    #       rank's own copy, to resume (a collective: every rank calls it).
-    #   uses torch.distributed.broadcast, torch.optim.SGD, param.numel, param.element_size
     if args.resume:
+        # TODO 5/17: change the next 8 lines of code into 22 lines:
+        #   - ckpt.pt and this rank's own copy, from its node's disk: the same ranks on the same
+        #     nodes
+        #   - The global parameters, the same on every rank: they change only at a sync. The
+        #     checkpoint's model is this one, which any chapter loads.
+        #   - what this rank hands to collectives, by kind, in bytes (the start's few small ones
+        #     aside)
+        #   - every copy starts as rank 0's (DDP did this broadcast for chapter 05)
+        #   - This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
+        #   - The inner optimizer, this rank's own. AdamW keeps two running averages per parameter;
+        #     plain SGD (--inner-optimizer sgd, no momentum) with --outer-lr 1 --outer-momentum 0
+        #     makes H = 1 the same run as DDP with SGD.
+        #   (and 1 more in the solution)
         checkpoint = load_checkpoint(out_dir)
     model = build_model(model_config, args.init_from, checkpoint).to(device)
     # AdamW keeps two running averages per parameter: the optimizer state is twice the model's size.
@@ -178,29 +186,23 @@ def main():
     # float16 can underflow small gradients to zero; the scaler multiplies the loss to keep them.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     iter_num = 0
-    # TODO 6/17: add 1 line of code here:
-    #   the step after which this round's inner steps began (the last sync's)
-    # TODO 7/17: change the next 5 lines of code into 9 lines:
-    #   resuming needs the same global batch and seed; the outer momentum and RNG go on
-    #   and the same rounds: another H or outer step would change them without a word
-    #   mid-round, every copy has moved on its own: each rank takes back its own and its AdamW
-    #   uses common.training.check_same_flags(checkpoint: dict, args: argparse.Namespace, names:
-    #       list[str]) -> None: A resumed run goes on with the settings it was trained with: one
-    #       line names the first flag of `names` whose value differs from the checkpoint's.
-    #   uses raw_model.load_state_dict
+    # TODO 6/17: add a line of code here:
+    #   - the step after which this round's inner steps began (the last sync's)
     if checkpoint is not None:
         # resuming needs the same global batch and seed; AdamW, the loss scale and RNG go on
         check_resume(checkpoint, global_batch, args.seed)
+        # TODO 7/17: change the next 3 lines of code into 7 lines:
+        #   - and the same rounds: another H or outer step would change them without a word
+        #   - mid-round, every copy has moved on its own: each rank takes back its own and its AdamW
         iter_num = restore_training_state(checkpoint, optimizer, scaler)
     # DDP broadcasts rank 0's parameters to all ranks here (every copy starts the same) and hooks
     # into backward to average the gradients over ranks (no device_ids: the model is on this rank's
     # device). Checkpoints save model.module, whose names any chapter loads (no "module." prefix).
     model = DDP(model)
     raw_model = model.module
-    # TODO 8/17: change the next 2 lines of code:
-    #     if args.compile:
-    #         model = torch.compile(raw_model)
     if args.compile:
+        # TODO 8/17: change the next line of code:
+        #     model = torch.compile(raw_model)
         model = torch.compile(model)
 
     model_size = f"{raw_model.num_params() / 1e6:.2f}M parameters ({args.preset})"
@@ -211,8 +213,7 @@ def main():
     # TODO 9/17: change the next line of code into 3 lines:
     #     every = f"a sync every {args.sync_every} steps"
     #     outer = f"outer SGD lr {args.outer_lr}, momentum {args.outer_momentum}"
-    #     log(f"DiLoCo: {world_size} copies, {args.inner_optimizer} each, {every}, {outer},
-    #         {backend}")
+    #   (and 1 more in the solution)
     log(f"DDP: {world_size} process(es), one model copy each, backend {backend}")
     if iter_num:
         log(f"resuming from {out_dir / 'ckpt.pt'} at step {iter_num}")
@@ -229,9 +230,9 @@ def main():
     speed = Throughput(tokens_per_step, raw_model.flops_per_token(), device, dtype, world_size)
     # metrics.jsonl and the lines from rank 0 (log), MFU of all ranks: one call per log step
     report = RunLog(out_dir, iter_num, speed, log)
-
-    # TODO 10/17: add 1 line of code here:
+    # TODO 10/17: add a line of code here:
     #     first_step = iter_num
+
     while iter_num < args.max_iters:
         epoch = iter_num // steps_per_epoch
         step_in_epoch = iter_num % steps_per_epoch  # > 0 when a resumed run starts mid-epoch
@@ -250,10 +251,9 @@ def main():
                 group["lr"] = lr
             loss = torch.zeros((), device=device)  # the mean loss of this rank's share
             # TODO 11/17: change the next 12 lines of code into 8 lines:
-            #   backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by K
-            #     makes that sum the gradient of the mean over this rank's
-            #   K * B sequences
-            #   this rank's gradient only: nothing is sent, whatever the link
+            #   - backward() adds into .grad, so K micro-steps sum K gradients; each loss divided by
+            #     K makes that sum the gradient of the mean over this rank's K * B sequences
+            #   - this rank's gradient only: nothing is sent, whatever the link
             for micro_step in range(args.grad_accum):
                 # DDP all-reduces the gradients inside backward(); before the last micro-step that
                 # traffic would be wasted, so no_sync() lets them add up on this rank
@@ -275,13 +275,11 @@ def main():
                     scaler.scale(micro_loss).backward()
                 loss += micro_loss.detach()
             # clipping, the optimizer step and the learning rate act once per global batch
-            # TODO 12/17: change the next 4 lines of code:
-            #     if args.grad_clip > 0:
-            #         scaler.unscale_(optimizer)
-            #         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
-            #     scaler.step(optimizer)
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
+                # TODO 12/17: change the next 2 lines of code:
+                #         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
+                #     scaler.step(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             scaler.step(optimizer)  # parameters move against their gradients
             scaler.update()
@@ -290,22 +288,21 @@ def main():
             last_step = iter_num == args.max_iters
 
             # TODO 13/17: add 21 lines of code here:
-            #   ---- the sync: every H steps (and at the end), the copies meet
-            #   The pseudo-gradient: how far this copy moved from the global parameters in the
+            #   - the sync: every H steps (and at the end), the copies meet
+            #   - The pseudo-gradient: how far this copy moved from the global parameters in the
             #     round, pointing back (as a gradient points uphill). One flat tensor, so that the
             #     round's communication is one all-reduce.
-            #   (num_params,)
-            #   this rank's share of the mean: the sum stays in range, in bfloat16 too
-            #   half the bytes on the link
-            #   the round's one all-reduce
-            #   the outer step: the mean pseudo-gradient is the global parameters' gradient
-            #   every copy starts the next round from the new global parameters
-            #   uses torch.cat, torch.no_grad, m.flatten, chunk.view_as, p.copy_
+            #   - (num_params,)
+            #   - this rank's share of the mean: the sum stays in range, in bfloat16 too
+            #   - half the bytes on the link
+            #   - the round's one all-reduce
+            #   - the outer step: the mean pseudo-gradient is the global parameters' gradient
+            #   - every copy starts the next round from the new global parameters
             # ---- logging: .item() waits for the device, so only at log intervals ----
             if iter_num % args.log_interval == 0 or last_step:
                 # the mean over all ranks: a collective, so every rank calls it
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                # TODO 14/17: add 1 line of code here:
+                # TODO 14/17: add a line of code here:
                 #     bytes_sent["logged losses"] += loss.numel() * loss.element_size()
                 loss_value = loss.item() / world_size
                 check_finite(iter_num, loss_value)  # a NaN or an inf loss ends the run
@@ -313,29 +310,27 @@ def main():
 
             # ---- evaluation and checkpoint ----
             if iter_num % args.eval_interval == 0 or last_step:
+                # TODO 15/17: change the next 3 lines of code:
+                #   - The global parameters, the last sync's: every rank holds the same, and
+                #     evaluates the same windows with them, so all get the same loss.
                 # the model uncompiled: eval mode would be compiled anew, which takes longer than
                 # evaluating without compiling. Every rank evaluates the same windows with its own
                 # copy: all get the same loss, with no collective.
-                # TODO 15/17: change the next 2 lines of code:
-                #     val_loss = evaluate(
-                #         global_model, val_set, val_windows, args.batch_size, device, autocast
                 val_loss = evaluate(
                     raw_model, val_set, val_windows, args.batch_size, device, autocast
                 ).item()
                 # before the save: a diverged model never replaces a good checkpoint
                 check_finite(iter_num, val_loss, "validation loss")
                 # TODO 16/17: change the next 2 lines of code into 6 lines:
-                #   mid-round every copy and its AdamW differ: each rank saves its own where it runs
-                #   ckpt.pt: the global parameters, the same on every rank; one per node, as the
+                #   - mid-round every copy and its AdamW differ: each rank saves its own where it
+                #     runs
+                #   - ckpt.pt: the global parameters, the same on every rank; one per node, as the
                 #     data
-                #   uses common.distributed.save_own_copy(out_dir: Path, iter_num: int, model:
-                #       torch.nn.Module, optimizer) -> None: This rank's copy and optimizer after
-                #       step `iter_num`, written where it runs: nothing is sent.
                 if is_rank0:  # one copy is enough: every rank holds the same model
                     save_checkpoint(out_dir, iter_num, raw_model, optimizer, scaler, train_config)
                 report.evaluation(iter_num, val_loss, out_dir / "ckpt.pt")
     # TODO 17/17: add 7 lines of code here:
-    #   the last sync reset every copy to the global parameters: they are equal, bit for bit
+    #   - the last sync reset every copy to the global parameters: they are equal, bit for bit
     # DDP's promise: equal starts and equal averaged gradients keep the copies equal, bit for bit
     differing = ranks_unlike_rank0(raw_model)
     verdict = "yes" if differing == 0 else f"NO, {differing} rank(s) differ from rank 0"
