@@ -87,13 +87,7 @@ def todos_of(text: str) -> tuple[list[str], list[list[str]]]:
 
 def published_diff(chapter: int) -> str:
     """docs/diffs/: the chapter's diff against its base (maintainer/publish_diffs.py)."""
-    folder = CHAPTERS[chapter]
-    name = (
-        f"{folder}.diff"
-        if base(chapter) == chapter - 1
-        else f"{folder}_from_{base(chapter):02d}.diff"
-    )
-    return (REPO / "docs" / "diffs" / name).read_text()
+    return (REPO / "docs" / "diffs" / f"{CHAPTERS[chapter]}.diff").read_text()
 
 
 def patched(lines: list[str], diff: str) -> str:
