@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from common.metrics import read_metrics
 from layout import REPO
 from tools.launch import child_env, flags, measured_run_flags, stop_launchers
 
@@ -22,6 +23,11 @@ def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
     """Epoch e's order of the windows, in every chapter (README.md, "How the chapters stay the
     same run"): randperm(N) from a generator seeded with seed + e."""
     return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    """step -> training loss, from a run's metrics.jsonl."""
+    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
 
 
 def snapshot(folder: Path) -> dict:

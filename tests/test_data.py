@@ -162,11 +162,6 @@ def test_missing_text_column(tmp_path):
         prepare(str(path), tmp_path / "data", log=quiet)
 
 
-def test_unknown_corpus_name(tmp_path):
-    with pytest.raises(CourseError, match="unknown corpus"):
-        prepare("no_such_corpus!", tmp_path, log=quiet)
-
-
 # ---- windows -----------------------------------------------------------------------------------
 
 
