@@ -1,10 +1,5 @@
-"""Machines on one computer, as the chapters make them (05_multinode/machines.sh), for the tests
-that run across them: why they cannot be made here, and a set of them that is always removed.
-
-Every set has a name of its own (a prefix unique to this test run), so that test files running at
-once, and anyone else's machines, never meet. The set is removed when its `with` block ends,
-whatever happened inside it: a failing test leaves no namespace behind.
-"""
+"""Machines on one computer, as 05_multinode/machines.sh makes them, for the tests that run across
+them: each set under a prefix of its own, removed however its `with` block ends."""
 
 from __future__ import annotations
 

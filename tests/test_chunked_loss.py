@@ -1,14 +1,7 @@
-"""The chunked output layer + loss (common/chunked_loss.py) is the plain one, up to float rounding.
-
-Every chapter trains with it, so the chapters' parity tests run through it too; these tests compare
-it with the plain `F.cross_entropy(h @ W.T, y)` directly: the loss and the gradients of the hidden
-states and of the output matrix, on shapes the chunk size divides and does not divide, under
-autocast, in a DataParallel-like replica thread, with the tied embedding, and under `no_grad`.
-
-torch.compile (not tested here: compiling even the tiny model takes over a minute on a busy 2-core
-machine): dynamo traces the autograd.Function into the model's single graph, with no graph break,
-the chunk loop unrolled; the compiled tiny model's gradients matched the eager plain path to 5e-7.
-"""
+"""The chunked output layer + loss (common/chunked_loss.py) is the plain `F.cross_entropy(h @ W.T,
+y)` up to rounding: loss and gradients, on any chunking, under autocast, in DataParallel's replica
+threads, with the tied embedding, and under `no_grad`. (torch.compile traces it into one graph;
+compiling takes too long for the suite.)"""
 
 from __future__ import annotations
 

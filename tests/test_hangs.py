@@ -1,12 +1,6 @@
-"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed,
-and is fixed. The two mistakes in how the ranks meet run across two machines of machines.sh
-(skipped without root or network namespaces; with CI=true they fail).
-
-The launches are slow to start (each imports torch three times) and the hang cases spend most of
-their time waiting for a timeout, so the module starts all of them at once and each test reads
-the output of its own. Every launch has a short process-group timeout (a few seconds) and a hard
-limit on the whole launch, so no case can hang the suite.
-"""
+"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed, is
+fixed; the two mistakes in how the ranks meet run across two machines of machines.sh (skipped
+without root; with CI=true they fail). All launches start at once, each with a short timeout."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress
-always shows.
-
-- A new run refuses a folder that holds a run (chapter 01, chapter 04 under torchrun, and the
-  two-node simulation), and the earlier run's files stay byte for byte as they were.
-- A second run into a folder in use is refused while the first goes on; the lock of a killed run
-  does not outlive it.
-- Ctrl-C or SIGTERM under torchrun (chapter 04): every rank stops at once, with one `[rank R]`
-  line each; no worker traceback.
-- Under a pseudo-terminal without a size, the run still prints its progress lines.
-- A file system that cannot lock (lockf's ENOLCK, ENOSYS) is named, with the way on
-  (COURSE_NO_LOCK=1); the lock file names who holds the folder.
-"""
+"""A newcomer's first hour: runs never destroy each other (a folder that holds or runs a run is
+refused, the lock of a killed run dies with it, a file system that cannot lock is named), Ctrl-C
+and SIGTERM under torchrun are one line per rank, and progress shows in a terminal of no size."""
 
 from __future__ import annotations
 
