@@ -38,11 +38,8 @@ def snapshot(folder: Path) -> dict:
 
 
 def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -> list[str]:
-    """Flags for a short, deterministic CPU run of any chapter with the tiny model.
-
-    Extra flags are given as keyword arguments: batch_size=4 -> --batch-size 4; True -> a bare flag.
-    They come last, so one of them also overrides a flag of the tiny run (eval_interval=5).
-    """
+    """Flags of a short, deterministic CPU run with the tiny model, then `extra` (batch_size=4 ->
+    --batch-size 4; True: a bare flag), which come last and so override (eval_interval=5)."""
     tiny = {
         "preset": "tiny",
         "device": "cpu",
@@ -93,12 +90,8 @@ def outputs_of(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def statement_lines(source: str, statement: str, script: str) -> range:
-    """The lines (numbered from 0) of the one statement of `source` that is `statement`.
-
-    Compared as code (tools/statements.py), so a formatter may indent or wrap the statement and
-    move its comment. Anything else than one such statement, alone on its lines, fails the test
-    with a message naming the script that changed.
-    """
+    """The lines (from 0) of the one statement of `source` that is `statement`, compared as code;
+    anything but one such statement alone on its lines fails, naming the script that changed."""
     try:
         return lines_of(source, the_one(source, Pattern(code=statement), script), script)
     except ValueError as err:

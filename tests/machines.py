@@ -31,7 +31,7 @@ def why_no_machines() -> str | None:
 
 
 def require_machines() -> None:
-    """Skip without root or namespaces (a reader's laptop), but fail in CI, which has both."""
+    """Skip without root or namespaces (a laptop), but fail in CI, which has both."""
     why = why_no_machines()
     if why is None:
         return

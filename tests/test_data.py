@@ -99,13 +99,6 @@ def test_prepare_is_idempotent(data_dir):
     assert after == before
 
 
-def test_prepare_is_deterministic(data_dir, tmp_path):
-    """Another folder, one process instead of several: byte-identical files."""
-    again = prepare("shakespeare", tmp_path, num_proc=1, log=quiet)
-    for name in ("train.bin", "val.bin", "meta.json"):
-        assert (again / name).read_bytes() == (data_dir / "shakespeare" / name).read_bytes(), name
-
-
 # ---- local files through `datasets` --------------------------------------------------------------
 
 

@@ -49,11 +49,7 @@ SAVE_AT = 5
 
 
 class LocalNormClip(ShardedOptimizer):
-    """Clips each slice with the norm of that slice alone: no all-reduce of the squared norms.
-
-    Each rank's norm is smaller than the whole gradient's, so each scales its slice by its own,
-    wrong factor (or not at all): the update is no longer a scaled copy of the full gradient.
-    """
+    """Clips each slice with its own norm (no all-reduce of the squares): a wrong factor per rank."""
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
