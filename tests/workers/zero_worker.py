@@ -49,7 +49,7 @@ SAVE_AT = 5
 
 
 class LocalNormClip(ShardedOptimizer):
-    """Clips each slice with its own norm (no all-reduce of the squares): a wrong factor per rank."""
+    """Clips each slice with its own norm (no all-reduce of the squares): wrong factors."""
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
