@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common.model import GPT, model_config
 from layout import chapter_module
-from tests.workers.worker_shared import gloo_group, write_results
+from tests.workers.worker_shared import gloo_group, state_bytes, write_results
 
 FullyShardedDataParallel = chapter_module("07_fsdp", "fsdp_by_hand").FullyShardedDataParallel
 
@@ -181,13 +181,7 @@ def run_case(
         single_optimizer.zero_grad(set_to_none=True)
     # what this rank holds: its shards and the optimizer state over them
     shard_numel = sum(p.numel() for p in fsdp.parameters())
-    state_bytes = sum(
-        t.numel() * t.element_size()
-        for s in optimizer.state.values()
-        for t in s.values()
-        if torch.is_tensor(t)
-    )
-    held = torch.tensor([shard_numel, state_bytes], dtype=torch.int64)
+    held = torch.tensor([shard_numel, state_bytes(optimizer.state)], dtype=torch.int64)
     per_rank = [torch.zeros_like(held) for _ in range(world)]
     dist.all_gather(per_rank, held)
     gathered = torch.tensor(list(worst.values()) + [init_vs_single], dtype=torch.float64)

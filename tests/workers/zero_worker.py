@@ -32,7 +32,7 @@ from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
 from common.training import lr_at
 from layout import chapter_module
-from tests.workers.worker_shared import flat, gloo_group, write_results
+from tests.workers.worker_shared import flat, gloo_group, state_bytes, write_results
 
 chapter_module("04_ddp", "ddp_by_hand")  # first: zero1 imports it
 zero1 = chapter_module("04_ddp", "zero1")
@@ -79,15 +79,6 @@ class SumNotAverage(ZeroOneDataParallel):
         bucket.buffer[bucket.numel :].zero_()
         bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
         self.comm_calls += 1
-
-
-def state_bytes(state) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for s in state.values()
-        for t in s.values()
-        if torch.is_tensor(t)
-    )
 
 
 class Run:
