@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from common.metrics import read_metrics
 from layout import REPO
 from tools.launch import child_env, flags, measured_run_flags, stop_launchers
 
@@ -24,6 +25,11 @@ def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
+def train_losses(out_dir: Path) -> dict[int, float]:
+    """step -> training loss, from a run's metrics.jsonl."""
+    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
+
+
 def snapshot(folder: Path) -> dict:
     """Every file of a folder with its modification time and bytes: a run left them alone. Not
     run.lock: the folder's claim, where every run that takes the folder writes who it is."""
@@ -32,11 +38,8 @@ def snapshot(folder: Path) -> dict:
 
 
 def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -> list[str]:
-    """Flags for a short, deterministic CPU run of any chapter with the tiny model.
-
-    Extra flags are given as keyword arguments: batch_size=4 -> --batch-size 4; True -> a bare flag.
-    They come last, so one of them also overrides a flag of the tiny run (eval_interval=5).
-    """
+    """Flags of a short, deterministic CPU run with the tiny model, then `extra` (batch_size=4 ->
+    --batch-size 4; True: a bare flag), which come last and so override (eval_interval=5)."""
     tiny = {
         "preset": "tiny",
         "device": "cpu",
@@ -87,12 +90,8 @@ def outputs_of(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def statement_lines(source: str, statement: str, script: str) -> range:
-    """The lines (numbered from 0) of the one statement of `source` that is `statement`.
-
-    Compared as code (tools/statements.py), so a formatter may indent or wrap the statement and
-    move its comment. Anything else than one such statement, alone on its lines, fails the test
-    with a message naming the script that changed.
-    """
+    """The lines (from 0) of the one statement of `source` that is `statement`, compared as code;
+    anything but one such statement alone on its lines fails, naming the script that changed."""
     try:
         return lines_of(source, the_one(source, Pattern(code=statement), script), script)
     except ValueError as err:

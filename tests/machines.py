@@ -1,10 +1,5 @@
-"""Machines on one computer, as the chapters make them (05_multinode/machines.sh), for the tests
-that run across them: why they cannot be made here, and a set of them that is always removed.
-
-Every set has a name of its own (a prefix unique to this test run), so that test files running at
-once, and anyone else's machines, never meet. The set is removed when its `with` block ends,
-whatever happened inside it: a failing test leaves no namespace behind.
-"""
+"""Machines on one computer, as 05_multinode/machines.sh makes them, for the tests that run across
+them: each set under a prefix of its own, removed however its `with` block ends."""
 
 from __future__ import annotations
 
@@ -36,7 +31,7 @@ def why_no_machines() -> str | None:
 
 
 def require_machines() -> None:
-    """Skip without root or namespaces (a reader's laptop), but fail in CI, which has both."""
+    """Skip without root or namespaces (a laptop), but fail in CI, which has both."""
     why = why_no_machines()
     if why is None:
         return

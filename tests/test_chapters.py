@@ -1,25 +1,7 @@
-"""common/chapters.py is the one list of chapters: no file of the course names a chapter folder or
-a chapter number that the list does not hold.
-
-Inserting or renumbering a chapter leaves old names behind in texts, tables, tests and results.
-`stale_names` finds them in one file's text:
-
-- a chapter folder under a number that is not its own (`06_fsdp` once FSDP is `07_fsdp`), anywhere:
-  in a path, a run folder (`out/06_fsdp/quick`), a prose mention, a test's string;
-- a name that begins like a chapter folder and is used as one (`09_next/train.py`, a link to
-  `../09_next/README.md`, `docs/diffs/09_next.diff`) while the list does not hold it;
-- a chapter number that is not in the list: "chapter 09", `chapter=9`;
-- a path into a chapter folder that does not exist there (`05_multinode/slurm.sbatch` once the
-  script moved to chapter 06);
-- a number and a folder that disagree where the two stand together: a README table's row
-  (`| 06 | [07_fsdp/](...) |`), "chapter 06 (07_fsdp)", `CourseParser(chapter=N)` in a chapter's
-  own files, the title of a chapter's page, script, exercise or notebook, and a results entry
-  named after its chapter ("07 quick run") whose command runs another.
-
-Run folders and derived names are not chapter folders: `out/01_tiny` and `"04_diverged"` (a run's
-name: no chapter is called "tiny"), `04_ddp_from_02.diff` (a name built on chapter 04's) pass. So
-do the paths of what a learner or a run writes (`04_ddp/my_exercise.py`, a log in a folder that
-ignores its own files) and the site's pages of a file (`04_ddp/notebook/`, `train.py/index.html`).
+"""common/chapters.py is the one list of chapters: no file names a chapter folder, a chapter number
+or a path into a chapter that the list does not hold (a renumbering leaves none behind). Run
+folders and derived names (`out/01_tiny`, `04_ddp_from_02.diff`) and what a learner or a run
+writes (`04_ddp/my_exercise.py`) pass.
 """
 
 from __future__ import annotations
@@ -53,8 +35,7 @@ THIS_FILE = Path(__file__).resolve().relative_to(REPO).as_posix()
 
 
 def tracked_files(root: Path = REPO) -> list[str]:
-    """The course's files: git's list where the course is a clone, else every file beside the
-    runs' and the caches' folders (a course unpacked from an archive)."""
+    """git's list of the course's files; without .git, every file but the runs' and caches'."""
     if (root / ".git").exists():
         listed = subprocess.run(
             ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
@@ -83,8 +64,7 @@ def base_folder(token: str, folders: list[str]) -> str | None:
 
 
 def chapter_named(rest: str, folders: list[str]) -> str | None:
-    """The listed folder whose name (after the number) `rest` is, or begins with: fsdp and
-    fsdp_quick are 07_fsdp's; tiny is no chapter's."""
+    """The listed folder whose name after the number `rest` is or begins with (fsdp_quick)."""
     for folder in folders:
         name = folder[3:]
         if rest == name or rest.startswith(name + "_"):
@@ -142,10 +122,8 @@ def stale_names(path: str, text: str, folders: list[str] = FOLDERS) -> list[str]
 
 
 def chapter_file_names(path: str, lines: list[str], folders: list[str]) -> list[str]:
-    """A chapter's own files speak of their chapter: the title of its page, script, exercise and
-    notebook names its number; its CourseParser is its own chapter's (or, in the exercise, the
-    chapter the exercise starts from); its script is "chapter NN's program" changed, NN the one
-    before it or its base."""
+    """A chapter's own files name it: their titles, its CourseParser (or its base's, in the
+    exercise), and "chapter NN's program" with NN its base or the one before."""
     from common.chapters import BASES
 
     folder, _, name = path.partition("/")
@@ -194,8 +172,8 @@ def read_text(root: Path, path: str) -> str | None:
 
 
 def chapter_path_at(path: str, root: Path = REPO) -> str | None:
-    """Why a path into a chapter folder names nothing there, or None: it exists, or it is what a
-    learner or a run writes, or a site page made from a file that exists."""
+    """Why a path into a chapter folder names nothing there, or None (it exists, a learner or a
+    run writes it, or it is a site page of a file that exists)."""
     parts = path.split("/")
     known = root / parts[0]
     for i, part in enumerate(parts[1:], start=1):
@@ -252,7 +230,6 @@ def test_a_moved_file_fails_and_what_a_learner_or_a_run_writes_passes():
 
 
 def test_every_chapter_folder_is_listed():
-    """A chapter folder on disk that common/chapters.py lacks is a chapter nothing runs."""
     top = {path.split("/")[0] for path in tracked_files() if "/" in path}
     folders = {name for name in top if FOLDER_SHAPED.fullmatch(name)}
     assert folders == set(FOLDERS), f"folders {sorted(folders - set(FOLDERS))} are not listed"
@@ -283,7 +260,6 @@ UNLISTED = len(FOLDERS) + 1
     ],
 )
 def test_a_stale_name_fails(text):
-    """Each of these names a chapter the list of FSDP as chapter 07 holds differently."""
     assert stale_names("any.md", text, FOLDERS), text
 
 
@@ -303,8 +279,7 @@ def test_a_run_folder_or_a_derived_name_passes(text):
 
 
 def test_the_old_list_fails_on_the_course_as_it_is():
-    """The course's own README, checked against the list before 06_fault_tolerance was inserted:
-    its table fails, so the real check would fail on a README left behind."""
+    """The README against the list before 06_fault_tolerance was inserted: its table fails."""
     text = (REPO / "README.md").read_text()
     assert any(
         "06_fault_tolerance" in why or "07_fsdp" in why
@@ -335,16 +310,10 @@ def test_a_results_entry_runs_the_chapter_it_is_named_after():
     assert results_names("results.json", json.dumps({"entries": [entry]}), FOLDERS) == []
 
 
-def test_every_page_names_its_base_and_every_published_diff_is_from_it():
-    """A chapter's page says, in its first section, which chapter it extends: its base in
-    common/chapters.py, and no other. Its one published diff is from that chapter's train.py."""
-    diffs = REPO / "docs" / "diffs"
+def test_every_page_names_its_base():
+    """A page's first section names its base alone (its diff: test_published_diffs_are_current)."""
     for number, folder in list(CHAPTERS.items())[1:]:
         page = (REPO / folder / "README.md").read_text()
         idea = " ".join(page.split("\n## ")[1].split())
         named = {int(m) for m in re.findall(r"\bextends chapter (\d\d)\b", idea)}
         assert named == {base(number)}, f"{folder}/README.md says it extends {named or 'nothing'}"
-        lines = (diffs / f"{folder}.diff").read_text().splitlines()
-        assert lines[:2] == [f"--- a/{CHAPTERS[base(number)]}/train.py", f"+++ b/{folder}/train.py"]
-    published = sorted(path.name for path in diffs.glob("*.diff"))
-    assert published == [f"{folder}.diff" for folder in FOLDERS[1:]]

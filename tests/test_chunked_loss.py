@@ -1,14 +1,7 @@
-"""The chunked output layer + loss (common/chunked_loss.py) is the plain one, up to float rounding.
-
-Every chapter trains with it, so the chapters' parity tests run through it too; these tests compare
-it with the plain `F.cross_entropy(h @ W.T, y)` directly: the loss and the gradients of the hidden
-states and of the output matrix, on shapes the chunk size divides and does not divide, under
-autocast, in a DataParallel-like replica thread, with the tied embedding, and under `no_grad`.
-
-torch.compile (not tested here: compiling even the tiny model takes over a minute on a busy 2-core
-machine): dynamo traces the autograd.Function into the model's single graph, with no graph break,
-the chunk loop unrolled; the compiled tiny model's gradients matched the eager plain path to 5e-7.
-"""
+"""The chunked output layer + loss (common/chunked_loss.py) is the plain `F.cross_entropy(h @ W.T,
+y)` up to rounding: loss and gradients, on any chunking, under autocast, in DataParallel's replica
+threads, with the tied embedding, and under `no_grad`. (torch.compile traces it into one graph;
+compiling takes too long for the suite.)"""
 
 from __future__ import annotations
 
@@ -69,22 +62,32 @@ def test_loss_and_gradients_match_the_plain_computation(positions, width, vocab,
     assert rel_diff(grad_w, ref_w) <= 1e-5
 
 
-def tiny_pair(**overrides) -> tuple[GPT, GPT]:
+def tiny_pair() -> tuple[GPT, GPT]:
     """The tiny GPT twice, same weights: with the chunked loss (the default) and the plain one."""
     torch.manual_seed(0)
-    config = replace(PRESETS["tiny"], **overrides)
+    config = PRESETS["tiny"]
     chunked = GPT(config)
     plain_model = GPT(replace(config, chunked_loss=False))
     plain_model.load_state_dict(chunked.state_dict())
     return chunked, plain_model
 
 
-def batch(size: int = 8, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (size, PRESETS["tiny"].block_size)  # 8 x 32 = 256 positions: 2 chunks of CPU_CHUNK
-    return torch.randint(0, 50257, shape, generator=gen), torch.randint(
-        0, 50257, shape, generator=gen
-    )
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    shape = (8, PRESETS["tiny"].block_size)  # 8 x 32 = 256 positions: 2 chunks of CPU_CHUNK
+    x = torch.randint(0, 50257, shape, generator=gen)
+    y = torch.randint(0, 50257, shape, generator=gen)
+    return x, y
+
+
+def assert_same_gradients(models, loss, ref_loss, loss_tol=1e-6, grad_tol=1e-5) -> None:
+    """Both losses' backward: the same loss and parameter gradients, up to the tolerances."""
+    loss.backward()
+    ref_loss.backward()
+    assert rel_diff(loss, ref_loss) <= loss_tol
+    chunked, plain_model = models
+    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
+        assert rel_diff(p.grad, q.grad) <= grad_tol, name
 
 
 def test_the_model_trains_on_the_same_loss_and_gradients():
@@ -97,20 +100,14 @@ def test_the_model_trains_on_the_same_loss_and_gradients():
     assert logits is None  # the full logits are never built, so there are none to return
     ref_logits, ref_loss = plain_model(x, y)
     assert ref_logits.shape == (*x.shape, VOCAB)
-    loss.backward()
-    ref_loss.backward()
-    assert rel_diff(loss, ref_loss) <= 1e-6
-    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
-        assert rel_diff(p.grad, q.grad) <= 1e-5, name
+    assert_same_gradients((chunked, plain_model), loss, ref_loss)
     # generation never takes the chunked path: without targets, the last position's logits
     with torch.no_grad():
         torch.testing.assert_close(chunked(x)[0], plain_model(x)[0])
 
 
 def test_tied_weight_gradient_arrives_once():
-    """Embedding and output layer share one matrix; its gradient (the sum of both uses) must be
-    accumulated once per backward, so that post-accumulate-grad hooks (DDP's, chapter 04's
-    by-hand buckets) fire once per parameter."""
+    """The tied matrix's gradient is accumulated once, so DDP's and the by-hand hooks fire once."""
     for model in tiny_pair():
         fired = {name: 0 for name, _ in model.named_parameters()}
         for name, p in model.named_parameters():
@@ -150,8 +147,7 @@ def test_no_grad_does_no_gradient_work():
 
 
 def test_gradients_come_back_in_the_inputs_dtypes():
-    """Chapter 07's FSDP casts the weights to bfloat16 itself, without autocast: the gradients of
-    bfloat16 inputs, summed in float32, reach them as bfloat16 (autograd casts them)."""
+    """Chapter 07 casts weights to bfloat16 without autocast: their gradients come back bfloat16."""
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(40, 16, generator=gen).bfloat16().requires_grad_()
     weight = torch.randn(64, 16, generator=gen).bfloat16().requires_grad_()
@@ -168,17 +164,12 @@ def test_bfloat16_autocast_on_the_cpu():
         ref_loss = plain_model(x, y)[1]
     # the softmax runs in float32 on both paths
     assert loss.dtype == ref_loss.dtype == torch.float32
-    loss.backward()
-    ref_loss.backward()
-    assert rel_diff(loss, ref_loss) <= 1e-3  # both from bf16 products; only their rounding differs
-    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
-        assert p.grad.dtype == torch.float32
-        assert rel_diff(p.grad, q.grad) <= 3e-2, name  # bfloat16 keeps about 3 significant digits
+    # both from bf16 products, only their rounding differs; bfloat16 keeps ~3 significant digits
+    assert_same_gradients((chunked, plain_model), loss, ref_loss, loss_tol=1e-3, grad_tol=3e-2)
 
 
 def test_in_replica_threads_as_dataparallel_runs_it():
-    """nn.DataParallel runs each replica's forward in a thread of its own, then one backward over
-    the gathered losses; here two threads each take half the batch on the CPU."""
+    """nn.DataParallel's forwards run in threads, one backward over the gathered losses."""
     chunked, plain_model = tiny_pair()
     x, y = batch()
     losses, errors = [None, None], []
@@ -201,19 +192,12 @@ def test_in_replica_threads_as_dataparallel_runs_it():
         t.join()
     assert not errors, errors
     loss = torch.stack(losses).mean()  # what chapter 03 does with the gathered vector
-    loss.backward()
-    ref_loss = plain_model(x, y)[1]
-    ref_loss.backward()
-    assert rel_diff(loss, ref_loss) <= 1e-6
-    for (name, p), q in zip(chunked.named_parameters(), plain_model.parameters()):
-        assert rel_diff(p.grad, q.grad) <= 1e-5, name
+    assert_same_gradients((chunked, plain_model), loss, plain_model(x, y)[1])
 
 
 def test_float16_gradients_cannot_overflow_where_the_plain_path_does_not():
-    """One token as the target of every position of a chunk, hidden states of 1,000: the output
-    matrix's gradient for that token sums 128 x -1,000 over the chunk, past float16's 65,504. The
-    plain path's gradient of the mean stays near -1,000 (and carries the loss scale, which the
-    GradScaler lowers until it fits); the chunked path's must be finite and the same."""
+    """One target everywhere, hidden states of 1,000: a chunk's sum (128 x -1,000) passes float16's
+    65,504; the plain gradient of the mean stays near -1,000, and the chunked one must too."""
     positions, width, vocab = 2 * CPU_CHUNK, 8, 64
     h = torch.full((positions, width), 1000.0)
     weight = torch.randn(vocab, width) * 1e-3

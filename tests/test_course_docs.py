@@ -28,14 +28,13 @@ def tool(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 
 def test_published_diffs_are_current():
-    """docs/diffs/*.diff and the diff block in every chapter README (02 on) match the
-    chapters' train.py files."""
+    """docs/diffs/*.diff and the whole diff in every chapter README match the train.py files."""
     proc = tool("-m", "maintainer.publish_diffs", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def copy_course(tmp_path: Path) -> Path:
-    """The chapters' train.py files and READMEs (with the diff markers) in a scratch folder."""
+    """The chapters' train.py and README.md (with the diff markers) in a scratch folder."""
     root = tmp_path / "repo"
     for chapter in FOLDERS:
         (root / chapter).mkdir(parents=True)
@@ -50,27 +49,41 @@ def copy_course(tmp_path: Path) -> Path:
 
 def test_diff_check_fails_when_the_code_changes(tmp_path):
     root = copy_course(tmp_path)
+    diffs = root / "docs" / "diffs"
+    diffs.mkdir(parents=True)
+    stray = diffs / f"{FOLDERS[3]}_from_02.diff"
+    stray.write_text("a diff under a name no chapter has\n")
     # nothing published yet
     assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode != 0
     assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
     assert tool("-m", "maintainer.publish_diffs", "--check", "--root", root).returncode == 0
+    assert not stray.exists()  # one file per chapter
 
     before = copy_course(tmp_path / "untouched") / FOLDERS[1] / "README.md"
     readme = (root / FOLDERS[1] / "README.md").read_text()
-    diff = (root / "docs" / "diffs" / f"{FOLDERS[1]}.diff").read_text()
+    diff = (diffs / f"{FOLDERS[1]}.diff").read_text()
     assert diff.startswith(f"--- a/{FOLDERS[0]}/train.py\n+++ b/{FOLDERS[1]}/train.py\n")
     assert diff in readme  # the chapter text shows the published diff ...
     # ... and the rest of it is untouched
     assert readme.startswith(before.read_text().split("<!-- diff:begin -->")[0])
     assert readme.endswith(before.read_text().split("<!-- diff:end -->")[1])
+    # chapter 04 against its base, 02: DDP alone, chapter 03's class neither added nor removed
+    diff = (diffs / f"{FOLDERS[3]}.diff").read_text()
+    assert diff.startswith(f"--- a/{FOLDERS[1]}/train.py\n+++ b/{FOLDERS[3]}/train.py")
+    assert "DataParallel(nn.DataParallel)" not in diff
+    readme = (root / FOLDERS[3] / "README.md").read_text()
+    assert f"What changed from chapter 02: `{FOLDERS[3]}/train.py`" in readme
 
     # a change to a chapter's script that is not republished: both the file and the README are stale
     script = root / FOLDERS[1] / "train.py"
     script.write_text(script.read_text() + "# changed, and not republished\n")
+    (diffs / f"{FOLDERS[6]}.diff").unlink()
     proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert f"docs/diffs/{FOLDERS[1]}.diff is out of date" in proc.stderr
     assert f"the diff in {FOLDERS[1]}/README.md is out of date" in proc.stderr
+    assert f"docs/diffs/{FOLDERS[3]}.diff is out of date" in proc.stderr  # 02 is chapter 04's base
+    assert f"docs/diffs/{FOLDERS[6]}.diff is missing" in proc.stderr
 
     # republishing fixes it, and a README without the markers is reported
     assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
@@ -79,41 +92,6 @@ def test_diff_check_fails_when_the_code_changes(tmp_path):
     proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
     assert proc.returncode != 0
     assert "lacks the lines" in proc.stderr
-
-
-def test_every_readme_shows_its_whole_diff():
-    """Each chapter's README shows the whole published diff it explains, every hunk of it."""
-    for chapter in FOLDERS[1:]:
-        published = (REPO / "docs" / "diffs" / f"{chapter}.diff").read_text()
-        shown = (REPO / chapter / "README.md").read_text().split("```diff\n")[1].split("```")[0]
-        assert shown == published, chapter
-
-
-def test_chapter04_is_published_against_its_base_alone(tmp_path):
-    root = copy_course(tmp_path)
-    (root / "docs" / "diffs").mkdir(parents=True)
-    stale = root / "docs" / "diffs" / f"{FOLDERS[3]}_from_02.diff"
-    stale.write_text("a diff under a name no chapter has\n")
-    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
-    assert not stale.exists()  # one file per chapter
-    diff = (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").read_text()
-    assert diff.startswith(f"--- a/{FOLDERS[1]}/train.py\n+++ b/{FOLDERS[3]}/train.py")
-    # DDP alone: chapter 03's class is neither added nor removed
-    assert "DataParallel(nn.DataParallel)" not in diff
-    readme = (root / FOLDERS[3] / "README.md").read_text()
-    assert f"What changed from chapter 02: `{FOLDERS[3]}/train.py`" in readme
-
-    # a change to chapter 02 alone makes chapter 04's diff stale, and a lost one is missing
-    script = root / FOLDERS[1] / "train.py"
-    script.write_text(script.read_text() + "# changed, and not republished\n")
-    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
-    assert proc.returncode != 0
-    assert f"docs/diffs/{FOLDERS[3]}.diff is out of date" in proc.stderr
-    assert tool("-m", "maintainer.publish_diffs", "--root", root).returncode == 0
-    (root / "docs" / "diffs" / f"{FOLDERS[3]}.diff").unlink()
-    proc = tool("-m", "maintainer.publish_diffs", "--check", "--root", root)
-    assert proc.returncode != 0
-    assert f"docs/diffs/{FOLDERS[3]}.diff is missing" in proc.stderr
 
 
 # ---- figures -----------------------------------------------------------------------------------
@@ -182,8 +160,7 @@ NAMED_PATH = re.compile(
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_path_a_page_names_or_links_exists(page):
-    """The paths a page names (`01_single_gpu/train.py`) and the files it links to exist: a move
-    or a rename that left a page behind fails here."""
+    """The paths a page names (`01_single_gpu/train.py`) and the files it links to exist."""
     path = REPO / page
     text = path.read_text()
     named = set(NAMED_PATH.findall(text))
@@ -197,10 +174,8 @@ def test_every_path_a_page_names_or_links_exists(page):
 
 
 def test_the_main_path_stays_short_and_every_chapter_reads_in_five_parts():
-    """README + the five chapter READMEs, embedded diffs included, fit an afternoon's reading; a
-    chapter after the main line stays short; every chapter README has the same five parts, and
-    its check is one a learner can run without breaking the course (exercises are solved in a
-    copy, so the course's own exercise and its tests stay intact)."""
+    """The main path fits an afternoon; every chapter page has the same five parts, and its check
+    runs on a copy of the exercise (the course's own stays intact)."""
     words = sum(len((REPO / page).read_text().split()) for page in MAIN_PATH)
     assert words <= MAIN_PATH_WORDS, f"the main path has {words} words, more than {MAIN_PATH_WORDS}"
     for page in AFTER_MAIN_LINE:

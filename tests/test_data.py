@@ -1,5 +1,5 @@
-"""The data pipeline: prepared once and deterministically, windows shifted by one, and
-a fixed order."""
+"""The data pipeline: prepared once and deterministically, windows shifted by one (the order
+chapter 01 reads them in: tests/test_epochs_and_divergence.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import epoch_permutation
 from torch.utils.data import RandomSampler
 
 from common.data import (
@@ -23,7 +22,6 @@ from common.data import (
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
 from common.tokenizer import encode, get_tokenizer
-from layout import REPO
 
 DOCS = [
     "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
@@ -99,13 +97,6 @@ def test_prepare_is_idempotent(data_dir):
     assert after == before
 
 
-def test_prepare_is_deterministic(data_dir, tmp_path):
-    """Another folder, one process instead of several: byte-identical files."""
-    again = prepare("shakespeare", tmp_path, num_proc=1, log=quiet)
-    for name in ("train.bin", "val.bin", "meta.json"):
-        assert (again / name).read_bytes() == (data_dir / "shakespeare" / name).read_bytes(), name
-
-
 # ---- local files through `datasets` --------------------------------------------------------------
 
 
@@ -162,11 +153,6 @@ def test_missing_text_column(tmp_path):
         prepare(str(path), tmp_path / "data", log=quiet)
 
 
-def test_unknown_corpus_name(tmp_path):
-    with pytest.raises(CourseError, match="unknown corpus"):
-        prepare("no_such_corpus!", tmp_path, log=quiet)
-
-
 # ---- windows -----------------------------------------------------------------------------------
 
 
@@ -205,45 +191,3 @@ def test_validation_windows_fixed_and_spread(data_dir):
     assert windows[0] == 0
     assert windows[-1] == len(val) - 1
     assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)
-
-
-# ---- the data order of README.md, "How the chapters stay the same run" ---------------------------
-
-
-def chapter01_batches(train_set, seed: int, epoch: int, batch_size: int, skip_batches: int = 0):
-    """The first-window index of each sample, as chapter 01 builds its loader (see train.py)."""
-    epoch_generator = torch.Generator().manual_seed(seed + epoch)
-    sampler = RandomSampler(train_set, generator=epoch_generator)
-    return [
-        x[:, 0] for x, _ in batch_loader(train_set, sampler, batch_size, skip_batches=skip_batches)
-    ]
-
-
-def test_chapter01_loader_follows_the_permutation(tmp_path):
-    """Window i of this file starts with token i*T: each batch's first column names its windows."""
-    block, n_windows, batch_size, seed = 4, 23, 5, 1337
-    tokens = np.zeros(n_windows * block + 1, dtype=np.uint16)
-    tokens[: n_windows * block : block] = np.arange(n_windows)  # the first token of window i is i
-    tokens.tofile(tmp_path / "train.bin")
-    train_set = TokenWindows(tmp_path / "train.bin", block)
-    assert len(train_set) == n_windows
-
-    for epoch in (0, 1):
-        perm = epoch_permutation(n_windows, seed, epoch)
-        batches = chapter01_batches(train_set, seed, epoch, batch_size)
-        assert len(batches) == n_windows // batch_size  # the incomplete last batch is dropped
-        assert torch.equal(torch.cat(batches), perm[: len(batches) * batch_size])
-        # resuming mid-epoch: the same batches from the skipped one on
-        resumed = chapter01_batches(train_set, seed, epoch, batch_size, skip_batches=2)
-        assert len(resumed) == len(batches) - 2
-        assert all(torch.equal(a, b) for a, b in zip(resumed, batches[2:]))
-
-
-def test_chapter01_builds_its_loader_that_way():
-    """The helper above mirrors train.py; make sure train.py still does it that way."""
-    source = " ".join((REPO / "01_single_gpu" / "train.py").read_text().split())
-    source = source.replace("( ", "(")  # a call spread over lines, as the formatter lays it out
-    assert "epoch_generator = torch.Generator().manual_seed(args.seed + epoch)" in source
-    assert "sampler = RandomSampler(train_set, generator=epoch_generator)" in source
-    assert "skip = step_in_epoch" in source
-    assert "batch_loader(train_set, sampler, args.batch_size, skip," in source

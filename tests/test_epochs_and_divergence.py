@@ -1,25 +1,10 @@
-"""Across epoch boundaries every chapter is still chapter 01's run, and a diverging run
-loses nothing.
+"""Across epoch boundaries and a resume every chapter is still chapter 01's run, and a diverging run
+stops with one line and loses nothing.
 
-A corpus of 29 training windows (part of one play) with a global batch of 8: an epoch is 3 steps
-and drops 5 windows, a remainder the global batch does not divide. Every run takes 8 steps, so it
-crosses two epoch boundaries (after steps 3 and 6) and ends 2 steps into a third epoch:
-
-    01   --batch-size 8, in this process, recording the windows it reads   the reference
-    02   --batch-size 2 --grad-accum 4
-    03   --batch-size 8
-    04   2 ranks x --batch-size 2 --grad-accum 2: 5 steps, then --resume to 8 (a checkpoint one
-         step before the second boundary); chapter 01 resumes a copy of that step-5 checkpoint too
-    05   2 nodes x 2 ranks x --batch-size 2 (two torchrun launches meeting on 127.0.0.1)
-    04   a copy without sampler.set_epoch, as above: it must NOT pass the same check
-
-Each must log chapter 01's loss at every step and end with its parameters. With 2 ranks and
---grad-accum 2 each rank holds 7 micro-batches per epoch, one more than 3 steps use: a loop that ran
-its loader dry would take a half step there. Then the finished runs of 01 and 04 are resumed with
---lr 1e6 and diverge: the divergence guard must stop them with one line (on every rank alike) and
-leave the checkpoint and metrics as they were. The runs go two at a time, chapter 01 in this
-process. They are long, so every test that reads them is in the slow stage
-(python -m pytest -q -m slow); the divergence rule's own tests stay in the suite.
+29 training windows, a global batch of 8: an epoch is 3 steps and drops 5 windows; 8 steps cross two
+boundaries. Chapter 01 runs in this process, recording the windows it reads; 02 (B=2, K=4), 03,
+04 (2 ranks x B=2 x K=2: 5 steps, then --resume; 01 resumes that step-5 checkpoint too), 05 (2 nodes
+x 2 ranks) and a copy of 04 without set_epoch run beside it. Then 01 and 04 resume with --lr 1e6.
 """
 
 from __future__ import annotations
@@ -34,7 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import epoch_permutation, outputs_of, replace_statement, start, tiny_run_args
+from helpers import (
+    epoch_permutation,
+    outputs_of,
+    replace_statement,
+    start,
+    tiny_run_args,
+    train_losses,
+)
 
 from common.chapters import CHAPTERS
 from common.data import TokenWindows, load_splits, prepare
@@ -60,23 +52,14 @@ SET_EPOCH, FORGOTTEN = "sampler.set_epoch(epoch)", "pass  # sampler.set_epoch(ep
 CH = {f"{n:02d}": REPO / folder / "train.py" for n, folder in CHAPTERS.items()}
 
 
-def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, (
-        f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    )
-    return proc
-
-
 def torchrun(script: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
     """torchrun --standalone with 2 ranks; env: extra environment variables."""
-    return subprocess.run(
-        torchrun_command(script, 2, args),
-        cwd=REPO,
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = torchrun_command(script, 2, args)
+    return subprocess.run(cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True)
+
+
+def succeeded(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stdout}{proc.stderr}"
 
 
 def two_nodes(args: list[str]) -> list[str]:
@@ -87,34 +70,21 @@ def two_nodes(args: list[str]) -> list[str]:
     return outputs
 
 
-def train_losses(out_dir: Path) -> dict[int, float]:
-    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
-
-
 def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int | None:
     """The first step whose loss differs from the reference's (by more than rounding), or None."""
-    assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (
-        sorted(other),
-        sorted(reference),
-    )
-    return next(
-        (
-            i
-            for i in sorted(reference)
-            if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i])
-        ),
-        None,
-    )
+    assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (other, reference)
+    for i in sorted(reference):
+        if abs(other[i] - reference[i]) > LOSS_RTOL * abs(reference[i]):
+            return i
+    return None
 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
-    """|a - b| / |b| over all parameters. Rounding leaves ~1e-6 after 8 steps (AdamW can turn
-    it into ~2e-5 on the odd weight whose gradient is nearly zero); one step on the wrong data
-    gives ~1e-2."""
+    """|a - b| / |b| of all parameters: rounding leaves ~1e-6, a step on wrong data ~1e-2."""
     a, b = model_state(out_dir), model_state(reference_dir)
     assert a.keys() == b.keys()
     a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
@@ -126,9 +96,8 @@ DIVERGE = {"lr": 1e6, "warmup_iters": 0, "lr_decay_iters": 100}
 
 
 def folder_state(folder: Path) -> dict[str, bytes]:
-    """Every file's bytes, but run.lock's: each run that takes the folder writes who it is there."""
-    files = [p for p in sorted(folder.iterdir()) if p.name != "run.lock"]
-    return {p.name: p.read_bytes() for p in files}
+    """Every file's bytes but run.lock's (each run that takes the folder writes who it is there)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "run.lock"}
 
 
 # ---- the corpus and the runs, made once per module -----------------------------------------------
@@ -150,8 +119,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def chapter01_in_this_process(args: list[str]) -> list[int]:
-    """Chapter 01's script, run here as `python 01_single_gpu/train.py ARGS` would run it, while
-    recording which training windows it reads, in order (its own loader, untouched, reads them)."""
+    """`python 01_single_gpu/train.py ARGS`, run here, recording the training windows it reads."""
     read: list[int] = []
     original = TokenWindows.__getitem__
 
@@ -171,24 +139,12 @@ def chapter01_in_this_process(args: list[str]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict:
-    """name -> out_dir for every run in the module docstring, "01_read" -> the windows 01 read, and
-    "diverged" -> name -> (folder, its files before, process) for the two diverging runs."""
+    """name -> out_dir of each run, "01_read" -> the windows 01 read, "diverged" -> name ->
+    (folder, its files before, process)."""
     path, data = corpus
     root = tmp_path_factory.mktemp("epoch_runs")
-    out = {
-        name: root / name
-        for name in (
-            "01",
-            "02",
-            "03",
-            "04",
-            "01_resumed",
-            "05",
-            "04_no_set_epoch",
-            "01_diverged",
-            "04_diverged",
-        )
-    }
+    names = "01 02 03 04 01_resumed 05 04_no_set_epoch 01_diverged 04_diverged".split()
+    out = {name: root / name for name in names}
     before = {}
 
     def args(name, iters=ITERS, **flags):
@@ -288,8 +244,7 @@ def test_chapter01_visits_every_epoch_in_a_new_order(runs):
 
 @pytest.mark.slow
 def test_without_set_epoch_the_second_epoch_repeats_the_first(runs):
-    """The chapter 04 text says it: without set_epoch every epoch repeats epoch 0's order. The
-    parity check catches it at the first step of the second epoch, and not before."""
+    """Chapter 04's text: parity fails at the second epoch's first step, not before."""
     step = first_mismatch(train_losses(runs["01"]), train_losses(runs["04_no_set_epoch"]))
     assert step == STEPS_PER_EPOCH + 1
     assert parameter_distance(runs["04_no_set_epoch"], runs["01"]) > 100 * PARAM_RTOL
@@ -303,14 +258,9 @@ def assert_finite_metrics(out_dir: Path) -> None:
         assert all(math.isfinite(v) for k, v in record.items() if k in ("loss", "val_loss")), record
 
 
-@pytest.fixture(scope="module")
-def diverged(runs) -> dict:
-    return runs["diverged"]
-
-
 @pytest.mark.slow
-def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
-    folder, before, proc = diverged["01"]
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(runs):
+    folder, before, proc = runs["diverged"]["01"]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -327,8 +277,8 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_checkpoint(diverged):
 
 
 @pytest.mark.slow
-def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
-    folder, before, proc = diverged["04"]
+def test_every_rank_stops_at_the_same_step_under_ddp(runs):
+    folder, before, proc = runs["diverged"]["04"]
     assert proc.returncode != 0, proc.stdout + proc.stderr
     stops = re.findall(
         r"\[rank (\d)\] error: the run diverged at step (\d+): training loss",
@@ -348,8 +298,7 @@ def test_every_rank_stops_at_the_same_step_under_ddp(diverged):
 
 
 def test_float16_skipped_steps_are_not_divergence():
-    """float16's GradScaler finds an inf in the gradients, skips that step and lowers its scale: the
-    parameters and the loss stay finite and the run goes on. A non-finite loss is divergence."""
+    """A step GradScaler skips leaves the loss finite; a non-finite loss diverges."""
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -368,7 +317,12 @@ def test_float16_skipped_steps_are_not_divergence():
     assert math.isfinite(loss.item())
 
     check_finite(7, loss.item())  # a skipped step: no error
-    with pytest.raises(CourseError, match=r"^the run diverged at step 7: training loss nan;"):
+    with pytest.raises(CourseError) as err:
         check_finite(7, float("nan"))
+    assert str(err.value) == (
+        "the run diverged at step 7: training loss nan; no checkpoint was written from it "
+        "(the last one, if any, is intact); try a lower --lr or --dtype float32, "
+        "with --resume to continue from the checkpoint"
+    )
     with pytest.raises(CourseError, match=r"^the run diverged at step 7: validation loss inf;"):
         check_finite(7, float("inf"), "validation loss")

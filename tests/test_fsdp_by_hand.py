@@ -1,12 +1,8 @@
-"""07_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2.
-
-Two real torchrun launches, 2 ranks and 3 ranks (gloo on 127.0.0.1), started together, each run
-tests/workers/fsdp_by_hand_worker.py: the course's tiny GPT (512 tokens; its tied matrix in the
-root) and a small MLP whose two hidden layers, two units, share one gain vector, with SGD and
-AdamW, in float32, in float64 (the rounding control), with bfloat16 compute, and with two
-forwards before one backward. The tests assert on the distances it writes, and on the bytes the
-wrapper's counter counted against the formula, computed here from parameter counts made by hand.
-"""
+"""07_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2: torchrun of 2
+and of 3 ranks runs tests/workers/fsdp_by_hand_worker.py (the tiny GPT, its tied matrix in the
+root, and an MLP whose two layers share a gain; SGD and AdamW; float32, float64 as the rounding
+control, bfloat16 compute, two forwards before one backward). The byte counts are checked against
+the formula, from parameter counts made by hand here."""
 
 from __future__ import annotations
 
@@ -25,12 +21,10 @@ pytestmark = pytest.mark.slow
 WORKER = "tests.workers.fsdp_by_hand_worker"  # a module: `torchrun -m` from the repository root
 WORLDS = (2, 3)
 STEPS = 3
-# float32, dropout 0. The one process averages over the whole batch at once; the ranks average
-# over their rows and then over ranks: the same sum in another order, so the last bits differ.
+# float32: the ranks' average of averages is the one process's sum in another order
 GRAD_ATOL = 1e-6
 LOSS_ATOL = 1e-5  # the GPT's loss is about 6.3, the MLP's about 1: float32 keeps 7 digits
-# After AdamW steps: Adam divides by the root of its second moment, which lifts a rounding
-# difference in a tiny gradient to a visible one (the ZeRO-1 tests allow the same).
+# after AdamW steps: its division lifts rounding in a tiny gradient (as in test_zero.py)
 PARAM_ATOL = 2e-5
 FLOAT64_ATOL = 1e-12  # the control: the same runs in float64 differ by rounding alone
 FLOAT32_CASES = [
@@ -46,8 +40,7 @@ ALL_CASES = [*FLOAT32_CASES, "gpt/adamw/float64", *LOW_PRECISION]
 
 
 def gpt_owned_numels() -> list[int]:
-    """The worker's GPT by hand: the root owns the tied matrix (once), the positions and ln_f;
-    each block owns its two LayerNorms, attention and MLP."""
+    """The root owns the tied matrix, the positions and ln_f; each block the rest of itself."""
     c = model_config("tiny", vocab_size=512)
     C = c.n_embd
     block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
@@ -55,8 +48,7 @@ def gpt_owned_numels() -> list[int]:
     return [root, *[block] * c.n_layer]
 
 
-# The worker's MLP: the shared gain (9) belongs to the root; layer1 (7 -> 9), layer2 (9 -> 9) and
-# the head (9 -> 3) own their weights and biases.
+# the MLP: the shared gain (9) is the root's; layer1 (7 -> 9), layer2 (9 -> 9), the head (9 -> 3)
 MLP_OWNED_NUMELS = [9, 7 * 9 + 9, 9 * 9 + 9, 9 * 3 + 3]
 
 
@@ -74,13 +66,6 @@ def results(tmp_path_factory) -> dict[int, dict]:
     for proc, output in zip(procs, outputs_of(procs, timeout=300)):
         assert proc.returncode == 0, output
     return {w: json.loads((root / f"w{w}" / "results.json").read_text()) for w in WORLDS}
-
-
-@pytest.mark.parametrize("case", ALL_CASES)
-@pytest.mark.parametrize("world", WORLDS)
-def test_every_rank_starts_from_rank0s_model(results, world, case):
-    """Each rank built its model from its own seed: the wrapper's broadcast gives them rank 0's."""
-    assert results[world][case]["init_vs_single"] == 0.0
 
 
 @pytest.mark.parametrize("case", FLOAT32_CASES)
@@ -103,8 +88,7 @@ def test_float64_control_differs_by_rounding_alone(results, world):
 @pytest.mark.parametrize("case", WITH_FSDP2)
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_fsdp2(results, world, case):
-    """fully_shard on the same units (the MLP: head and root, since FSDP2 will not put the
-    shared gain in two groups), with MixedPrecisionPolicy for the bfloat16 case."""
+    """fully_shard on the same units (the MLP's: head and root), MixedPrecisionPolicy for bf16."""
     r = results[world][case]
     atol = FLOAT64_ATOL if case.endswith("float64") else PARAM_ATOL
     assert r["loss_vs_fsdp2"] < LOSS_ATOL, r
@@ -114,9 +98,7 @@ def test_matches_fsdp2(results, world, case):
 @pytest.mark.parametrize("case", LOW_PRECISION)
 @pytest.mark.parametrize("world", WORLDS)
 def test_bfloat16_compute_within_its_precision(results, world, case):
-    """bfloat16 keeps 8 significant bits (a relative step of 2^-8, 0.4 %): the gradients of the
-    bf16 computation stay within a few percent of the float32 one process's, and far from equal
-    to them, which shows the weights really were cast."""
+    """Within a few percent of float32 (8 bits kept), and far from equal: the weights were cast."""
     r = results[world][case]
     full_precision = results[world][case.replace("bfloat16", "float32")]
     assert r["grad_vs_single"] < 0.05 * r["grad_scale"], r
@@ -127,8 +109,9 @@ def test_bfloat16_compute_within_its_precision(results, world, case):
 @pytest.mark.parametrize("case", ALL_CASES)
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_parameter_belongs_to_the_innermost_unit_around_all_its_places(results, world, case):
-    """The GPT's tied matrix in the root, once; the MLP's gain, shared by two units, in the root."""
+    """The GPT's tied matrix and the MLP's shared gain in the root; rank 0's model everywhere."""
     r = results[world][case]
+    assert r["init_vs_single"] == 0.0  # each rank built its own: the broadcast gave it rank 0's
     assert r["owned_numels"] == owned_numels(case)
     assert sum(r["owned_numels"]) == r["n_params"]
 
@@ -136,9 +119,8 @@ def test_a_parameter_belongs_to_the_innermost_unit_around_all_its_places(results
 @pytest.mark.parametrize("case", ALL_CASES)
 @pytest.mark.parametrize("world", WORLDS)
 def test_each_rank_holds_one_wth(results, world, case):
-    """Each unit is padded to a multiple of W (uneven shards: up to W - 1 zeros), and each rank
-    holds one slice of each: parameters, gradients and optimizer state are 1/W of the padded
-    model. AdamW keeps two moments and one step count per shard; SGD's momentum one buffer."""
+    """Each unit padded to a multiple of W, one slice of each per rank; AdamW: two moments and a
+    step count per shard, SGD's momentum one buffer."""
     r = results[world][case]
     padded = [math.ceil(n / world) * world for n in owned_numels(case)]
     assert r["padded_numels"] == padded
@@ -155,10 +137,8 @@ def test_each_rank_holds_one_wth(results, world, case):
 @pytest.mark.parametrize("case", ALL_CASES)
 @pytest.mark.parametrize("world", WORLDS)
 def test_bytes_per_step_equal_the_formula(results, world, case):
-    """Per rank and step, in a ring: an all-gather in forward and one in backward, each sending
-    (W - 1)/W of the padded parameters in the compute dtype, and a reduce-scatter sending
-    (W - 1)/W of them in the master dtype. In one dtype: 3 (W - 1)/W Psi, against DDP's
-    2 (W - 1)/W Psi."""
+    """Per rank and step: two all-gathers (compute dtype) and a reduce-scatter (master dtype), each
+    (W - 1)/W of the padded parameters: 3 (W - 1)/W Psi in one dtype, DDP's 2 (W - 1)/W Psi."""
     r = results[world][case]
     psi = sum(math.ceil(n / world) * world for n in owned_numels(case))  # padded numbers
     master = 8 if "float64" in case else 4

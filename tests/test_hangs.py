@@ -1,12 +1,6 @@
-"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed,
-and is fixed. The two mistakes in how the ranks meet run across two machines of machines.sh
-(skipped without root or network namespaces; with CI=true they fail).
-
-The launches are slow to start (each imports torch three times) and the hang cases spend most of
-their time waiting for a timeout, so the module starts all of them at once and each test reads
-the output of its own. Every launch has a short process-group timeout (a few seconds) and a hard
-limit on the whole launch, so no case can hang the suite.
-"""
+"""05_multinode/hangs.py: every classic hang, under real torchrun with gloo, ends, is diagnosed, is
+fixed; the two mistakes in how the ranks meet run across two machines of machines.sh (skipped
+without root; with CI=true they fail). All launches start at once, each with a short timeout."""
 
 from __future__ import annotations
 
@@ -37,12 +31,12 @@ LAUNCH_LIMIT = 150  # seconds a whole launch may take, start-up of three process
 
 
 class Launch:
-    """One torchrun of hangs.py in the background; its output is read line by line as it comes."""
+    """torchrun of hangs.py with 2 ranks (or `command` and hangs.py's args) in the background; its
+    output is read line by line as it comes."""
 
     def __init__(
         self, args: list, tmp_path, extra: list | None = None, command: list | None = None, **env
     ):
-        """torchrun of 2 ranks on this machine, or `command` followed by hangs.py's args."""
         hangs_args = [*args, "--out-dir", tmp_path]
         cmd = torchrun_command(HANGS, 2, hangs_args, extra=extra)
         if command is not None:
@@ -105,9 +99,8 @@ def launches(tmp_path_factory):
         [sys.executable, HANGS, "--case", "order"], stderr=subprocess.PIPE, new_session=False
     )
     with contextlib.ExitStack() as machines_made:
-        # where machines can be made: the two mistakes in how the ranks meet, each on two
-        # machines, one torchrun on each, started by the chapter's launch_static.sh with node 0's
-        # right address (the mistake is in the script)
+        # where machines can be made: the two mistakes in how the ranks meet, each on two machines
+        # (launch_static.sh with node 0's right address: the mistake is in the script)
         across = {}
         if why_no_machines() is None:
             machines = machines_made.enter_context(machine_set(machines=2))
@@ -134,8 +127,7 @@ def ended_with_failure(run: Launch) -> str:
 
 
 def assert_collectives(out: str, op: str, shapes: list[int]) -> None:
-    """The collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names what each rank was running:
-    rank r an `op` of a tensor of shape [shapes[r]]."""
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL names each rank's collective: an `op` of shape [shapes[r]]."""
     for rank, shape in enumerate(shapes):
         running = rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
         assert re.search(rf"{running}OpType={op}, TensorShape=\[{shape}\]", out), out

@@ -1,9 +1,5 @@
-"""05_multinode/machines.sh: machines of their own on one computer, each with its own network
-stack, address and host name, joined by one switch; made and removed again, as root, for real.
-
-Without root or network namespaces these tests skip (with CI=true they fail). Every set of
-machines has a prefix unique to the test, and is removed however its test ends.
-"""
+"""05_multinode/machines.sh: machines of their own on one computer (own network stack, address,
+host name, one switch), made and removed as root; skipped without root (with CI=true they fail)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,14 +15,6 @@ from common.model import GPT, PRESETS, GPTConfig, model_config
 from tools.launch import run_python
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small matmuls, one thread
-
-
-def test_vocabulary_padded_to_multiple_of_64():
-    # 50,304 is the smallest multiple of 64 that holds GPT-2's 50,257 tokens
-    assert 50304 % 64 == 0
-    assert 50304 - 64 < 50257 <= 50304
-    for name, cfg in PRESETS.items():
-        assert cfg.vocab_size == 50304, name
 
 
 @pytest.mark.quick
@@ -51,8 +44,10 @@ def test_num_params():
         # positions left out
         assert model.num_params() == expected_params(cfg) - cfg.block_size * cfg.n_embd
         assert model.lm_head.weight is model.transformer.wte.weight  # tied: counted once
-    # GPT-2 small has 124,439,808 parameters; ours has 47 padded vocabulary rows more
+    # GPT-2 small has 124,439,808 parameters; ours has 47 padded vocabulary rows more: 50,304 is
+    # the smallest multiple of 64 that holds GPT-2's 50,257 tokens, in every preset
     assert expected_params(PRESETS["gpt2"]) == 124_439_808 + 47 * 768
+    assert {cfg.vocab_size for cfg in PRESETS.values()} == {50304}
 
 
 def test_flops_per_token():
@@ -130,24 +125,13 @@ def test_longer_than_block_size_refused():
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
-def hf_gpt2(n_positions: int = 64):
+def hf_gpt2():
+    """A small GPT-2 of Hugging Face's, biases and gains random too (none hides behind 0 or 1)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        n_positions=n_positions,
-        vocab_size=50257,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu_new",
-    )
-    model = GPT2LMHeadModel(config).eval()
-    # random biases and gains too, so that a missed or transposed tensor cannot hide
-    # behind zeros and ones
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 50257}
+    model = GPT2LMHeadModel(GPT2Config(**shape, activation_function="gelu_new")).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -155,49 +139,32 @@ def hf_gpt2(n_positions: int = 64):
     return model
 
 
+def ours(block_size: int, n_embd: int = 32) -> GPT:
+    """Our GPT in the small model's shape, with the plain loss (logits at every position)."""
+    config = GPTConfig(block_size=block_size, n_layer=2, n_head=2, n_embd=n_embd, bias=True)
+    return GPT(replace(config, chunked_loss=False)).eval()
+
+
 def test_hugging_face_logits_match():
     hf = hf_gpt2()
-    # the plain loss (chunked_loss=False) returns the logits of every position along with the loss
-    model = GPT(
-        GPTConfig(
-            block_size=64,
-            n_layer=2,
-            n_head=2,
-            n_embd=32,
-            vocab_size=50304,
-            bias=True,
-            chunked_loss=False,
-        )
-    ).eval()
+    model = ours(64)
     load_hf_gpt2_state_dict(model, hf.state_dict())
     idx = torch.randint(0, 50257, (3, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(idx).logits
-        ours, _ = model(idx, idx)  # with targets: logits at every position
-    assert ours.shape == (3, 64, 50304)
-    torch.testing.assert_close(ours[..., :50257], theirs, atol=1e-5, rtol=1e-5)
-    # the last position alone (generation path) agrees too
-    with torch.no_grad():
-        last, _ = model(idx)
+        logits, _ = model(idx, idx)  # with targets: logits at every position
+        last, _ = model(idx)  # the generation path: the last position alone
+    assert logits.shape == (3, 64, 50304)
+    torch.testing.assert_close(logits[..., :50257], theirs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last[:, 0, :50257], theirs[:, -1], atol=1e-5, rtol=1e-5)
-
-
-def test_hugging_face_shorter_block_and_wrong_shapes():
-    hf = hf_gpt2()
-    short = GPT(
-        GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True, chunked_loss=False)
-    ).eval()
-    load_hf_gpt2_state_dict(short, hf.state_dict())  # positions are cut to block_size
-    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(2))
+    # a shorter block takes the first positions; another width does not fit
+    short = ours(16)
+    load_hf_gpt2_state_dict(short, hf.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(
-            short(idx, idx)[0][..., :50257], hf(idx).logits, atol=1e-5, rtol=1e-5
-        )
-    # another width does not fit
+        logits, _ = short(idx[:, :16], idx[:, :16])
+    torch.testing.assert_close(logits[..., :50257], theirs[:, :16], atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError):
-        load_hf_gpt2_state_dict(
-            GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)), hf.state_dict()
-        )
+        load_hf_gpt2_state_dict(ours(64, n_embd=64), hf.state_dict())
 
 
 def test_the_gpt2_command_fails_in_one_line(tmp_path):

@@ -1,11 +1,5 @@
-"""Every chapter's notebook runs top to bottom on the CPU, and its committed notebook.ipynb is
-its source run.
-
-Each chapter's source, notebook.py, is executed here afresh in a real Jupyter kernel (nbclient),
-from its chapter folder, with the session's prepared corpus (COURSE_DATA_DIR), so a failing cell —
-including the notebook's own checks that a chapter matches chapter 01 — fails its test. The
-committed outputs are not trusted: `maintainer/build_notebooks.py --check` only proves that each
-notebook.ipynb holds its source's cells, all run, none failed."""
+"""Every chapter's notebook.py runs top to bottom in a real Jupyter kernel on the CPU (its own
+checks included), and the committed notebook.ipynb holds its source's cells, all run."""
 
 from __future__ import annotations
 

@@ -21,21 +21,18 @@ from tools.launch import TORCHRUN, child_env, free_port, run_python, two_node_co
 PREFLIGHT = REPO / "05_multinode" / "preflight.py"
 
 
-def run_two_nodes(
-    script, nproc: int, args: list[str], timeout: float = 120
-) -> list[subprocess.CompletedProcess]:
-    """Both nodes' torchrun started at once (each waits for the other), then both awaited."""
-    # a session of its own for each torchrun; it puts its processes in sessions of their own too,
-    # and stops them when it gets SIGTERM
-    procs = [start(cmd) for cmd in two_node_commands(script, nproc, args)]
+def run_all(commands: list[list], timeout: float = 180, **env: str) -> list:
+    """The commands started at once (each node waits for the others), then awaited: their runs."""
+    procs = [start(command, **env) for command in commands]
     outputs = outputs_of(procs, timeout)
     return [
-        subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)
+        subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outputs)
     ]
 
 
 def test_preflight_on_two_nodes_checks_all_reduce_and_measures_bandwidth():
-    nodes = run_two_nodes(PREFLIGHT, 1, ["--sizes-mb", "0.1,1", "--iters", "3", "--timeout", "60"])
+    args = ["--sizes-mb", "0.1,1", "--iters", "3", "--timeout", "60"]
+    nodes = run_all(two_node_commands(PREFLIGHT, 1, args), timeout=120)
     for node in nodes:
         assert node.returncode == 0, node.stdout
     out = nodes[0].stdout + nodes[1].stdout
@@ -110,23 +107,9 @@ def machines():
 
 
 def on_machines(machines, commands: list[list[str]], timeout: float = 180, **env: str) -> list:
-    """Each command on its machine (command i on machine i), all at once: their outputs."""
-    procs = [
-        subprocess.Popen(
-            machines.run_command(i, command),
-            cwd=REPO,
-            env=child_env(**env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for i, command in enumerate(commands)
-    ]
-    outputs = outputs_of(procs, timeout)
-    return [
-        subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outputs)
-    ]
+    """Command i on machine i, all at once: their runs."""
+    on_each = [machines.run_command(i, command) for i, command in enumerate(commands)]
+    return run_all(on_each, timeout, **env)
 
 
 def launch(node: int, port: int, master: str = "10.0.0.1") -> list[str]:
@@ -172,76 +155,55 @@ def test_preflight_across_machines_names_their_addresses_and_the_rate_limit_hold
         assert busbw <= 0.110 / 8, f"{size} MB at {busbw} GB/s"
 
 
-@pytest.mark.parametrize(
-    "node, master, env, line",
-    [
-        (
-            1,
-            "10.0.0.9",
-            {},
-            "error: this machine (machine1) cannot reach the meeting point 10.0.0.9:{port} "
-            "(No route to host): give node 0's address on the network that every node shares",
-        ),
-        (
-            1,
-            "127.0.0.1",
-            {},
-            "error: MASTER_ADDR=127.0.0.1 is this machine (machine1) itself, not node 0: set it "
-            "to node 0's address, the same on every node",
-        ),
-        (
-            0,
-            "10.0.0.2",
-            {},
-            "error: MASTER_ADDR=10.0.0.2 is not an address of this machine (machine0 has: lo "
-            "127.0.0.1, eth0 10.0.0.1): node 0 hosts the meeting point, so MASTER_ADDR must be "
-            "one of its addresses that every node reaches",
-        ),
-        (
-            0,
-            "localhost",
-            {},
-            "error: the meeting point localhost is the loopback (127.0.0.1), where no other "
-            "machine can reach this one: give its address on the network between the nodes "
-            "(machine0 has: lo 127.0.0.1, eth0 10.0.0.1)",
-        ),
-        (
-            1,
-            "10.0.0.1",
-            {"GLOO_SOCKET_IFNAME": "lo"},
-            "error: gloo would listen on 127.0.0.1 (lo, from GLOO_SOCKET_IFNAME=lo), which no "
-            "other machine can reach: set GLOO_SOCKET_IFNAME=eth0, the interface toward 10.0.0.1",
-        ),
-        (
-            1,
-            "10.0.0.1",
-            {"GLOO_SOCKET_IFNAME": "eth1"},
-            "error: GLOO_SOCKET_IFNAME=eth1, but this machine (machine1) has no interface eth1 "
-            "with an IPv4 address (it has: lo 127.0.0.1, eth0 10.0.0.2): name one of those, the "
-            "one on the network between the nodes",
-        ),
-        (
-            1,
-            "10.0.0.1",
-            {"NCCL_SOCKET_IFNAME": "lo"},
-            "error: NCCL_SOCKET_IFNAME=lo leaves NCCL only the loopback (lo), which no other "
-            "machine can reach: set NCCL_SOCKET_IFNAME=eth0",
-        ),
-    ],
-    ids=[
-        "unreachable",
-        "loopback-master",
-        "not-node-0",
-        "loopback-on-node-0",
-        "gloo-lo",
-        "gloo-missing",
-        "nccl-lo",
-    ],
-)
+WRONG_LAUNCHES = {  # id: ("node MASTER_ADDR [VARIABLE=value]", the check's line)
+    "unreachable": (
+        "1 10.0.0.9",
+        "error: this machine (machine1) cannot reach the meeting point 10.0.0.9:{port} (No "
+        "route to host): give node 0's address on the network that every node shares",
+    ),
+    "loopback-master": (
+        "1 127.0.0.1",
+        "error: MASTER_ADDR=127.0.0.1 is this machine (machine1) itself, not node 0: set it to "
+        "node 0's address, the same on every node",
+    ),
+    "not-node-0": (
+        "0 10.0.0.2",
+        "error: MASTER_ADDR=10.0.0.2 is not an address of this machine (machine0 has: lo "
+        "127.0.0.1, eth0 10.0.0.1): node 0 hosts the meeting point, so MASTER_ADDR must be one "
+        "of its addresses that every node reaches",
+    ),
+    "loopback-on-node-0": (
+        "0 localhost",
+        "error: the meeting point localhost is the loopback (127.0.0.1), where no other machine "
+        "can reach this one: give its address on the network between the nodes (machine0 has: "
+        "lo 127.0.0.1, eth0 10.0.0.1)",
+    ),
+    "gloo-lo": (
+        "1 10.0.0.1 GLOO_SOCKET_IFNAME=lo",
+        "error: gloo would listen on 127.0.0.1 (lo, from GLOO_SOCKET_IFNAME=lo), which no other "
+        "machine can reach: set GLOO_SOCKET_IFNAME=eth0, the interface toward 10.0.0.1",
+    ),
+    "gloo-missing": (
+        "1 10.0.0.1 GLOO_SOCKET_IFNAME=eth1",
+        "error: GLOO_SOCKET_IFNAME=eth1, but this machine (machine1) has no interface eth1 with "
+        "an IPv4 address (it has: lo 127.0.0.1, eth0 10.0.0.2): name one of those, the one on "
+        "the network between the nodes",
+    ),
+    "nccl-lo": (
+        "1 10.0.0.1 NCCL_SOCKET_IFNAME=lo",
+        "error: NCCL_SOCKET_IFNAME=lo leaves NCCL only the loopback (lo), which no other "
+        "machine can reach: set NCCL_SOCKET_IFNAME=eth0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_LAUNCHES)
 @pytest.mark.slow
-def test_a_wrong_address_or_interface_is_one_line_before_torchrun(
-    machines, node, master, env, line
-):
+def test_a_wrong_address_or_interface_is_one_line_before_torchrun(machines, case):
+    spec, line = WRONG_LAUNCHES[case]
+    node_rank, master, *settings = spec.split()
+    node = int(node_rank)
+    env = dict(setting.split("=") for setting in settings)
     port = free_port()
     started = subprocess.run(
         machines.run_command(node, launch(node, port, master)),

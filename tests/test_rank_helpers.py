@@ -1,10 +1,5 @@
-"""The decisions chapters 04 to 07 take from common/: whether the ranks drive GPUs, whether two
-ranks share a GPU, how many CPU threads a rank uses, whether a retired flag is refused, and whether
-the ranks' copies still agree.
-
-The device and thread decisions take the machine's facts as plain numbers, so they are checked here
-for machines this CPU is not: an 8-GPU node, the second node of a job, a big CPU shared by ranks.
-"""
+"""The decisions chapters 04 to 07 take from common/ (GPU per rank, shared GPUs, CPU threads,
+retired flags, copies that differ), checked for machines this CPU is not, from plain numbers."""
 
 from __future__ import annotations
 
@@ -26,35 +21,38 @@ from common.distributed import (
 from common.support.errors import CourseError
 from tools.launch import free_port
 
+# (--device, LOCAL_RANK, LOCAL_WORLD_SIZE, visible CUDA GPUs) -> the ranks drive GPUs, or the error
+GPU_DECISIONS = [
+    # every rank of an 8-GPU node (the second node's ranks 8-15 are its local ranks 0-7)
+    *[("auto", local_rank, 8, 8, True) for local_rank in range(8)],
+    *[("cuda", local_rank, 8, 8, True) for local_rank in range(8)],
+    ("auto", 8, 9, 8, r"LOCAL_RANK 8, but this machine has 8 GPU\(s\).*--nproc_per_node"),
+    # one visible GPU and LOCAL_RANK 1 or more: several ranks on one GPU, refused before NCCL
+    *[
+        (device, rank, 8, 1, rf"LOCAL_RANK {rank}, but this machine has 1 GPU\(s\)")
+        for device in ("auto", "cuda")
+        for rank in (1, 3, 7)
+    ],
+    ("auto", 0, 1, 1, True),
+    # a named GPU: every rank takes cuda:LOCAL_RANK
+    ("cuda:1", 0, 1, 2, "every rank takes cuda:LOCAL_RANK; use --device cuda"),
+    ("cuda:1", 0, 2, 2, "every rank takes cuda:LOCAL_RANK; use --device cuda"),
+    ("cuda:3", 0, 1, 2, r"--device cuda:3: only 2 CUDA GPU\(s\) are visible"),
+    ("auto", 1, 2, 0, False),
+    ("cpu", 1, 2, 8, False),
+    ("cuda", 0, 2, 0, "sees no CUDA GPU; use --device cpu"),
+    ("mps", 0, 1, 0, "mps"),  # NCCL and gloo cannot send Apple's GPU tensors
+]
 
-@pytest.mark.parametrize("local_rank", range(8))
-def test_every_rank_of_an_8_gpu_node_drives_a_gpu(local_rank):
-    # which GPU is the chapter's own line, torch.device("cuda", local_rank): the second node's
-    # ranks 8-15 are its local ranks 0-7 (tests/test_check.py plants RANK in its place)
-    assert ranks_use_gpus("auto", local_rank, 8, cuda_gpus=8)
-    assert ranks_use_gpus("cuda", local_rank, 8, cuda_gpus=8)
 
-
-def test_more_ranks_than_gpus_on_a_node_is_one_clear_error():
-    with pytest.raises(
-        CourseError, match=r"LOCAL_RANK 8, but this machine has 8 GPU\(s\).*--nproc_per_node"
-    ):
-        ranks_use_gpus("auto", 8, 9, cuda_gpus=8)
-
-
-@pytest.mark.parametrize("local_rank", [1, 3, 7])
-def test_a_process_that_sees_one_gpu_is_not_mapped_onto_it_beside_others(local_rank, capsys):
-    # Under torchrun every process of a machine sees the same GPUs: one visible GPU and
-    # LOCAL_RANK 1 or more is several ranks on one GPU, refused before NCCL would meet it
-    # with a traceback.
-    for requested in ("auto", "cuda"):
-        with pytest.raises(
-            CourseError, match=rf"LOCAL_RANK {local_rank}, but this machine has 1 GPU\(s\)"
-        ):
-            ranks_use_gpus(requested, local_rank, 8, cuda_gpus=1)
-    # local rank 0 takes the one GPU, silently
-    assert ranks_use_gpus("auto", 0, 1, cuda_gpus=1)
-    assert capsys.readouterr().out == ""
+@pytest.mark.parametrize("device, local_rank, local_world, gpus, expected", GPU_DECISIONS)
+def test_which_ranks_drive_gpus(device, local_rank, local_world, gpus, expected, capsys):
+    if isinstance(expected, bool):
+        assert ranks_use_gpus(device, local_rank, local_world, cuda_gpus=gpus) == expected
+        assert capsys.readouterr().out == ""  # silently
+    else:
+        with pytest.raises(CourseError, match=expected):
+            ranks_use_gpus(device, local_rank, local_world, cuda_gpus=gpus)
 
 
 def test_ranks_that_share_a_gpu_are_found_from_their_hosts_and_gpu_ids():
@@ -66,25 +64,6 @@ def test_ranks_that_share_a_gpu_are_found_from_their_hosts_and_gpu_ids():
     assert ranks_sharing_a_gpu(doubled) == [[0, 2], [1, 3]]
     # ranks without a GPU share nothing
     assert ranks_sharing_a_gpu([("node-a", None), ("node-a", None)]) == []
-
-
-def test_a_named_gpu_is_refused_under_torchrun():
-    for local_world_size in (1, 2):
-        with pytest.raises(
-            CourseError, match="every rank takes cuda:LOCAL_RANK; use --device cuda"
-        ):
-            ranks_use_gpus("cuda:1", 0, local_world_size, cuda_gpus=2)
-    with pytest.raises(CourseError, match=r"--device cuda:3: only 2 CUDA GPU\(s\) are visible"):
-        ranks_use_gpus("cuda:3", 0, 1, cuda_gpus=2)
-
-
-def test_without_gpus_the_ranks_use_the_cpu():
-    assert not ranks_use_gpus("auto", 1, 2, cuda_gpus=0)
-    assert not ranks_use_gpus("cpu", 1, 2, cuda_gpus=8)
-    with pytest.raises(CourseError, match="sees no CUDA GPU; use --device cpu"):
-        ranks_use_gpus("cuda", 0, 2, cuda_gpus=0)
-    with pytest.raises(CourseError, match="mps"):  # NCCL and gloo cannot send Apple's GPU tensors
-        ranks_use_gpus("mps", 0, 1, cuda_gpus=0)
 
 
 @pytest.mark.parametrize(

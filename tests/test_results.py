@@ -1,13 +1,6 @@
-"""One number, one source: the texts quote only figures that bench/results/results.json holds.
-
-bench/RESULTS.md is rendered from results.json (as publish_diffs renders the diffs), and every
-measured figure in the main path, the deep dives and bench/README.md (a time, a rate, a speed-up,
-an efficiency, a loss, a memory size or byte count, a tolerance, a count like "11 of 28", a range,
-"about 0.4", the step an example output names) must be one the results hold. The texts are read
-when the test runs, so a rewritten text is checked as it is. Skipped: the embedded diffs, ```diff
-blocks, inline code (flags, settings, error messages) and the short list of figures that are not
-measurements, each with its reason (results.json's not_measured, which the end of
-RESULTS.md prints too)."""
+"""One number, one source: bench/RESULTS.md is rendered from bench/results/results.json, and every
+measured figure the texts quote (diffs, inline code and results.json's not_measured skipped) is
+one the results hold."""
 
 from __future__ import annotations
 

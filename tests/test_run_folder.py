@@ -1,16 +1,6 @@
-"""A newcomer's first hour: runs never destroy each other, stopping is one line, progress
-always shows.
-
-- A new run refuses a folder that holds a run (chapter 01, chapter 04 under torchrun, and the
-  two-node simulation), and the earlier run's files stay byte for byte as they were.
-- A second run into a folder in use is refused while the first goes on; the lock of a killed run
-  does not outlive it.
-- Ctrl-C or SIGTERM under torchrun (chapter 04): every rank stops at once, with one `[rank R]`
-  line each; no worker traceback.
-- Under a pseudo-terminal without a size, the run still prints its progress lines.
-- A file system that cannot lock (lockf's ENOLCK, ENOSYS) is named, with the way on
-  (COURSE_NO_LOCK=1); the lock file names who holds the folder.
-"""
+"""A newcomer's first hour: runs never destroy each other (a folder that holds or runs a run is
+refused, the lock of a killed run dies with it, a file system that cannot lock is named), Ctrl-C
+and SIGTERM under torchrun are one line per rank, and progress shows in a terminal of no size."""
 
 from __future__ import annotations
 
@@ -18,33 +8,18 @@ import errno
 import fcntl
 import os
 import pty
-import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import snapshot, start, tiny_run_args
+from helpers import read_until, snapshot, start, tiny_run_args
 
 from common.support import rundir
 from common.support.errors import CourseError
 from layout import REPO
-from tools.launch import child_env, run_python, stop_launchers, torchrun_command
-
-
-def wait_for(proc: subprocess.Popen, needle: str, limit: float = 180) -> str:
-    """Read proc's merged output until `needle` appears or the process ends; return what was
-    read so far."""
-    seen, deadline = "", time.monotonic() + limit
-    while needle not in seen and time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            seen += line
-    return seen
+from tools.launch import child_env, run_python, run_torchrun, stop_launchers, torchrun_command
+from tools.launch import flags as as_flags
 
 
 def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
@@ -67,14 +42,8 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
     assert snapshot(out) == before  # nothing of the earlier run lost
 
     # under torchrun every rank stops with rank 0's verdict (none is left waiting in a collective)
-    proc = subprocess.run(
-        torchrun_command("04_ddp/train.py", 2, tiny_run_args(data_dir, out, batch_size=4)),
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    args = tiny_run_args(data_dir, out, batch_size=4)
+    proc = run_torchrun("04_ddp/train.py", 2, args, timeout=180, check=False)
     assert proc.returncode != 0
     assert "[rank 0] error: " in proc.stderr
     assert "[rank 1] error: " in proc.stderr
@@ -112,7 +81,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
     args = tiny_run_args(data_dir, out, max_iters=100_000, eval_interval=2)
     first = start([sys.executable, "01_single_gpu/train.py", *args], new_session=False)
     try:
-        assert "checkpoint saved" in wait_for(first, "checkpoint saved")
+        assert "checkpoint saved" in read_until(first, "checkpoint saved")
         second = run_python(
             ["01_single_gpu/train.py", *tiny_run_args(data_dir, out, max_iters=2), "--resume"],
             check=False,
@@ -138,18 +107,10 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
 def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
     run_dir = tmp_path / "sim"
     env = {"RUN_DIR": str(run_dir), "NPROC_PER_NODE": "1"}
-    flags = [
-        "--max-iters",
-        "100000",
-        "--data-dir",
-        str(data_dir),
-        "--shared-fs",
-        "--eval-batches",
-        "1",
-    ]
+    flags = as_flags(max_iters=100_000, data_dir=data_dir, shared_fs=True, eval_batches=1)
     first = start(["bash", "05_multinode/simulate_two_nodes.sh", *flags], **env)
     try:
-        assert "iter" in wait_for(first, "iter")
+        assert "iter" in read_until(first, "iter")
         second = subprocess.run(
             ["bash", "05_multinode/simulate_two_nodes.sh", *flags],
             cwd=REPO,
@@ -173,7 +134,7 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
         )
         proc = start(cmd)
         try:
-            seen = wait_for(proc, "iter")
+            seen = read_until(proc, "iter")
             assert "iter" in seen, seen
             if sig == signal.SIGINT:
                 # Ctrl-C: the terminal signals the whole foreground job

@@ -1,17 +1,9 @@
-"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and
-chapter 01.
+"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and chapter 01.
 
-All runs are real processes; the runs are made once (a module fixture) and shared:
-
-    01, 5 steps (checkpoint at step 5), then --resume to 10     the reference: losses, parameters
-    torchrun 2 ranks: tests/workers/zero_worker.py         K = 1 and K = 3
-    torchrun 3 ranks: the same, with --extras                   uneven shards; broken variants,
-                                                                checkpoints in both directions
-    01 --resume from the ZeRO-1 and from the ZeroRedundancyOptimizer checkpoints of step 5
-
-Chapter 01's run has weight decay on and clipping at 1.0, which the gradient norm exceeds in the
-first steps and not in the later ones, and the global batch is 18 sequences: with 2 and 3 ranks, and
-1 and 3 micro-steps, every rank and micro-step gets whole rows of it.
+Chapter 01 runs 5 steps, then --resume to 10 (the reference); tests/workers/zero_worker.py runs
+under torchrun with 2 and 3 ranks (the 3-rank launch adds the broken variants and the checkpoints
+both ways), K = 1 and 3; chapter 01 resumes the ZeRO step-5 checkpoints. Clipping at 1.0 binds in
+the first steps only; the global batch of 18 gives every rank and micro-step whole rows.
 """
 
 from __future__ import annotations
@@ -23,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import start, tiny_run_args
+from helpers import start, tiny_run_args, train_losses
 
-from common.metrics import read_metrics
 from layout import REPO
 from tools.launch import run_python, run_torchrun
 
@@ -52,10 +43,6 @@ OPTIMIZER = {"lr_decay_iters": ITERS, "warmup_iters": 2, "weight_decay": 0.1, "g
 def flags(data_dir: Path, out_dir: Path, max_iters: int, **extra) -> list[str]:
     batches = {"batch_size": 18, "eval_interval": SAVE_AT, "eval_batches": 1}
     return tiny_run_args(data_dir, out_dir, max_iters, **SMALL_GPT, **OPTIMIZER, **batches, **extra)
-
-
-def train_losses(out_dir: Path) -> dict[int, float]:
-    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +137,7 @@ def test_zero1_holds_one_wth_of_the_optimizer_state(runs, world, K):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_zero_redundancy_shards_whole_tensors(runs, world):
-    """The library gives each parameter tensor to one rank. Nothing is held twice, but the GPT's
-    tied embedding matrix is almost all of it, so the rank that owns it holds almost all the state.
-    """
+    """Whole tensors to one rank each: the owner of the tied matrix holds almost all the state."""
     ddp, zro = (runs["results"][world][f"{impl}/K=1"] for impl in ("ddp", "zero_redundancy"))
     assert sum(zro["state_bytes"]) == ddp["state_bytes"][0]
     assert max(zro["state_bytes"]) > 0.95 * ddp["state_bytes"][0]
@@ -174,8 +159,7 @@ def test_reduce_scatters_overlap_backward_and_no_sync_defers_them(runs, world, K
 
 @pytest.mark.parametrize("impl", BROKEN)
 def test_broken_zero1_fails_the_same_check(runs, impl):
-    """Clipping with the local slice's norm, skipping the all-gather, or summing without averaging:
-    each one is caught by the check every correct run passes."""
+    """A local norm's clipping, no all-gather, a sum for the mean: the check catches each."""
     r = runs["results"][3][f"{impl}/K=3"]
     assert not matches_ddp_and_chapter01(r, train_losses(runs["ch01"]))
     assert r["params_vs_reference"] > WRONG, r["params_vs_reference"]

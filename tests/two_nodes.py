@@ -48,12 +48,8 @@ def node_logs(run_dir: Path) -> list[str]:
 
 
 def stop(proc: subprocess.Popen, run_dir: Path) -> None:
-    """End the simulation and everything it started, if it still runs.
-
-    torchrun puts each training process in a session of its own, so killing the script's process
-    group is not enough: SIGTERM first (the script passes it on to both torchruns, which stop their
-    processes), then SIGKILL for the group and for every training process the logs name.
-    """
+    """End the simulation and all it started: SIGTERM (passed on to both torchruns), then SIGKILL
+    for the group and every training process the logs name (each in a session of its own)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -72,12 +68,9 @@ def stop(proc: subprocess.Popen, run_dir: Path) -> None:
 def simulate(
     run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout: float = 240, **env: str
 ):
-    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, as the chapters run it:
-    2 nodes x 2 processes (env: the script's settings, SCRIPT=06_fault_tolerance/train.py ...).
-
-    With kill_rank: once a checkpoint exists and a step after it is done, that global rank's
-    process is killed (SIGKILL), mid-run. Returns the script's output, both node logs and the
-    step of the kill."""
+    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, 2 nodes x 2 processes (env: its settings);
+    with kill_rank, that rank is SIGKILLed after a checkpoint and a step. Returns the output, both
+    node logs and the step of the kill."""
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
         proc = subprocess.Popen(
@@ -117,10 +110,8 @@ def simulate(
 
 
 def assert_two_nodes_of_two(logs: list[str]) -> None:
-    """Global ranks 0-3 once each, local ranks 0 and 1 on each node, node ranks 0 and 1.
-
-    Only each node's first two start lines count: the processes that torchrun restarts print
-    theirs again."""
+    """Global ranks 0-3 once each, local ranks 0 and 1 on each node, node ranks 0 and 1 (each
+    node's first two start lines: restarted processes print theirs again)."""
     # (node, global rank, local rank) of each start line
     per_node = [[tuple(map(int, m[:3])) for m in START.findall(log)[:2]] for log in logs]
     starts = per_node[0] + per_node[1]

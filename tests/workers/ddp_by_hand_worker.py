@@ -1,19 +1,10 @@
-"""Run under torchrun by tests/test_ddp_by_hand.py: train the same tiny GPT with several
-data-parallel implementations and write how far each is from DDP and from one process.
+"""Run under torchrun by tests/test_ddp_by_hand.py: the same tiny GPT trained with DDP, the
+by-hand wrappers and broken variants, K in (1, 3), each rank from its own initialisation.
 
     torchrun --nproc_per_node=2 -m tests.workers.ddp_by_hand_worker OUT_DIR
 
-For every gradient-accumulation factor K in (1, 3) and every implementation (DDP first, as the
-reference, then ours, then deliberately broken variants), rank r trains from a different random
-initialisation (the wrapper's broadcast must fix that) on rows r::W of a seeded global batch.
-Before each optimizer step it measures, on every rank:
-
-- grad_vs_single: max |grad - gradient of one unwrapped copy of the model over the whole global
-  batch|, the copy holding the same parameters at that moment;
-- grad_across_ranks: max |grad - rank 0's grad|;
-
-and after the last step params_vs_ddp: max |parameters - those DDP reached|. Each is the maximum
-over ranks and steps. Rank 0 writes them to OUT_DIR/results.json for the test to assert on.
+Rank 0 writes, as maxima over ranks and steps: grad_vs_single (against one unwrapped copy over the
+whole global batch), grad_across_ranks, and after the last step params_vs_ddp.
 """
 
 from __future__ import annotations
@@ -45,12 +36,8 @@ CONFIG = model_config("tiny", n_embd=16, vocab_size=512, block_size=16, dropout=
 
 
 class StaleGradHook(BucketedDataParallel):
-    """The bucketed design, but with `Tensor.register_hook` instead of a post-accumulate hook.
-
-    A tensor hook on a parameter fires with the gradient of this backward BEFORE autograd adds it
-    into .grad. Reading p.grad there gives the old value: None/zero on a fresh step, the local sum
-    of the earlier micro-steps under accumulation. The bucket averages that stale value.
-    """
+    """`Tensor.register_hook` in place of a post-accumulate hook: it fires BEFORE autograd adds
+    the gradient into .grad, so the bucket averages the stale .grad."""
 
     def __init__(self, module, bucket_cap_mb):
         super().__init__(module, bucket_cap_mb)
@@ -68,12 +55,8 @@ class StaleGradHook(BucketedDataParallel):
 
 
 class IncomingGradHook(NaiveDataParallel):
-    """All-reduce the incoming gradient inside a `Tensor.register_hook`, before accumulation.
-
-    Without accumulation the incoming gradient is the whole local gradient, so this gives the
-    right answer for K = 1. With no_sync() and K > 1 it averages only the last micro-step's part;
-    the earlier micro-steps' gradients, already in .grad, stay local.
-    """
+    """All-reduce the incoming gradient in a `Tensor.register_hook`: right at K = 1; with no_sync()
+    and K > 1 the earlier micro-steps' gradients, already in .grad, stay local."""
 
     def __init__(self, module):
         super().__init__(module)
@@ -93,11 +76,8 @@ class IncomingGradHook(NaiveDataParallel):
 
 
 class ReduceParameter(BucketedDataParallel):
-    """The right hook at the right moment, but it averages the parameter, not its gradient.
-
-    The parameters are already identical on all ranks, so the average changes nothing and each
-    rank steps with its own local gradient: the copies drift apart.
-    """
+    """Averages the (already equal) parameter, not its gradient: each rank steps with its own
+    local gradient and the copies drift apart."""
 
     @torch.no_grad()
     def _launch(self, bucket):

@@ -1,14 +1,8 @@
-r"""Run by torchrun: record which training windows this rank's batches hold, as
-04_ddp/train.py builds them.
+r"""Run by torchrun: which training windows this rank's batches hold, as 04_ddp/train.py builds
+them, for epochs 0 and 1 and epoch 0 resumed two batches in (window i starts with token i * BLOCK).
 
     torchrun --standalone --nproc_per_node=2 -m tests.workers.ddp_sampler_worker \
         TOKENS BLOCK BATCH OUT_DIR
-
-The token file holds 0, 1, 2, ... so window i starts with token i * BLOCK: the first token of
-each row of x tells which window the loader really yielded. For epochs 0 and 1, and for epoch 0
-resumed two batches in, the rank writes its windows in the order its batches hold them to
-OUT_DIR/rank<R>.json.
-No process group is needed: the sampler takes its rank and world size from torchrun's variables.
 """
 
 import json

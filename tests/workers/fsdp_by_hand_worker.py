@@ -1,25 +1,12 @@
-"""Run under torchrun by tests/test_fsdp_by_hand.py: train small models with
-07_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, and write
-how far apart they are.
+"""Run under torchrun by tests/test_fsdp_by_hand.py: small models trained with
+07_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, from rank 0's model
+(rank r builds its own from SEED + r: the broadcast must fix it), rank r on rows r::W.
 
     torchrun --nproc_per_node=W -m tests.workers.fsdp_by_hand_worker [OUT_DIR]
 
-Every case trains STEPS steps from the same start. Rank r's model is built from seed SEED + r, so
-the ranks start apart and the wrapper's broadcast from rank 0 must make them equal; the one process
-and FSDP2 start from rank 0's model (seed SEED). Each step, every rank draws the same global batch
-and takes rows r::W. For each case the worker records, as maxima over steps (and ranks):
-
-- init_vs_single: max |whole parameters after wrapping - rank 0's model|;
-- loss_vs_single: max |mean of the ranks' losses - the one process's loss on the whole batch|;
-- grad_vs_single: max |averaged gradient, gathered whole - the one process's gradient|;
-- params_vs_single: max |parameters after each step - the one process's|;
-- params_vs_fsdp2 and loss_vs_fsdp2 (cases with FSDP2): the same against fully_shard;
-- comm_bytes: the wrapper's byte counter, per step; owned_numels: the parameter numbers each unit
-  owns, root first (the test counts them by hand and computes the bytes from its count);
-- shard_numel, state_bytes: the parameter numbers and optimizer-state bytes each rank holds;
-- grad_scale: the largest gradient of the one process, to size the low-precision tolerance.
-
-Rank 0 prints the distances, one line per case, and writes OUT_DIR/results.json if given.
+Recorded per case, maxima over steps and ranks: init_vs_single, loss_vs_single, grad_vs_single,
+params_vs_single, params_vs_fsdp2 and loss_vs_fsdp2; comm_bytes per step, owned_numels per unit,
+shard_numel and state_bytes per rank, and grad_scale (the one process's largest gradient).
 """
 
 from __future__ import annotations
@@ -35,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common.model import GPT, model_config
 from layout import chapter_module
-from tests.workers.worker_shared import gloo_group, write_results
+from tests.workers.worker_shared import gloo_group, state_bytes, write_results
 
 FullyShardedDataParallel = chapter_module("07_fsdp", "fsdp_by_hand").FullyShardedDataParallel
 
@@ -194,13 +181,7 @@ def run_case(
         single_optimizer.zero_grad(set_to_none=True)
     # what this rank holds: its shards and the optimizer state over them
     shard_numel = sum(p.numel() for p in fsdp.parameters())
-    state_bytes = sum(
-        t.numel() * t.element_size()
-        for s in optimizer.state.values()
-        for t in s.values()
-        if torch.is_tensor(t)
-    )
-    held = torch.tensor([shard_numel, state_bytes], dtype=torch.int64)
+    held = torch.tensor([shard_numel, state_bytes(optimizer.state)], dtype=torch.int64)
     per_rank = [torch.zeros_like(held) for _ in range(world)]
     dist.all_gather(per_rank, held)
     gathered = torch.tensor(list(worst.values()) + [init_vs_single], dtype=torch.float64)

@@ -1,5 +1,5 @@
 """What the workers that tests run under torchrun share: a gloo process group around their work,
-rank 0's results file, and a flat copy of tensors to compare."""
+rank 0's results file, a flat copy of tensors to compare, and an optimizer state's bytes."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def write_results(out_dir: Path, results: dict) -> None:
 def flat(tensors) -> torch.Tensor:
     """The tensors' values, detached, in one 1-D tensor."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def state_bytes(state: dict) -> int:
+    """The bytes of the tensors of an optimizer's state (its `state` dict)."""
+    return sum(
+        t.numel() * t.element_size()
+        for s in state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )

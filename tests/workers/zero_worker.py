@@ -1,29 +1,15 @@
-r"""Run under torchrun by tests/test_zero.py: train chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
-with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; write the results.
+r"""Run under torchrun by tests/test_zero.py: chapter 01's run with ZeRO-1 (04_ddp/zero1.py), with
+ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; rank 0 writes the results.
 
     torchrun --nproc_per_node=W -m tests.workers.zero_worker \
         OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
 
-FLAGS are chapter 01's flags for the reference run (01_single_gpu/train.py FLAGS): the same model,
-data, seed, global batch G (--batch-size), AdamW settings, weight decay, clipping and LR schedule.
-For K in (1, 3), DDP + AdamW, ZeRO-1 and ZeroRedundancyOptimizer train those first --max-iters
-steps on chapter 01's global batches, rank r taking rows r::W of each (B = G / (K W) rows per
-micro-step), every rank but rank 0 starting from a different initialisation (rank 0 has chapter
-01's; the wrappers' broadcast must fix the others). For each run the worker records:
-
-- losses: the loss of each step over the whole global batch (the test compares them with
-  chapter 01's metrics.jsonl);
-- params_vs_reference: max |parameters - DDP's| after the last step, over ranks (for a resumed
-  run: - chapter 01's final ones), and params_across_ranks: max |parameters - rank 0's|;
-- grad_norms: the norm of the whole gradient before clipping, at each step;
-- state_bytes (and owned_numel for ZeRO-1): the optimizer-state bytes on each rank, from the
-  state tensors' sizes;
-- state_vs_ddp: how far the optimizer state gathered on rank 0 is from DDP's AdamW state.
-
-With --extras (one launch is enough), at K = 3: the three broken ZeRO-1s below; gathered
-checkpoints saved at step 5 by ZeRO-1 and ZeroRedundancyOptimizer (for the test to resume in
-chapter 01); and chapter 01's step-5 checkpoint resumed under both for the remaining steps.
-Rank 0 writes OUT_DIR/results.json.
+FLAGS are chapter 01's. For K in (1, 3) each implementation trains on chapter 01's global batches,
+rank r taking rows r::W, ranks but 0 starting elsewhere (the broadcast must fix them). Recorded per
+run: losses, grad_norms, params_vs_reference (against DDP's, or chapter 01's final parameters for a
+resumed run), params_across_ranks, state_bytes (and owned_numel), state_vs_ddp. With --extras, at
+K = 3: the broken variants, ZeRO step-5 checkpoints for chapter 01 to resume, and chapter 01's
+step-5 checkpoint resumed under both.
 """
 
 from __future__ import annotations
@@ -46,7 +32,7 @@ from common.data import batch_loader, load_splits, prepare
 from common.model import GPT
 from common.training import lr_at
 from layout import chapter_module
-from tests.workers.worker_shared import flat, gloo_group, write_results
+from tests.workers.worker_shared import flat, gloo_group, state_bytes, write_results
 
 chapter_module("04_ddp", "ddp_by_hand")  # first: zero1 imports it
 zero1 = chapter_module("04_ddp", "zero1")
@@ -63,11 +49,7 @@ SAVE_AT = 5
 
 
 class LocalNormClip(ShardedOptimizer):
-    """Clips each slice with the norm of that slice alone: no all-reduce of the squared norms.
-
-    Each rank's norm is smaller than the whole gradient's, so each scales its slice by its own,
-    wrong factor (or not at all): the update is no longer a scaled copy of the full gradient.
-    """
+    """Clips each slice with its own norm (no all-reduce of the squares): wrong factors."""
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
@@ -97,15 +79,6 @@ class SumNotAverage(ZeroOneDataParallel):
         bucket.buffer[bucket.numel :].zero_()
         bucket.work = reduce_scatter_single(bucket.grad_shard, bucket.buffer, async_op=True)
         self.comm_calls += 1
-
-
-def state_bytes(state) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for s in state.values()
-        for t in s.values()
-        if torch.is_tensor(t)
-    )
 
 
 class Run:
