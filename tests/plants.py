@@ -213,9 +213,9 @@ PLANTS = {
         (
             (
                 rewrite,
-                P(assigns="mean_pseudo_grad"),
-                "sent.to(pseudo_grad.dtype) / world_size",
-                "sent.to(pseudo_grad.dtype)",
+                P(assigns="sent", uses="world_size"),
+                "pseudo_grad / world_size",
+                "pseudo_grad",
             ),
         ),
         ranks=2,
