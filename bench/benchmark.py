@@ -191,23 +191,15 @@ def stop_children_on_sigterm(grace: float = 5) -> None:
 
 
 def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple:
-    """Start the commands together (the nodes of one run), each into its own log that starts with
-    the command (log_path, or log_path.node<i>.log for several); (exit status, output tail)."""
+    """Start the commands together (the nodes of one run) into one log that starts with the first
+    command; (exit status, the log's last lines)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    paths = [log_path]
-    if len(commands) > 1:
-        paths = [log_path.with_suffix(f".node{i}.log") for i in range(len(commands))]
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(path, "w")) for path in paths]
-        for log, cmd in zip(logs, commands):
-            log.write(f"$ {shown_command(cmd)}\n")
-            log.flush()
-        status = run_together(commands, env, logs, timeout)
-    tail = []
-    for path in paths:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        tail += lines[-3:]
-    return status, "\n".join(tail)
+    with open(log_path, "w") as log:
+        log.write(f"$ {shown_command(commands[0])}\n")
+        log.flush()
+        status = run_together(commands, env, [log] * len(commands), timeout)
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return status, "\n".join(lines[-3:])
 
 
 def run_env(args) -> dict:
@@ -253,8 +245,7 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
         return statistics.median(values) if values else None
 
     # every chapter prints its device and threads first: "device cpu (1 threads), float32; ..."
-    logs = [run_dir / "run.log", *sorted(run_dir.glob("run.node*.log"))]
-    threads = re.search(r"\((\d+) threads?\)", "".join(p.read_text() for p in logs if p.exists()))
+    threads = re.search(r"\((\d+) threads?\)", (run_dir / "run.log").read_text(errors="replace"))
     memory = [m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None]
     return result | {
         "status": "ok",
