@@ -25,7 +25,7 @@ step, and how far it rises above the resting state.
   the same thing as CUDA's counter: the bytes of live tensors. The process's resident memory
   (RSS) is not used, because the C library keeps freed blocks for reuse, so RSS tells the history
   of the process rather than what one step needs.
-Time is the mean wall-clock time of --steps further steps (bench/step_timer.py), measured without
+Time is the mean wall-clock time of --steps further steps, measured without
 the profiler, after one warm-up step (which creates AdamW's state and pays one-off costs). On the
 CPU the table also gives the CPU time the process used per step (all its threads): on a machine
 shared with other work the wall-clock time says as much about the neighbours as about the step, the
@@ -39,6 +39,7 @@ import functools
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 
 # lets `import common` work from anywhere
@@ -47,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.step_timer import StepTimer
 from common.data import load_splits, prepare
 from common.device import DTYPES, autocast_context, describe, pick_device, pick_dtype, setup_math
 from common.model import GPT, PRESETS, model_config
@@ -194,11 +194,16 @@ def main():
         first_loss = optimizer_step(model, optimizer, batch(0, micro), autocast).item()  # warm-up
 
         timed = [batch(1 + s, micro) for s in range(args.steps)]
-        timer = StepTimer(device)
-        with timer.group(args.steps):
-            for micro_batches in timed:
-                optimizer_step(model, optimizer, micro_batches, autocast)
-        seconds, cpu_seconds = timer.mean() / 1000, timer.mean(cpu=True) / 1000  # CPU: all threads
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the warm-up's queued work is not the timed steps'
+        wall_start = time.perf_counter()
+        cpu_start = time.process_time()  # the CPU time of the process: all its threads
+        for micro_batches in timed:
+            optimizer_step(model, optimizer, micro_batches, autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the GPU's queued work belongs to the steps
+        seconds = (time.perf_counter() - wall_start) / args.steps
+        cpu_seconds = (time.process_time() - cpu_start) / args.steps
 
         last = batch(args.steps + 1, micro)
         if device.type == "cuda":

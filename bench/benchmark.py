@@ -4,18 +4,11 @@
     python -m bench.benchmark --preset tiny --iters 6 --log-interval 2 --repeats 1   # a smoke test
     python -m bench.benchmark --device cuda --preset gpt2 --batch-size 16 --setups 01,03,04x1
 
-A setup is a chapter launched one way (04x2: chapter 04 on 2 ranks), one row of the table. Every
-setup runs as a reader runs it (`python SCRIPT` or `torchrun ... SCRIPT`, unchanged) for the same
-number of optimizer steps on the same global batch of --batch-size sequences. The figures come from
-the metrics.jsonl each run writes, with the first log interval (the warm-up) left out:
-
-    tokens/s, step time, MFU, CUDA memory  medians of the chapter's own metrics lines
-    step / bare                            the setup's step time over that of the bare model math
-                                           on pre-built batches (bench/bare_step.py)
-
-With --repeats R, the setups run R times in turn (interleaved, so a burst of load from elsewhere
-hits one repeat, not one setup), and each setup keeps its fastest repeat. Results go to
-<results-dir>/benchmark.md and benchmark.json; every run's logs stay under <work-dir>.
+A setup is a chapter launched one way (04x2: chapter 04 on 2 ranks), one row of the table, run as
+a reader runs it, unchanged, for the same steps on the same global batch. The figures are medians
+of the chapter's own metrics.jsonl, the first log interval (warm-up) left out; step / bare divides
+the step by bench/bare_step.py's. The setups take turns --repeats times, each keeping its fastest
+repeat. Results: <results-dir>/benchmark.{md,json}; every run's logs stay under <work-dir>.
 """
 
 from __future__ import annotations
@@ -28,15 +21,13 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench import scaling_model
-from bench.bench_tools import stop_children_on_sigterm
-from bench.tables import cell, percent, row
 from common.chapters import CHAPTERS
 from common.metrics import read_metrics
 from common.model import PRESETS
@@ -53,6 +44,16 @@ from tools.launch import (
 BENCH = REPO / "bench"
 # the setups, as --setups names them, in the table's order
 SETUP_KEYS = ("01", "02", "03", "04x1", "04x2", "05", "07x1")
+COLUMNS = [
+    "Setup",
+    "Processes x threads",
+    "tokens/s",
+    "tokens/s per device",
+    "Step (ms)",
+    "MFU",
+    "Peak memory per device (MB)",
+    "Step / bare",
+]
 
 
 @dataclass
@@ -61,139 +62,37 @@ class Setup:
 
     key: str  # one of SETUP_KEYS
     label: str
-    script: str  # relative to the repository root
+    chapter: int
     launch: str  # "python", "torchrun" or "two_nodes" (tools.launch.launch_commands)
-    ranks: int = 1  # processes in all
-    micro_batches: int = 1  # grad-accum micro-steps per optimizer step
-    flags: list = field(default_factory=list)
+    ranks: int  # processes in all
+    flags: list[str]  # the setup's share of the global batch
+
+    @property
+    def script(self) -> str:
+        return f"{CHAPTERS[self.chapter]}/train.py"
 
 
 def setups(args) -> list[Setup]:
     """Every setup, in the order of SETUP_KEYS, each with its share of the global batch."""
-    g, k = args.batch_size, args.grad_accum
-    script = {number: f"{folder}/train.py" for number, folder in CHAPTERS.items()}
-    # On the CPU (or one GPU) DataParallel has one replica: the whole batch goes through it.
-    dp_flags = ["--batch-size", g // args.dp_replicas]
+    whole = ["--batch-size", str(args.batch_size)]
+    half = ["--batch-size", str(args.batch_size // 2)]
+    k = args.grad_accum
+    accumulated = ["--batch-size", str(args.batch_size // k), "--grad-accum", str(k)]
+    # DataParallel over one device: the whole batch goes through its one replica
+    data_parallel = whole
     if args.cuda_devices:
-        dp_flags += ["--gpus", args.dp_replicas]
+        data_parallel = whole + ["--gpus", "1"]
     return [
-        Setup("01", "01 one device", script[1], "python", flags=["--batch-size", g]),
-        Setup(
-            "02",
-            f"02 grad accum x{k}",
-            script[2],
-            "python",
-            micro_batches=k,
-            flags=["--batch-size", g // k, "--grad-accum", k],
-        ),
-        Setup("03", "03 DataParallel", script[3], "python", flags=dp_flags),
-        Setup("04x1", "04 DDP, 1 rank", script[4], "torchrun", ranks=1, flags=["--batch-size", g]),
-        Setup(
-            "04x2",
-            "04 DDP, 2 ranks",
-            script[4],
-            "torchrun",
-            ranks=2,
-            flags=["--batch-size", g // 2],
-        ),
-        # both simulated nodes see the one --data-dir, as on a shared file system: rank 0
-        # alone prepares the data
-        Setup(
-            "05",
-            "05 2 nodes x 1 rank",
-            script[5],
-            "two_nodes",
-            ranks=2,
-            flags=["--batch-size", g // 2, "--shared-fs"],
-        ),
-        # FSDP2 with one rank: the flags of 04's one-rank row (chapter 07 takes chapter 06's)
-        Setup("07x1", "07 FSDP2, 1 rank", script[7], "torchrun", flags=["--batch-size", g]),
+        Setup("01", "01 one device", 1, "python", 1, whole),
+        Setup("02", f"02 grad accum x{k}", 2, "python", 1, accumulated),
+        Setup("03", "03 DataParallel", 3, "python", 1, data_parallel),
+        Setup("04x1", "04 DDP, 1 rank", 4, "torchrun", 1, whole),
+        Setup("04x2", "04 DDP, 2 ranks", 4, "torchrun", 2, half),
+        # both simulated nodes see the one --data-dir, as on a shared file system
+        Setup("05", "05 2 nodes x 1 rank", 5, "two_nodes", 2, half + ["--shared-fs"]),
+        # FSDP2 with one rank: the flags of 04's one-rank row
+        Setup("07x1", "07 FSDP2, 1 rank", 7, "torchrun", 1, whole),
     ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Running processes
-
-
-def run_commands(
-    commands: list[list[str]], env: dict, log_path: Path, timeout: float
-) -> tuple[int, str]:
-    """Start the commands together (the nodes of one run), wait for all; (exit status, output tail).
-
-    Each command writes to its own log, which starts with the command: log_path for one command,
-    log_path.node<i>.log for several.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    paths = [log_path]
-    if len(commands) > 1:
-        paths = [log_path.with_suffix(f".node{i}.log") for i in range(len(commands))]
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(path, "w")) for path in paths]
-        for log, cmd in zip(logs, commands):
-            log.write(f"$ {shown_command(cmd)}\n")
-            log.flush()
-        status = run_together(commands, env, logs, timeout)
-    tail = []
-    for path in paths:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        tail += lines[-3:]
-    return status, "\n".join(tail)
-
-
-def run_for_result(
-    commands: list[list[str]], env: dict, out: Path, timeout: float
-) -> tuple[dict | None, str]:
-    """Run a worker that writes its result as JSON to `out`; return the result (None if it
-    wrote none) and the tail of its output."""
-    out.unlink(missing_ok=True)
-    status, tail = run_commands(commands, env, out.with_suffix(".log"), timeout)
-    if status != 0 or not out.exists():
-        return None, tail
-    return json.loads(out.read_text()), tail
-
-
-def run_env(args, threads: int | None) -> dict:
-    """The environment of every run: `threads` torch threads a process (None: torch's choice)."""
-    # a CPU run hides the GPUs, which chapter 03's DataParallel would take
-    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
-    # the repository first, then the caller's own PYTHONPATH
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return child_env(threads, PYTHONPATH=path, **hide_gpus)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading what a run left behind
-
-
-def run_figures(out_dir: Path, log_path: Path) -> dict:
-    """Medians over the metrics lines after the first (warm-up) interval, and the number of
-    threads the run printed."""
-    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
-    timed = lines[1:] or lines  # the first interval holds start-up costs (allocation, compilation)
-    if not timed:
-        raise RuntimeError(f"{out_dir / 'metrics.jsonl'} has no training lines")
-
-    def median(key):
-        values = [m[key] for m in timed if m.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    # every chapter prints its device and threads first: "device cpu (1 threads), float32; ..."
-    logs = [log_path, *sorted(log_path.parent.glob(log_path.stem + ".node*.log"))]
-    threads = re.search(r"\((\d+) threads?\)", "".join(p.read_text() for p in logs if p.exists()))
-    return {
-        "step_ms": median("dt_ms"),
-        "tokens_per_sec": median("tokens_per_sec"),
-        "mfu": median("mfu"),
-        "cuda_max_mem_mb": max(
-            (m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None), default=None
-        ),
-        "threads_per_rank": int(threads.group(1)) if threads else None,
-        "timed_intervals": len(timed),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The benchmark
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -201,63 +100,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--preset", choices=list(PRESETS), default="small", help="model size")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=8,
-        help="global batch: sequences per optimizer step, in every setup",
-    )
+    p.add_argument("--batch-size", type=int, default=8, help="global batch: sequences per step")
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step in chapter 02")
     p.add_argument("--iters", type=int, default=30, help="optimizer steps per run")
-    p.add_argument(
-        "--log-interval",
-        type=int,
-        default=5,
-        help="steps per metrics line; the first interval is warm-up",
-    )
+    p.add_argument("--log-interval", type=int, default=5, help="steps per metrics line")
     p.add_argument("--repeats", type=int, default=2, help="runs of each setup; the fastest counts")
     p.add_argument(
         "--setups",
         default=",".join(SETUP_KEYS[:-1]),
-        help="which to run, comma-separated (04x2: chapter 04 on 2 ranks; 07x1, chapter 07 on one "
-        "rank, only when named)",
+        help="which to run, comma-separated (07x1 only when named)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda where present)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--compile", action="store_true", help="torch.compile in every setup and in the bare step"
-    )
+    p.add_argument("--compile", action="store_true", help="torch.compile everywhere")
     p.add_argument(
         "--threads-per-rank",
         type=int,
         default=None,
-        help="OMP_NUM_THREADS of every training process, single-process setups and ranks alike "
-        "(default: CPU cores / 2, at least 1): the same compute per device in every row, "
-        "so 2 ranks fill the machine and scaling compares like with like",
+        help="OMP_NUM_THREADS of every process (default: cores / 2): the same compute per device",
     )
-    p.add_argument(
-        "--no-bare", action="store_true", help="skip the bare-model reference (bench/bare_step.py)"
-    )
-    p.add_argument(
-        "--data-dir", default="data", help="where the prepared corpus is (prepared here if missing)"
-    )
-    p.add_argument(
-        "--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics.jsonl"
-    )
-    p.add_argument(
-        "--results-dir",
-        default=str(BENCH / "results"),
-        help="benchmark.md and benchmark.json go here",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=900, help="seconds one run may take before it is stopped"
-    )
+    p.add_argument("--no-bare", action="store_true", help="skip bench/bare_step.py")
+    p.add_argument("--data-dir", default="data", help="the prepared corpus (prepared if missing)")
+    p.add_argument("--work-dir", default=str(BENCH / "out"), help="run folders: logs, metrics")
+    p.add_argument("--results-dir", default=str(BENCH / "results"), help="benchmark.md, .json")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     args = p.parse_args(argv)
     if args.log_interval < 1 or args.iters < 2 * args.log_interval:
-        p.error(
-            "--iters must be at least twice --log-interval: "
-            "the first interval is dropped as warm-up"
-        )
+        p.error("--iters must be at least twice --log-interval: the first interval is warm-up")
     if args.batch_size % 2 or args.batch_size % args.grad_accum:
         batch = f"--batch-size {args.batch_size}"
         p.error(f"{batch} must split evenly over 2 ranks and over --grad-accum {args.grad_accum}")
@@ -276,37 +145,88 @@ def resolve_device(args) -> None:
         raise SystemExit(
             "error: --device cuda, but this PyTorch sees no CUDA GPU; use --device cpu"
         )
-    args.cuda_devices = torch.cuda.device_count() if args.device.startswith("cuda") else 0
-    # DataParallel over one device: the same work as chapter 01 through the wrapper
-    args.dp_replicas = 1
+    args.cuda_devices = 0
+    args.device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    if args.device.startswith("cuda"):
+        args.cuda_devices = torch.cuda.device_count()
+        args.device_name = torch.cuda.get_device_name(0)
     if args.threads_per_rank is None:
         args.threads_per_rank = max(1, (os.cpu_count() or 1) // 2)
-    args.default_threads = torch.get_num_threads()
-    args.device_name = (
-        torch.cuda.get_device_name(0)
-        if args.cuda_devices
-        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    )
+    args.torch = torch.__version__
 
 
-def setup_args(args, setup: Setup, out_dir: Path) -> list[str]:
-    """The chapter script's flags: the same short measured run everywhere, then the setup's own."""
-    run = measured_run_flags(args.iters, args.log_interval, eval_batches=1, preset=args.preset)
-    where = flags(device=args.device, dtype=args.dtype, data_dir=args.data_dir, out_dir=out_dir)
-    return [*run, *where, *map(str, setup.flags), *flags(compile=args.compile)]
+def stop_children_on_sigterm(grace: float = 5) -> None:
+    """On SIGTERM (as `timeout` sends it), stop every run this process started, then exit 143.
+
+    The runs are started in sessions of their own (tools/launch.py), so each child's whole process
+    group gets the SIGTERM (torchrun's workers and a compile's workers included), has `grace`
+    seconds to end, and is then killed."""
+
+    def running(pid: int) -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        # the state follows the command's name, which is in parentheses and may hold spaces
+        return stat.rpartition(")")[2].split()[0] != "Z"
+
+    def stop(signum: int, frame) -> None:
+        groups = []
+        for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                groups += [int(pid) for pid in (task / "children").read_text().split()]
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(running(pid) for pid in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        print(f"stopped by SIGTERM: {len(groups)} run(s) stopped", file=sys.stderr, flush=True)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple:
+    """Start the commands together (the nodes of one run) into one log that starts with the first
+    command; (exit status, the log's last lines)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write(f"$ {shown_command(commands[0])}\n")
+        log.flush()
+        status = run_together(commands, env, [log] * len(commands), timeout)
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return status, "\n".join(lines[-3:])
+
+
+def run_env(args) -> dict:
+    """The environment of every run: --threads-per-rank threads a process, the repository first
+    on the import path."""
+    # a CPU run hides the GPUs, which chapter 03's DataParallel would take
+    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return child_env(args.threads_per_rank, PYTHONPATH=path, **hide_gpus)
 
 
 def run_setup(args, setup: Setup, repeat: int) -> dict:
+    """One run of a setup: its command and, from its metrics.jsonl, its figures."""
     run_dir = Path(args.work_dir) / f"setup_{setup.key}" / f"repeat{repeat}"
     out_dir = run_dir / "out"
-    # this run folder is the benchmark's own, from an earlier benchmark: start it afresh
-    # (a chapter refuses a folder that holds a run)
+    # the benchmark's own folder from an earlier run: a chapter refuses a folder that holds a run
     shutil.rmtree(out_dir, ignore_errors=True)
-    commands = launch_commands(
-        setup.launch, REPO / setup.script, setup.ranks, setup_args(args, setup, out_dir)
+    chapter_flags = measured_run_flags(
+        args.iters, args.log_interval, eval_batches=1, preset=args.preset
     )
-    env = run_env(args, args.threads_per_rank)
+    chapter_flags += flags(device=args.device, dtype=args.dtype, data_dir=args.data_dir)
+    chapter_flags += flags(out_dir=out_dir)
+    chapter_flags += setup.flags
+    chapter_flags += flags(compile=args.compile)
+    commands = launch_commands(setup.launch, REPO / setup.script, setup.ranks, chapter_flags)
     started = time.monotonic()
+    env = run_env(args)
     status, tail = run_commands(commands, env, run_dir / "run.log", args.timeout)
     result = {
         "command": shown_command(commands[0]),
@@ -315,18 +235,33 @@ def run_setup(args, setup: Setup, repeat: int) -> dict:
     if status != 0:
         last_line = tail.splitlines()[-1] if tail else ""
         return result | {"status": "failed", "note": f"exit status {status}: {last_line}"[:300]}
-    try:
-        figures = run_figures(out_dir, run_dir / "run.log")
-    except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as err:
-        return result | {"status": "failed", "note": f"no figures: {err}"[:300]}
-    return result | {"status": "ok"} | figures
+    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if "dt_ms" in m]
+    timed = lines[1:]  # the first interval holds start-up costs (allocation, compilation)
+    if not timed:
+        return result | {"status": "failed", "note": "no metrics lines after the warm-up"}
+
+    def median(key: str):
+        values = [m[key] for m in timed if m.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    # every chapter prints its device and threads first: "device cpu (1 threads), float32; ..."
+    threads = re.search(r"\((\d+) threads?\)", (run_dir / "run.log").read_text(errors="replace"))
+    memory = [m["max_mem_mb"] for m in lines if m.get("max_mem_mb") is not None]
+    return result | {
+        "status": "ok",
+        "step_ms": median("dt_ms"),
+        "tokens_per_sec": median("tokens_per_sec"),
+        "mfu": median("mfu"),
+        # metrics.jsonl's max_mem_mb: torch.cuda.max_memory_allocated on rank 0; none on a CPU
+        "peak_mem_mb": max(memory) if memory else None,
+        "threads_per_rank": int(threads.group(1)) if threads else args.threads_per_rank,
+    }
 
 
-def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | None:
-    """bench/bare_step.py: the model's math alone on pre-built batches, timed after the warm-up."""
-    out = (
-        Path(args.work_dir) / "bare" / f"b{batch_size}_t{threads or 'default'}_repeat{repeat}.json"
-    )
+def run_bare(args, batch_size: int, repeat: int) -> dict | None:
+    """bench/bare_step.py on `batch_size` sequences: the model's math alone."""
+    out = Path(args.work_dir) / "bare" / f"b{batch_size}_repeat{repeat}.json"
+    out.unlink(missing_ok=True)
     worker = flags(
         preset=args.preset,
         batch_size=batch_size,
@@ -337,54 +272,27 @@ def run_bare(args, batch_size: int, threads: int | None, repeat: int) -> dict | 
         dtype=args.dtype,
         data_dir=args.data_dir,
         out=out,
+        compile=args.compile,
     )
-    commands = launch_commands(
-        "python", BENCH / "bare_step.py", 1, worker + flags(compile=args.compile)
-    )
-    result, tail = run_for_result(commands, run_env(args, threads), out, args.timeout)
-    if result is None:
+    commands = launch_commands("python", BENCH / "bare_step.py", 1, worker)
+    env = run_env(args)
+    status, tail = run_commands(commands, env, out.with_suffix(".log"), args.timeout)
+    if status != 0 or not out.exists():
         print(f"  bare step (batch {batch_size}) failed: {tail[-200:]}", flush=True)
-    return result
-
-
-def predict_two_ranks(args, report: dict) -> dict | None:
-    """bench/scaling_model.py's 04 DDP step with 2 ranks, from this run's measured inputs: the bare
-    step and the bus bandwidth that 05_multinode/preflight.py measures in the same launch layout,
-    for one all-reduce of all the gradients."""
-    two_ranks_ok = any(r["setup"] == "04x2" and r["status"] == "ok" for r in report["setups"])
-    if args.no_bare or not two_ranks_ok:
         return None
-    mb = scaling_model.gradient_layout(args.preset)["grad_bytes"] / 1e6
-    backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    preflight = flags(backend=backend, sizes_mb=f"{mb:.3f}", iters=5)
-    commands = launch_commands("torchrun", REPO / CHAPTERS[5] / "preflight.py", 2, preflight)
-    log = Path(args.work_dir) / "preflight.log"
-    status, tail = run_commands(commands, run_env(args, args.threads_per_rank), log, args.timeout)
-    rows = re.findall(
-        r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$", log.read_text(errors="replace"), re.MULTILINE
-    )
-    if status != 0 or not rows:
-        print(f"  preflight failed, no prediction: {tail[-200:]}", flush=True)
+    return json.loads(out.read_text())
+
+
+def fastest(results: list[dict | None]) -> dict | None:
+    """The repeat with the shortest step (the least disturbed by other load on the machine)."""
+    measured = [r for r in results if r and r.get("step_ms") is not None]
+    if not measured:
         return None
-    size, busbw = map(float, rows[-1])
-    return scaling_model.against_benchmark(
-        report, busbw, f"{CHAPTERS[5]}/preflight.py, 2 ranks, all-reduce of {size:g} MB"
-    )
-
-
-def best(results: list[dict | None], key: str) -> dict | None:
-    """The repeat with the smallest `key` (the least disturbed by other load on the machine)."""
-    ok = [r for r in results if r and r.get(key) is not None]
-    return min(ok, key=lambda r: r[key]) if ok else None
-
-
-def bare_key(args, s: Setup) -> tuple:
-    """The bare step a setup is compared with: one device's share of the batch, the same threads."""
-    return (args.batch_size // s.ranks, args.threads_per_rank)
+    return min(measured, key=lambda r: r["step_ms"])
 
 
 def build_report(args, chosen: list[Setup], runs: dict, bare: dict, skipped: dict, argv) -> dict:
-    """Rows of the table from every repeat of every run: the fastest repeat of each."""
+    """The table's rows, from the fastest repeat of each setup, with the run's settings."""
     block = PRESETS[args.preset].block_size
     rows = []
     for s in chosen:
@@ -394,182 +302,87 @@ def build_report(args, chosen: list[Setup], runs: dict, bare: dict, skipped: dic
             "script": s.script,
             "launch": s.launch,
             "processes": s.ranks,
-            "devices": s.ranks if s.launch != "python" else max(args.dp_replicas, 1),
+            "devices": s.ranks,
             "micro_batch": int(s.flags[1]),
-            "grad_accum": s.micro_batches,
+            "grad_accum": int(s.flags[3]) if "--grad-accum" in s.flags else 1,
         }
+        ok = fastest([r for r in runs[s.key] if r["status"] == "ok"])
         if s.key in skipped:
-            rows.append(
-                row
-                | {
-                    "status": "missing" if "exist" in skipped[s.key] else "skipped",
-                    "note": skipped[s.key],
-                }
-            )
-            continue
-        ok = best([r for r in runs[s.key] if r["status"] == "ok"], "step_ms")
-        if ok is None:
-            rows.append(
-                row
-                | {
-                    "status": "failed",
-                    "note": runs[s.key][-1].get("note", ""),
-                    "command": runs[s.key][-1]["command"],
-                }
-            )
-            continue
-        row |= {
-            "status": "ok",
-            "command": ok["command"],
-            "step_ms_repeats": [round(r["step_ms"], 2) for r in runs[s.key] if r["status"] == "ok"],
-        }
-        row["step_ms"] = ok["step_ms"]
-        row["tokens_per_sec"] = ok["tokens_per_sec"]
-        row["tokens_per_sec_per_device"] = ok["tokens_per_sec"] / row["devices"]
-        row["mfu"] = ok["mfu"]
-        row["threads_per_rank"] = ok["threads_per_rank"] or args.threads_per_rank
-        # metrics.jsonl's max_mem_mb: torch.cuda.max_memory_allocated on rank 0; nothing on a CPU
-        row["peak_mem_mb"] = ok["cuda_max_mem_mb"]
-        b = best(bare.get(bare_key(args, s), []), "step_ms")
-        row["bare_step_ms"] = b["step_ms"] if b else None
-        row["bare_ratio"] = row["step_ms"] / b["step_ms"] if b else None
+            status = "missing" if "exist" in skipped[s.key] else "skipped"
+            row |= {"status": status, "note": skipped[s.key]}
+        elif ok is None:
+            last = runs[s.key][-1]
+            row |= {"status": "failed", "note": last.get("note", ""), "command": last["command"]}
+        else:
+            row |= ok
+            row["step_ms_repeats"] = [r["step_ms"] for r in runs[s.key] if r["status"] == "ok"]
+            row["tokens_per_sec_per_device"] = ok["tokens_per_sec"] / row["devices"]
+            # for 2 ranks, the bare step of one rank's share
+            b = fastest(bare.get(args.batch_size // s.ranks, []))
+            row["bare_step_ms"] = b["step_ms"] if b else None
+            row["bare_ratio"] = ok["step_ms"] / b["step_ms"] if b else None
         rows.append(row)
 
     by_key = {r["setup"]: r for r in rows}
     scaling = {}
-    one = by_key.get("04x1")
+    one = by_key.get("04x1", {})
     for key in ("04x2", "05"):
-        two = by_key.get(key)
-        if one and two and one.get("status") == two.get("status") == "ok":
+        two = by_key.get(key, {})
+        if one.get("status") == two.get("status") == "ok":
+            speedup = two["tokens_per_sec"] / one["tokens_per_sec"]
             scaling[key] = {
                 "ranks": 2,
                 "against": "04x1",
-                "efficiency": two["tokens_per_sec"] / (2 * one["tokens_per_sec"]),
-                "speedup": two["tokens_per_sec"] / one["tokens_per_sec"],
+                "efficiency": speedup / 2,
+                "speedup": speedup,
             }
-    report = {
-        "settings": {
-            "preset": args.preset,
-            "block_size": block,
-            "global_batch": args.batch_size,
-            "tokens_per_step": args.batch_size * block,
-            "iters": args.iters,
-            "log_interval": args.log_interval,
-            "warmup_steps_dropped": args.log_interval,
-            "repeats": args.repeats,
-            "device": args.device,
-            "device_name": args.device_name,
-            "dtype": args.dtype,
-            "compile": args.compile,
-            "threads_per_rank": args.threads_per_rank,
-            "torch_default_threads": args.default_threads,
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": __import__("torch").__version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": "python -m bench.benchmark "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-        },
-        "setups": rows,
-        "bare": [{"batch_size": k[0], "threads_env": k[1], "runs": v} for k, v in bare.items()],
-        "scaling": scaling,
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    settings = {
+        "preset": args.preset,
+        "block_size": block,
+        "global_batch": args.batch_size,
+        "tokens_per_step": args.batch_size * block,
+        "iters": args.iters,
+        "warmup_steps_dropped": args.log_interval,
+        "repeats": args.repeats,
+        "device": args.device,
+        "device_name": args.device_name,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "threads_per_rank": args.threads_per_rank,
+        "torch": args.torch,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": f"python -m bench.benchmark {command}".strip(),
     }
-    return report
+    bare_runs = [{"batch_size": size, "runs": found} for size, found in bare.items()]
+    return {"settings": settings, "setups": rows, "bare": bare_runs, "scaling": scaling}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    # stopped with SIGTERM: the runs it started are stopped too, then it exits
-    stop_children_on_sigterm()
-    resolve_device(args)
-    from common.data import prepare
-
-    prepare("shakespeare", args.data_dir)  # once, before any clock starts
-    block = PRESETS[args.preset].block_size
-    chosen = [s for s in setups(args) if s.key in args.setup_keys]
-    gpu_short = args.device.startswith("cuda") and args.cuda_devices < 2
-    batch = f"global batch {args.batch_size} x {block} tokens"
-    steps = f"{args.iters} steps (first {args.log_interval} dropped)"
-    print(
-        f"benchmark: {args.preset} preset, {batch}, {steps}, {args.repeats} repeat(s), "
-        f"{args.device_name}",
-        flush=True,
-    )
-
-    runs: dict[str, list[dict]] = {s.key: [] for s in chosen}
-    bare: dict[tuple, list] = {}
-    skipped: dict[str, str] = {}
-    for s in chosen:
-        if not (REPO / s.script).exists():
-            skipped[s.key] = f"not run: {s.script} does not exist yet"
-        elif gpu_short and s.ranks > args.cuda_devices:
-            skipped[s.key] = (
-                f"not run: {s.ranks} ranks need {s.ranks} GPUs, {args.cuda_devices} visible"
-            )
-
-    for repeat in range(args.repeats):
-        for s in chosen:
-            if s.key in skipped:
-                continue
-            print(f"[repeat {repeat + 1}/{args.repeats}] {s.label} ...", end=" ", flush=True)
-            r = run_setup(args, s, repeat)
-            runs[s.key].append(r)
-            print(
-                f"{r['step_ms']:.1f} ms/step"
-                if r["status"] == "ok"
-                else r["status"] + ": " + r["note"],
-                f"({r['seconds']} s)",
-                flush=True,
-            )
-        if not args.no_bare:
-            for key in sorted({bare_key(args, s) for s in chosen if s.key not in skipped}, key=str):
-                b = run_bare(args, key[0], key[1], repeat)
-                bare.setdefault(key, []).append(b)
-                if b:
-                    print(
-                        f"  bare step, batch {key[0]}, {b['threads']} thread(s): "
-                        f"{b['step_ms']:.1f} ms",
-                        flush=True,
-                    )
-
-    report = build_report(args, chosen, runs, bare, skipped, argv)
-    report["prediction"] = predict_two_ranks(args, report)
-    results = Path(args.results_dir)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
-    table = markdown(report)
-    (results / "benchmark.md").write_text(table)
-    print("\n" + table)
-    print(f"written: {results / 'benchmark.md'}, {results / 'benchmark.json'}")
-    return 1 if any(r["status"] == "failed" for r in report["setups"]) else 0
+def cell(value, spec: str = "{:,.0f}") -> str:
+    """A number in a table: n/a where nothing was measured."""
+    return "n/a" if value is None else spec.format(value)
 
 
-# ---------------------------------------------------------------------------------------------
-# The table
+def percent(share) -> str:
+    """A share (0.073) as a percentage (7.3%): n/a where nothing was measured."""
+    return "n/a" if share is None else f"{100 * share:.1f}%"
 
-COLUMNS = [
-    "Setup",
-    "Processes x threads",
-    "tokens/s",
-    "tokens/s per device",
-    "Step (ms)",
-    "MFU",
-    "Peak memory per device (MB)",
-    "Step / bare",
-]
+
+def row(cells: list[str]) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(cells) + " |"
 
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    sequences = f"{s['global_batch']} sequences x {s['block_size']} tokens"
-    batch = f"{sequences} = {s['tokens_per_step']:,} tokens"
+    batch = f"{s['global_batch']} sequences x {s['block_size']} tokens = {s['tokens_per_step']:,}"
     steps = f"{s['iters']} steps per run, the first {s['warmup_steps_dropped']} dropped as warm-up"
     compiled = ", torch.compile" if s["compile"] else ""
     lines = [
         f"# Benchmark: {s['preset']} preset on {s['device_name']}",
         "",
-        f"Global batch {batch} per step in every setup; {steps}; dtype {s['dtype']}{compiled}; "
-        f"fastest of {s['repeats']} repeat(s). torch {s['torch']}, {s['date']}.",
+        f"Global batch {batch} tokens per step in every setup; {steps}; dtype {s['dtype']}"
+        f"{compiled}; fastest of {s['repeats']} repeat(s). torch {s['torch']}, {s['date']}.",
         "",
         f"Command: `{s['command']}`",
         "",
@@ -582,7 +395,7 @@ def markdown(report: dict) -> str:
             continue
         cells = [
             r["label"],
-            f"{r['processes']} x {cell(r['threads_per_rank'], '{}')}",
+            f"{r['processes']} x {r['threads_per_rank']}",
             cell(r["tokens_per_sec"]),
             cell(r["tokens_per_sec_per_device"]),
             cell(r["step_ms"], "{:,.1f}"),
@@ -592,31 +405,72 @@ def markdown(report: dict) -> str:
         ]
         lines.append(row(cells))
     for key, sc in report["scaling"].items():
-        lines.append("")
         speedup = f"{sc['speedup']:.2f}x the tokens/s of one rank"
         efficiency = f"efficiency {100 * sc['efficiency']:.0f}%"
-        efficiency += " (tokens/s of 2 ranks / (2 x tokens/s of 1 rank))"
-        lines.append(
-            f"Scaling, {key} against 04x1 (same threads per rank): {speedup}, {efficiency}."
-        )
-    bare = [
-        (b["batch_size"], best(b["runs"], "step_ms"), best(b["runs"], "step_cpu_ms"))
-        for b in report["bare"]
-    ]
-    if any(b for _, b, _ in bare):
-        lines.append("")
-        lines.append(
-            "Bare step (forward + backward + clip + AdamW on pre-built batches), fastest repeat: "
-            + "; ".join(
-                f"batch {bs}, {b['threads']} thread(s): {b['step_ms']:.1f} ms "
-                f"({c['step_cpu_ms']:.1f} ms CPU)"
-                for bs, b, c in bare
-                if b
-            )
-            + "."
-        )
-    lines += scaling_model.markdown_lines(report.get("prediction"))
+        lines += [
+            "",
+            f"Scaling, {key} against 04x1 (same threads per rank): {speedup}, {efficiency}.",
+        ]
+    bare = [(b["batch_size"], fastest(b["runs"])) for b in report["bare"]]
+    if any(b for _, b in bare):
+        each = [
+            f"batch {size}: {b['step_ms']:.1f} ms ({b['step_cpu_ms']:.1f} ms CPU)"
+            for size, b in bare
+            if b
+        ]
+        lines += ["", "Bare step (bench/bare_step.py), fastest repeat: " + "; ".join(each) + "."]
     return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stop_children_on_sigterm()
+    resolve_device(args)
+    from common.data import prepare
+
+    prepare("shakespeare", args.data_dir)  # once, before any clock starts
+    chosen = [s for s in setups(args) if s.key in args.setup_keys]
+    print(
+        f"benchmark: {args.preset} preset, global batch {args.batch_size}, {args.iters} steps "
+        f"(first {args.log_interval} dropped), {args.repeats} repeat(s), {args.device_name}",
+        flush=True,
+    )
+    skipped = {}
+    for s in chosen:
+        if not (REPO / s.script).exists():
+            skipped[s.key] = f"not run: {s.script} does not exist yet"
+        elif args.cuda_devices and s.ranks > args.cuda_devices:
+            skipped[s.key] = (
+                f"not run: {s.ranks} ranks need {s.ranks} GPUs, {args.cuda_devices} visible"
+            )
+    runs = {s.key: [] for s in chosen}
+    bare = {}
+    for repeat in range(args.repeats):
+        for s in chosen:
+            if s.key in skipped:
+                continue
+            print(f"[repeat {repeat + 1}/{args.repeats}] {s.label} ...", end=" ", flush=True)
+            r = run_setup(args, s, repeat)
+            runs[s.key].append(r)
+            done = f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else f"failed: {r['note']}"
+            print(done, f"({r['seconds']} s)", flush=True)
+        if args.no_bare:
+            continue
+        for size in sorted({args.batch_size // s.ranks for s in chosen if s.key not in skipped}):
+            b = run_bare(args, size, repeat)
+            bare.setdefault(size, []).append(b)
+            if b:
+                print(f"  bare step, batch {size}: {b['step_ms']:.1f} ms", flush=True)
+
+    report = build_report(args, chosen, runs, bare, skipped, argv)
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
+    table = markdown(report)
+    (results / "benchmark.md").write_text(table)
+    print("\n" + table)
+    print(f"written: {results / 'benchmark.md'}, {results / 'benchmark.json'}")
+    return 1 if any(r["status"] == "failed" for r in report["setups"]) else 0
 
 
 if __name__ == "__main__":

@@ -1,39 +1,19 @@
 #!/usr/bin/env bash
-# A ten-minute smoke test of the course on a fresh GPU machine without a network: what to bring
-# (data/), the command, the time it needs and what it writes are in bench/GPU_CHECK.md.
-#
-#   step            limit   estimate on one H200 (reckoned in bench/GPU_CHECK.md, section 4)
-#   prepare_data      30s    ~5s  the Shakespeare token files: checked, prepared only if missing
-#   compile_probe     90s   ~30s  does a compiled `x * 2` run on the device? (gcc, Python.h, Triton)
-#   compile   COMPILE+15   ~120s  chapter 01 with torch.compile: the MFU that counts (goal: 50%)
-#   eager            150s   ~90s  GPT-2 124M, bf16: chapter 01, chapter 03 on one GPU, chapter 04
-#                                 with 1 NCCL rank: tokens/s, MFU, peak memory, step / bare step
-#   preflight         45s   ~15s  chapter 05's preflight, 1 rank on NCCL
-#   by_hand           60s   ~20s  bench/by_hand_vs_ddp.py --impl all, 1 rank on CUDA
-#   fsdp              60s   ~30s  chapter 07, FSDP2 with 1 NCCL rank, the flags of 04's row
+# A ten-minute smoke test of the course on a fresh GPU machine without a network. bench/GPU_CHECK.md
+# says what to bring (data/), what each step runs, its limit and estimate, and what comes back.
 #
 #   bash bench/gpu_check.sh                 # results in $RESULTS_DIR, else bench/results/gpu
 #
-# Every step gets the smaller of its limit and the time left of TOTAL, so the whole script ends in
-# TOTAL seconds whatever happens; a step that fails, overruns or finds no time left is named and
-# the rest still run. The compile step is different: a process that compiles gets COMPILE
-# seconds, what a cold compile of GPT-2 is reckoned to need, and a compile step that would get
-# less is skipped, not started to be cut short. It is skipped too, with the probe's answer as
-# the reason, when the compile probe did not pass. Exit status 0 only when every step passed (a
-# chapter that is not in this copy of the course is named, not counted as a failure).
-#
-# RESULTS_DIR receives four files, rewritten after every step, so a check stopped from outside
-# keeps what ran: environment.txt, rows.json (one row per step), summary.md and details.tar.gz
-# (every step's log and results files, which the steps write in $WORK/results). Checkpoints (1.5 GB
-# each for GPT-2 with its AdamW state), metrics and probe files stay under $WORK, a fresh temporary
-# folder unless set.
+# Every step gets the smaller of its limit and the time left of TOTAL; a step that fails, overruns
+# or finds no time left is named and the rest still run. A compile step that would get less than
+# COMPILE seconds (a cold compile of GPT-2) is skipped, and so is one after a failed compile probe.
+# RESULTS_DIR receives four files, rewritten after every step: environment.txt, rows.json,
+# summary.md and details.tar.gz (the logs and results files the steps write in $WORK/results).
 #
 # Settings (environment): RESULTS_DIR, WORK, TOTAL (350), COMPILE (150), STEPS (all, or names
-# separated by commas: a second try runs only what did not pass), STRETCH (1), BATCH (sequences per
-# step, 32), ITERS (30), LOG_INTERVAL (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2),
-# CHECK_PRESET (small), CHECK_STEPS (12, for by_hand), PREFLIGHT_MB
-# (1,16,128) and DEVICE (cuda) exist for a dry run of the mechanics on a CPU, as the tests do
-# (tests/test_gpu_check.py).
+# separated by commas), STRETCH (1, every limit times it), BATCH (32), ITERS (30), LOG_INTERVAL
+# (10), DATA_DIR (data), PYTHON (python3); PRESET (gpt2), CHECK_PRESET (small), CHECK_STEPS (12),
+# PREFLIGHT_MB (1,16,128) and DEVICE (cuda) exist for a dry run on a CPU (tests/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 
@@ -142,11 +122,37 @@ prepare="import sys; from common.data import prepare
 prepare('shakespeare', sys.argv[1])"
 step prepare_data 30 -- "$PYTHON" -c "$prepare" "$DATA_DIR"
 
+# The compile probe: does a compiled `x * 2` give the right numbers on the device? Triton needs gcc
+# and Python.h the first time it compiles: a machine without them fails here in seconds.
+cat >"$WORK/compile_probe.py" <<'EOF'
+import json, sys, time, traceback
+import torch
+
+device, out = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+error = None
+try:
+    y = torch.compile(lambda x: x * 2)(torch.arange(8.0, device=device)).cpu()
+    if not torch.equal(y, torch.arange(8.0) * 2):
+        error = f"wrong result: {y.tolist()}"
+except Exception as err:  # any failure is the answer, not a crash of the check
+    traceback.print_exc()
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    error = f"{type(err).__name__}: " + " | ".join(lines[:3])
+seconds = round(time.perf_counter() - start, 1)
+result = {"device": device, "passed": error is None, "seconds": seconds, "error": error}
+open(out, "w").write(json.dumps(result, indent=1) + "\n")
+if error is None:
+    print(f"compile probe: passed on {device} in {seconds} s")
+else:
+    print(f"compile probe: FAILED on {device}: {error[:400]}")
+    sys.exit(1)
+EOF
 # The compile probe runs whenever a compile step is asked for: seconds, against minutes of GPT-2.
 # Its limit has room for a first compile with cold caches (bench/GPU_CHECK.md, section 4).
 if selected compile_probe || selected compile; then
-    step compile_probe 90 -- "$PYTHON" -m bench.compile_probe --device "$DEVICE" \
-        --out "$DETAIL/compile_probe.json"
+    step compile_probe 90 -- "$PYTHON" "$WORK/compile_probe.py" "$DEVICE" \
+        "$DETAIL/compile_probe.json"
     if [[ "${status_of[compile_probe]}" != passed ]]; then
         answer=$(grep -m1 '^compile probe: ' "$DETAIL/compile_probe.log" || true)
         skip_reason="the compile probe did not pass (${answer:-${status_of[compile_probe]}})"
@@ -167,7 +173,7 @@ step eager 150 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 01,03,04x
     --work-dir "$WORK/eager" --results-dir "$DETAIL/eager"
 step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "$PREFLIGHT_MB" \
     --iters 10
-step by_hand 60 -- "${torchrun_one[@]}" -m bench.by_hand_vs_ddp --impl all \
+step by_hand 60 -- "${torchrun_one[@]}" 04_ddp/by_hand_vs_ddp.py --impl all \
     --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
 # chapter 07: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 07x1)
 if [[ -f 07_fsdp/train.py ]]; then

@@ -1,14 +1,6 @@
-"""What bench/gpu_check.sh writes: one row per step, a summary, and its files in one tarball.
-
-The check writes only these four files in its results folder, small enough to copy off a machine
-that is about to be handed back, and rewrites them after every step (a check stopped from outside
-keeps what ran):
-
-- `environment.txt`: nvidia-smi, torch's version and its GPUs (written by gpu_check.sh);
-- `rows.json`: one row per step that ran (name, status, seconds, its limit, its command, and the
-  figures its results files hold), in the order the steps ended;
-- `summary.md`: the table of steps, then the figures (the benchmark runs and the probes);
-- `details.tar.gz`: every step's log and results files.
+"""What bench/gpu_check.sh writes: rows.json (one row per step that ran, with the figures its
+results files hold), summary.md (the steps, then the figures) and details.tar.gz (every step's log
+and results files), rewritten after every step so that a check stopped from outside keeps what ran.
 
     python3 -m bench.gpu_summary record --out OUT --detail DETAIL --step NAME --status passed ...
     python3 -m bench.gpu_summary DETAIL      # the figures of a folder of results, on the screen
@@ -25,7 +17,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from bench.tables import cell, percent, row
+from bench.benchmark import cell, percent, row
 
 # the results files each step writes under the detail folder; their content goes into its row
 RESULTS = {

@@ -1,23 +1,16 @@
-"""Chapter 05's step time against the rate of the link between its machines: measured on two
-machines of machines.sh, and predicted by bench/scaling_model.py from the bus bandwidth that the
-preflight measures between them. Needs root (network namespaces).
+"""Chapter 05's step time against the rate of the link between its machines, measured on two
+machines of 05_multinode/machines.sh and predicted by bench/scaling_model.py. Needs root.
 
     sudo env "PATH=$PATH" python -m bench.link_rates                        # minutes
     sudo env "PATH=$PATH" python -m bench.link_rates --rates 100mbit --iters 20   # a shorter one
 
-For each rate in turn, on the same two machines, with one process on each:
-
-    the link    both directions of each machine's link limited to the rate (tc's tbf)
-    busbw       05_multinode/preflight.py between the machines: all-reduces of 1 MB, of the
-                model's gradients (what every step sends) and of 25 MB (DDP's bucket cap)
-    compute     the bare step of one rank's share of the batch (bench/bare_step.py), just before,
-                on both machines at once (their two processes share the cores as the ranks do)
-    measured    chapter 05 across the machines (simulate_two_nodes.sh with MACHINES): the median
-                step time of its log intervals, the first (the warm-up) left out
-    predicted   scaling_model.link_step(compute, preset, busbw at the gradients' size, 2 ranks)
-
-Writes --out (bench/results/link_rates.json): every figure, with the commands that gave it and the
-machine's load; each run's logs stay under --work-dir.
+For each rate in turn, with one process on each machine and both directions of each machine's link
+limited to the rate (tc's tbf): the busbw of 05_multinode/preflight.py between the machines
+(all-reduces of 1 MB, of the model's gradients and of 25 MB); the bare step of one rank's share
+(bench/bare_step.py) on both machines at once, as the ranks share the cores; chapter 05 across the
+machines, its median step after the first log interval; and the step that scaling_model.predict
+gives from the bare step and the busbw at the gradients' size. Writes --out
+(bench/results/link_rates.json) with the commands and the machine's load.
 """
 
 from __future__ import annotations
@@ -90,17 +83,9 @@ def bare_step(prefix: str, args, work: Path, env: dict) -> dict:
     the cores as the run's two ranks do. The mean of the two medians."""
     commands = []
     for node in range(WORLD):
-        command = [sys.executable, "-m", "bench.bare_step", "--preset", args.preset]
-        command += ["--batch-size", str(args.batch_size), "--iters", str(args.bare_iters)]
-        command += [
-            "--warmup",
-            "5",
-            "--data-dir",
-            args.data_dir,
-            "--out",
-            work / f"bare{node}.json",
-        ]
-        commands.append([str(word) for word in command])
+        bare = flags(preset=args.preset, batch_size=args.batch_size, iters=args.bare_iters)
+        bare += flags(warmup=5, data_dir=args.data_dir, out=work / f"bare{node}.json")
+        commands.append([sys.executable, "-m", "bench.bare_step", *bare])
     status = on_both(prefix, commands, work / "bare.log", env, timeout=900)
     if status != 0:
         raise SystemExit(f"error: the bare step failed:\n{(work / 'bare.log').read_text()}")
@@ -175,7 +160,7 @@ def measure_rate(prefix: str, rate: str, args, layout: dict) -> dict:
     run = chapter_run(prefix, args, work, env)
     loads.append(load_average())
     busbw = link["rows"][1]["busbw_gbs"]  # at the size of the gradients
-    predicted = scaling_model.link_step(bare["step_ms"] / 1000, args.preset, busbw * 1e9, WORLD)
+    predicted = scaling_model.predict(bare["step_ms"] / 1000, args.preset, busbw * 1e9, WORLD)
     print(
         f"{rate}: busbw {busbw:.4f} GB/s, bare step {bare['step_ms']:.1f} ms, predicted "
         f"{1000 * predicted['step_s']:.1f} ms, measured {run['step_ms']:.1f} ms",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 
 import pytest
 
@@ -127,49 +126,6 @@ def test_markdown_table_is_well_formed(bench_run):
             assert float(cells[2].replace(",", "")) > 0
         else:
             assert "not run" in cells[1] or row["status"] in cells[1]
-
-
-@pytest.mark.slow
-def test_prediction_from_measured_inputs_lands_in_the_table(bench_run):
-    """bench/scaling_model.py's 2-rank prediction: computed by the formula, from the measurements
-    of this run."""
-    _, report, table, tmp = bench_run
-    pred = report["prediction"]
-    inputs, predicted, measured = pred["inputs"], pred["predicted"], pred["measured"]
-    # the inputs are the run's own measurements: the bare step at a rank's share (batch 2 of 4) ...
-    bare = {b["batch_size"]: min(r["step_ms"] for r in b["runs"] if r) for b in report["bare"]}
-    assert inputs["bare_step_ms"] == bare[2]
-    assert inputs["bare_step_ms_whole_batch"] == bare[4]
-    # ... the bus bandwidth of preflight.py's table, for an all-reduce of all the gradients ...
-    size, busbw = re.findall(
-        r"^\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)$",
-        (tmp / "work" / "preflight.log").read_text(),
-        re.MULTILINE,
-    )[-1]
-    assert inputs["busbw_gbs"] == float(busbw)
-    assert abs(float(size) - inputs["grad_bytes"] / 1e6) < 0.01
-    # ... and the tiny model's float32 gradients, all in one bucket, the tied embedding's
-    from common.model import GPT, model_config
-
-    params = sum(p.numel() for p in GPT(model_config("tiny")).parameters())
-    assert inputs["grad_bytes"] == inputs["last_bucket_bytes"] == 4 * params
-    # the arithmetic: 2 ranks, a ring all-reduce of 2(W-1)/W = 1 x the bytes, none of it hidden
-    comm_ms = 1000 * inputs["grad_bytes"] / (float(busbw) * 1e9)
-    assert predicted["comm_ms"] == pytest.approx(comm_ms, rel=1e-9)
-    assert predicted["step_ms"] == pytest.approx(bare[2] + comm_ms, rel=1e-9)
-    assert predicted["comm_share"] == pytest.approx(comm_ms / (bare[2] + comm_ms), rel=1e-9)
-    assert predicted["efficiency"] == pytest.approx(bare[4] / (2 * (bare[2] + comm_ms)), rel=1e-9)
-    # beside the measured figures of the same run, in its table
-    row = next(r for r in report["setups"] if r["setup"] == "04x2")
-    assert measured == {  # the benchmark times the step, not the communication inside it
-        "step_ms": row["step_ms"],
-        "comm_ms": None,
-        "comm_share": None,
-        "efficiency": report["scaling"]["04x2"]["efficiency"],
-    }
-    assert f"| step (ms) | {row['step_ms']:,.1f} | {predicted['step_ms']:,.1f} | " in table
-    predicted_share = f"{100 * predicted['comm_share']:.1f}%"
-    assert f"| communication share | n/a | {predicted_share} | n/a |" in table
 
 
 def test_a_missing_setup_is_a_row_that_says_so():

@@ -292,7 +292,7 @@ def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_
 
 STOPPER = """
 import subprocess, sys, time
-from bench.bench_tools import stop_children_on_sigterm
+from bench.benchmark import stop_children_on_sigterm
 
 stop_children_on_sigterm(grace=5)
 # a run as tools/launch.py starts one: a session of its own, with a process of its own inside

@@ -20,11 +20,11 @@ def test_the_tiny_models_step_is_its_compute_and_the_whole_all_reduce():
     """Its gradients are one DDP bucket, so nothing hides behind backward: on 2 ranks the ring
     sends all of their bytes, 2(W-1)/W = 1 times, at the bus bandwidth."""
     grad_bytes = scaling_model.gradient_layout("tiny")["grad_bytes"]
-    step = scaling_model.link_step(0.2, "tiny", busbw=12.5e6, world=2)
+    step = scaling_model.predict(0.2, "tiny", busbw=12.5e6, world=2)
     assert step["step_s"] == pytest.approx(0.2 + grad_bytes / 12.5e6)
     assert step["exposed_s"] == pytest.approx(step["allreduce_s"])
     # four ranks: each link carries 2 x 3/4 of the bytes
-    four = scaling_model.link_step(0.2, "tiny", busbw=12.5e6, world=4)
+    four = scaling_model.predict(0.2, "tiny", busbw=12.5e6, world=4)
     assert four["allreduce_s"] == pytest.approx(1.5 * grad_bytes / 12.5e6)
 
 
