@@ -39,8 +39,8 @@ fi
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 SCRIPT="${SCRIPT:-05_multinode/train.py}"
 # How long this node waits for the others: as long as the run lets a collective wait for a
-# peer (train.py's --dist-timeout, 300 s unless the arguments say otherwise), not torchrun's own
-# 10 minutes. A node whose peer never comes then ends by itself, with one line.
+# peer (train.py's --dist-timeout, 300 s unless the arguments say otherwise), not the static
+# rendezvous's own 15 minutes. A node whose peer never comes then ends by itself, with one line.
 TIMEOUT=300
 previous=""
 for arg in "$@"; do
