@@ -165,9 +165,18 @@ def own_copy_path(out_dir: Path, rank: int) -> Path:
     return out_dir / f"ckpt.rank{rank}.pt"
 
 
+def previous_copy_path(path: Path) -> Path:
+    """The rank's copy before its latest, kept until ckpt.pt names the latest's step."""
+    return path.with_name(path.name.replace(".pt", ".previous.pt"))
+
+
 def save_own_copy(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer) -> None:
     """This rank's copy and optimizer after step `iter_num`, written where it runs: nothing is
-    sent. With the rank, the number of ranks and the node, which a resume must have again."""
+    sent. With the rank, the number of ranks and the node, which a resume must have again.
+
+    A collective: it returns when every rank has saved, so that ckpt.pt, written after it, never
+    names a step some rank has no copy of. The copy before stays: a stop before ckpt.pt is
+    written resumes from it."""
     rank = dist.get_rank()
     state = {
         "model": model.state_dict(),
@@ -177,11 +186,15 @@ def save_own_copy(out_dir: Path, iter_num: int, model: torch.nn.Module, optimize
         "world_size": dist.get_world_size(),
         "node_rank": int(os.environ["GROUP_RANK"]),
     }
-    save_atomically(state, own_copy_path(out_dir, rank))
+    path = own_copy_path(out_dir, rank)
+    if path.exists():
+        os.replace(path, previous_copy_path(path))
+    save_atomically(state, path)
+    dist.barrier()
 
 
 def load_own_copy(out_dir: Path) -> tuple[dict, dict]:
-    """ckpt.pt and this rank's own copy, to resume (a collective: every rank calls it).
+    """ckpt.pt and this rank's own copy of its step, to resume (a collective: every rank calls it).
 
     A resume needs the same ranks on the same nodes: each rank finds, in its own --out-dir, the
     file it saved itself, of ckpt.pt's step. Otherwise every rank stops with the first problem
@@ -196,29 +209,41 @@ def load_own_copy(out_dir: Path) -> tuple[dict, dict]:
     problem = None
     try:
         checkpoint = load_checkpoint(out_dir)
-        if not path.exists():
-            problem = f"rank {rank} on node {node_rank} finds no copy of its own at {path}: {redo}"
+        step = checkpoint["iter_num"]
+        for candidate in (path, previous_copy_path(path)):
+            if own is None and candidate.exists():
+                saved = torch.load(candidate, map_location="cpu", weights_only=True)
+                if saved["iter_num"] == step:
+                    own = saved
+                    path = candidate
+        if own is None:
+            problem = (
+                f"rank {rank} on node {node_rank} finds no copy of its own of step {step} "
+                f"at {path}: {redo}"
+            )
         else:
-            own = torch.load(path, map_location="cpu", weights_only=True)
-            saved = (own["rank"], own["world_size"], own["node_rank"])
-            if saved != (rank, world_size, node_rank):
+            saved_by = (own["rank"], own["world_size"], own["node_rank"])
+            if saved_by != (rank, world_size, node_rank):
                 problem = (
-                    f"{path} was saved by rank {saved[0]} of {saved[1]} on node {saved[2]}, and "
-                    f"this is rank {rank} of {world_size} on node {node_rank}: {redo}"
-                )
-            elif own["iter_num"] != checkpoint["iter_num"]:
-                problem = (
-                    f"{path} is of step {own['iter_num']} and ckpt.pt of step "
-                    f"{checkpoint['iter_num']} (the run stopped while it saved): start a new run "
-                    "in a new --out-dir"
+                    f"{path} was saved by rank {saved_by[0]} of {saved_by[1]} on node "
+                    f"{saved_by[2]}, and this is rank {rank} of {world_size} on node {node_rank}: "
+                    f"{redo}"
                 )
     except CourseError as err:
         problem = f"rank {rank} on node {node_rank}: {err}"
-    problems: list[str | None] = [None] * world_size
-    dist.all_gather_object(problems, problem)
-    for found in problems:
-        if found is not None:
-            raise CourseError(found)
+    # every node's ckpt.pt must be of the same step: a stop between two nodes' writes is not
+    step = None if checkpoint is None else checkpoint["iter_num"]
+    found: list[tuple[str | None, int | None]] = [(None, None)] * world_size
+    dist.all_gather_object(found, (problem, step))
+    for problem_found, _ in found:
+        if problem_found is not None:
+            raise CourseError(problem_found)
+    steps = sorted({step_found for _, step_found in found})
+    if len(steps) > 1:
+        raise CourseError(
+            f"the nodes' ckpt.pt are of steps {steps} (the run stopped while they were saved): "
+            "start a new run in a new --out-dir"
+        )
     return checkpoint, own
 
 
