@@ -56,6 +56,7 @@ REPEATS = 3
 FULL = {10: (300, [1337, 1338, 1339]), 30: (900, [1337])}
 QUICK = {2: (8, [1337])}
 EVALUATIONS = 10  # per run, each just after a sync
+FIGURE = REPO / "docs" / "figures" / "slow_link_arms.png"
 
 
 def median_range(values: list[float]) -> dict:
@@ -190,6 +191,43 @@ def speed(h: int, steps: int, args) -> dict:
     return result
 
 
+def draw(measured: dict, path: Path) -> None:
+    """The validation loss of every arm against the tokens (the first seed; warm2 from ddp's
+    step), for each H; then ddp's and diloco2's against the clock at 100 Mbit: each token count
+    divided by the arm's median tokens/s across the two machines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_h = measured["by_h"]
+    fig, axes = plt.subplots(1, len(by_h) + 1, figsize=(5 * len(by_h) + 5, 3.8))
+    for ax, (h, at_h) in zip(axes, by_h.items()):
+        runs = dict(next(iter(at_h["seeds"].values())))
+        runs["warm2"] = at_h["warm2"]
+        for name, run in runs.items():
+            start = run.get("from_step", 0)
+            steps = sorted(run["val_loss"], key=int)
+            tokens = [(start + int(step)) * BATCH * 32 for step in steps]
+            ax.plot(tokens, [run["val_loss"][step] for step in steps], marker=".", label=name)
+        ax.set(title=f"H = {h}, {at_h['steps']} steps", xlabel="tokens", ylabel="validation loss")
+        ax.legend()
+    speed = measured["speed"]
+    at_h = by_h[str(speed["sync_every"])]
+    runs = next(iter(at_h["seeds"].values()))
+    for name in ("ddp", "diloco2"):
+        rate = speed["100mbit"][name]["median"]
+        steps = sorted(runs[name]["val_loss"], key=int)
+        minutes = [int(step) * BATCH * 32 / rate / 60 for step in steps]
+        losses = [runs[name]["val_loss"][step] for step in steps]
+        axes[-1].plot(minutes, losses, marker=".", label=f"{name}, {rate:,.0f} tokens/s")
+    title = f"H = {speed['sync_every']} at 100 Mbit/s"
+    axes[-1].set(title=title, xlabel="minutes at 100 Mbit/s", ylabel="validation loss")
+    axes[-1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -217,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         measured["speed"]["ratio_at_100mbit"] = slow["diloco2"]["median"] / slow["ddp"]["median"]
         measured["speed"]["wall_s"] = round(time.perf_counter() - started)
         args.out.write_text(json.dumps(measured, indent=1) + "\n")
-        print(f"added the tokens/s to {args.out}")
+        draw(measured, FIGURE)
+        print(f"added the tokens/s to {args.out}; drew {FIGURE}")
         return 0
     import torch
 
