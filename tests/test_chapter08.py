@@ -43,6 +43,11 @@ SCRIPT = REPO / "08_slow_link" / "train.py"
 CHAPTER05 = REPO / "05_multinode" / "train.py"
 STEPS = 6
 SENT = re.compile(r"sent ([\d,]+) bytes of pseudo-gradients in (\d+) steps")
+# the run's last count, by kind: each rank's bytes handed to collectives
+BY_KIND = re.compile(
+    r"sent ([\d,]+) bytes of pseudo-gradients .*?, ([\d,]+) bytes of logged losses, "
+    r"([\d,]+) bytes of checkpoints, ([\d,]+) bytes of the first parameters"
+)
 
 # Chapter 05 with SGD for AdamW, and DDP's all-reduce of each gradient bucket counted: the hook is
 # DDP's own all-reduce (it averages as DDP does), after adding up the bytes it hands on.
@@ -432,10 +437,19 @@ def test_across_two_machines_a_resume_from_node_local_folders_equals_the_uninter
         )
         for node, output in zip(nodes, outputs):
             assert node.returncode != 0 and f"error: {missing}" in output, output
+        sent_before = [machines.sent_bytes(node) for node in (0, 1)]
         nodes = both_nodes(folders, resume=True)
         outputs = outputs_of(nodes, timeout=240)
+        sent = [machines.sent_bytes(node) - sent_before[node] for node in (0, 1)]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output
+    # what each machine's eth0 sent is what its rank counted, by kind, and the little besides
+    # (the meeting, TCP's headers): rank 0 broadcasts the first parameters, rank 1 receives them
+    counts = BY_KIND.search(outputs[0])
+    pseudo, losses, checkpoints, first = (int(n.replace(",", "")) for n in counts.groups())
+    assert checkpoints == 0
+    for node, counted in ((0, pseudo + losses + first), (1, pseudo + losses)):
+        assert counted <= sent[node] <= counted * 1.01 + 200_000, (node, sent[node], counted)
     assert f"resuming from {folders[0] / 'ckpt.pt'} at step {eval_every}" in outputs[0]
     assert "bytes of logged losses, 0 bytes of checkpoints" in outputs[0]
     assert_same_run(folders[0], whole, rel=1e-6)

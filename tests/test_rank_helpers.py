@@ -105,6 +105,14 @@ def _count_differing_copies(rank: int, port: int, results) -> None:
             torch.manual_seed(0 if same_start else rank)
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
             results[rank, same_start] = ranks_unlike_rank0(model)
+        # the same start, and rank 1's last weight one float32 step away: the copies differ
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        if rank == 1:
+            with torch.no_grad():
+                last = model[1].bias
+                last[-1] = torch.nextafter(last[-1], torch.tensor(float("inf")))
+        results[rank, "one bit"] = ranks_unlike_rank0(model)
     finally:
         dist.destroy_process_group()
 
@@ -119,6 +127,8 @@ def test_ranks_unlike_rank0_counts_the_copies_that_differ():
             (1, True): 0,
             (0, False): 1,
             (1, False): 1,
+            (0, "one bit"): 1,
+            (1, "one bit"): 1,
             (0, "side groups left"): 0,
             (1, "side groups left"): 0,
         }
