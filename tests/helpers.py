@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
+# indentation: the one, re-exported for the tests that import it from here
+from statements import Pattern, lines_of, replace, the_one
+from statements import indentation as indentation
+
 from common.metrics import read_metrics
 from layout import REPO
 from tools.launch import child_env, flags, measured_run_flags, stop_launchers
-
-# indentation: the one, re-exported for the tests that import it from here
-from tools.statements import Pattern, lines_of, replace, the_one
-from tools.statements import indentation as indentation
 
 
 def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The mistakes of the checker's catalogue (tools/check/mistakes.py), planted: for each entry, the
 chapter script it is planted in, the ranks it is checked with, and the edits that plant it.
 
-Each edit finds its statement by shape (tools/statements.py), never by its text, so a chapter
+Each edit finds its statement by shape (tests/statements.py), never by its text, so a chapter
 reformatted or rewrapped still takes every plant. An entry with no edits is a mistake of leaving the
 chapter's idea out: its plant is the previous chapter's script (the exercise as given).
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tools.statements import Pattern as P
-from tools.statements import insert, move, replace, replace_each, rewrite, wrap
+from statements import Pattern as P
+from statements import insert, move, replace, replace_each, rewrite, wrap
 
 
 @dataclass(frozen=True)
 class Plant:
     chapter: int  # the chapter script the edits change
-    edits: tuple[tuple, ...]  # each (edit, pattern, *its arguments) of tools/statements.py
+    edits: tuple[tuple, ...]  # each (edit, pattern, *its arguments) of tests/statements.py
     ranks: int = 1  # the ranks the planted copy is checked with: 2 where the signature needs them
 
     def applied(self, source: str, script: str) -> str:

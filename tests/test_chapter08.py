@@ -32,12 +32,12 @@ import pytest
 import torch
 from helpers import outputs_of, read_until, replace_statement, start, tiny_run_args
 from machines import machine_set, static_launch
+from statements import Pattern, replace
 
 from common.metrics import read_metrics
 from common.model import GPT, GPTConfig
 from layout import REPO
 from tools.launch import child_env, free_port, shown_command, stop_launchers, torchrun_command
-from tools.statements import Pattern, replace
 
 SCRIPT = REPO / "08_slow_link" / "train.py"
 CHAPTER05 = REPO / "05_multinode" / "train.py"

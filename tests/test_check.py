@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from plants import PLANTS, UNKNOWN
+from statements import Pattern, rewrite
 
 from common.chapters import CHAPTERS, NOT_CHAPTER_01S_RUN, base
 from layout import REPO
@@ -35,7 +36,6 @@ from tools.check.plan import PLANS
 from tools.check.reference import reference_of
 from tools.check.report import Seen, plotted_run, same_lines
 from tools.launch import child_env
-from tools.statements import Pattern, rewrite
 
 BY_NAME = {m.name: m for m in MISTAKES}
 

@@ -2,9 +2,8 @@
 
 A statement is named by a Pattern ("a call to no_sync", "the assignment to skip"), never by a copy
 of its text, so that a formatter that rewraps a line, or a comment moved beside it, changes nothing
-here. The checker's catalogue (tools/check/mistakes.py) names its statements this way, the
-tests plant mistakes by editing statements found this way, and maintainer/make_exercises.py reads
-where statements begin and end.
+here. The tests plant mistakes (tests/plants.py) and change the chapters' scripts by editing
+statements found this way.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import ast
 import copy
 import functools
-import re
 from dataclasses import dataclass
 
 COMPOUND = (ast.If, ast.For, ast.While, ast.With, ast.AsyncFor, ast.AsyncWith, ast.Try)
@@ -161,9 +159,6 @@ def the_one(source: str, pattern: Pattern, script: str) -> ast.stmt:
     return found[0]
 
 
-# ---- a statement as the checker compares it ------------------------------------------------------
-
-
 def header(node: ast.stmt) -> str:
     """A statement as normalized code (ast.unparse); a compound statement by its header alone."""
     if isinstance(node, COMPOUND) and not isinstance(node, ast.Try):
@@ -175,41 +170,6 @@ def header(node: ast.stmt) -> str:
     if isinstance(node, (*DEFINITIONS, ast.Try)):
         return type(node).__name__
     return ast.unparse(node)
-
-
-@functools.lru_cache(maxsize=64)
-def statements(source: str) -> dict[int, tuple[ast.stmt, tuple[str, ...]]]:
-    """Every line of the source -> the innermost statement on it and its key: the headers of the
-    statements it sits in, then its own."""
-    found: dict[int, tuple[ast.stmt, tuple[str, ...]]] = {}
-
-    def visit(nodes: list, outer: tuple[str, ...]) -> None:
-        for node in nodes:
-            key = (*outer, header(node))
-            for n in range(node.lineno, header_end(node) + 1):
-                found[n] = (node, key)
-            for name in ("body", "orelse", "finalbody", "handlers"):
-                for inner in getattr(node, name, None) or []:
-                    if isinstance(inner, ast.ExceptHandler):
-                        visit(inner.body, key)
-                    elif isinstance(inner, ast.stmt):
-                        visit([inner], key)
-
-    visit(parsed(source).body, ())
-    return found
-
-
-@functools.lru_cache(maxsize=64)
-def keys(source: str) -> frozenset[tuple[str, ...]]:
-    return frozenset(key for _, key in statements(source).values())
-
-
-def quoted(node: ast.stmt, lines: list[str]) -> str:
-    """The statement as the script has it, on one line (a compound one by its header)."""
-    text = " ".join(
-        line.split("#")[0].strip() for line in lines[node.lineno - 1 : header_end(node)]
-    )
-    return re.sub(r"([(\[{]) | ([)\]}])|,([)\]}])", r"\1\2\3", text).strip()
 
 
 # ---- edits: each takes the source and gives it back changed --------------------------------------
