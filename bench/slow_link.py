@@ -208,9 +208,10 @@ def draw(measured: dict, path: Path) -> None:
         for name, run in runs.items():
             start = run.get("from_step", 0)
             steps = sorted(run["val_loss"], key=int)
-            tokens = [(start + int(step)) * BATCH * 32 for step in steps]
-            ax.plot(tokens, [run["val_loss"][step] for step in steps], marker=".", label=name)
-        ax.set(title=f"H = {h}, {at_h['steps']} steps", xlabel="tokens", ylabel="validation loss")
+            thousands = [(start + int(step)) * BATCH * 32 / 1000 for step in steps]
+            ax.plot(thousands, [run["val_loss"][step] for step in steps], marker=".", label=name)
+        title = f"H = {h}, {at_h['steps']} steps"
+        ax.set(title=title, xlabel="thousands of tokens", ylabel="validation loss")
         ax.legend()
     speed = measured["speed"]
     at_h = by_h[str(speed["sync_every"])]
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=str(REPO / "out" / "slow_link"))
     out_default = REPO / "bench" / "results" / "slow_link_arms.json"
     p.add_argument("--out", type=Path, default=out_default)
+    p.add_argument("--figure", type=Path, default=FIGURE, help="--speed draws the losses here")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     prepare("shakespeare", args.data_dir, log=lambda *a: None)
@@ -255,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         measured["speed"]["ratio_at_100mbit"] = slow["diloco2"]["median"] / slow["ddp"]["median"]
         measured["speed"]["wall_s"] = round(time.perf_counter() - started)
         args.out.write_text(json.dumps(measured, indent=1) + "\n")
-        draw(measured, FIGURE)
-        print(f"added the tokens/s to {args.out}; drew {FIGURE}")
+        draw(measured, args.figure)
+        print(f"added the tokens/s to {args.out}; drew {args.figure}")
         return 0
     import torch
 
