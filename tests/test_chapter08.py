@@ -25,6 +25,7 @@ the slow stage (python -m pytest -m slow) all of them.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -207,7 +208,8 @@ def test_bytes_sent_per_step_are_ddps_divided_by_h(float64_runs, data_dir, tmp_p
 @pytest.mark.slow
 def test_resume_mid_round_equals_the_uninterrupted_run(data_dir, tmp_path):
     """Stopped after a checkpoint inside a round (every rank's copy and AdamW in it) and resumed:
-    the same losses and parameters as a run never stopped. The pseudo-gradient goes in bfloat16."""
+    the same losses and parameters as a run never stopped, also from the files a stop leaves
+    between the copies and ckpt.pt. The pseudo-gradient goes in bfloat16."""
     iters, every, eval_every = 24, 5, 6  # checkpoints at 6, 12, 18: each inside a round
 
     def args(out: Path, **more) -> list[str]:
@@ -240,9 +242,20 @@ def test_resume_mid_round_equals_the_uninterrupted_run(data_dir, tmp_path):
         copies = stopped.glob(f"ckpt.rank{rank}*.pt")
         steps = [torch.load(path, weights_only=True)["iter_num"] for path in copies]
         assert at in steps, steps
-    output = torchrun(SCRIPT, args(stopped, resume=True))
-    assert f"resuming from {stopped / 'ckpt.pt'} at step {at}" in output
-    assert_same_run(stopped, whole, rel=1e-6)
+    # The window a stop can leave between the copies and ckpt.pt: every rank has saved its copy of
+    # a later step (here the uninterrupted run's last), ckpt.pt still names `at`, and each rank's
+    # copy of `at` is the one before. A resume takes that one.
+    window = tmp_path / "window"
+    shutil.copytree(stopped, window)
+    for rank in (0, 1):
+        latest = window / f"ckpt.rank{rank}.pt"
+        if torch.load(latest, weights_only=True)["iter_num"] == at:
+            latest.replace(window / f"ckpt.rank{rank}.previous.pt")
+            shutil.copy(whole / f"ckpt.rank{rank}.pt", latest)
+    for out in (stopped, window):
+        output = torchrun(SCRIPT, args(out, resume=True))
+        assert f"resuming from {out / 'ckpt.pt'} at step {at}" in output
+        assert_same_run(out, whole, rel=1e-6)
 
 
 # ---- the outer step by hand --------------------------------------------------------------------
