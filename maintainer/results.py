@@ -190,7 +190,7 @@ def render(results: dict) -> str:
                 out += ["|".join(cell.strip() for cell in row.split("|")) for row in rows] + [""]
             if entry.get("figure"):  # a committed figure drawn from this entry's figures
                 path, caption = entry["figure"]
-                out += [f"![{Path(path).name}](../{path})", f"*{caption}*", ""]
+                out += [f"![{Path(path).name}](../{path})", "", f"*{caption}*", ""]
             run = [entry[key] for key in ("machine", "torch", "date", "command")]
             following = entries[n + 1] if n + 1 < len(entries) else {}
             if run == [following.get(key) for key in ("machine", "torch", "date", "command")]:
