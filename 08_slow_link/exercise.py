@@ -166,8 +166,8 @@ def main():
         #     nodes
         #   - The global parameters, the same on every rank: they change only at a sync. The
         #     checkpoint's model is this one, which any chapter loads.
-        #   - what this rank hands to collectives, by kind, in bytes (the start's few small ones
-        #     aside)
+        #   - what this rank hands to collectives, by kind, in bytes (a few small ones aside:
+        #     barriers)
         #   - every copy starts as rank 0's (DDP did this broadcast for chapter 05)
         #   - This rank's copy, which trains alone between syncs: no DDP, so backward sends nothing.
         #   - The inner optimizer, this rank's own. AdamW keeps two running averages per parameter;

@@ -160,7 +160,7 @@ def main():
     # The global parameters, the same on every rank: they change only at a sync. The checkpoint's
     # model is this one, which any chapter loads.
     global_model = build_model(model_config, args.init_from, checkpoint).to(device)
-    # what this rank hands to collectives, by kind, in bytes (the start's few small ones aside)
+    # what this rank hands to collectives, by kind, in bytes (a few small ones aside: barriers)
     bytes_sent = {"first parameters": 0, "pseudo-gradients": 0, "logged losses": 0}
     # every copy starts as rank 0's (DDP did this broadcast for chapter 05)
     for param in global_model.parameters():
