@@ -208,6 +208,7 @@ def load_own_copy(out_dir: Path) -> tuple[dict, dict]:
     path = own_copy_path(out_dir, rank)
     redo = "resume with the same ranks on the same nodes, or start a new run in a new --out-dir"
     checkpoint = None
+    step = None
     own = None
     problem = None
     try:
@@ -235,7 +236,6 @@ def load_own_copy(out_dir: Path) -> tuple[dict, dict]:
     except CourseError as err:
         problem = f"rank {rank} on node {node_rank}: {err}"
     # every node's ckpt.pt must be of the same step: a stop between two nodes' writes is not
-    step = None if checkpoint is None else checkpoint["iter_num"]
     found: list[tuple[str | None, int | None]] = [(None, None)] * world_size
     dist.all_gather_object(found, (problem, step))
     for problem_found, _ in found:

@@ -79,16 +79,8 @@ class MachineSet:
 
     def sent_bytes(self, machine: int) -> int:
         """The bytes machine `machine`'s eth0 has sent since it was made (the kernel's count)."""
-        namespace = f"{self.prefix}-m{machine}"
-        statistics = [
-            "ip",
-            "netns",
-            "exec",
-            namespace,
-            "cat",
-            "/sys/class/net/eth0/statistics/tx_bytes",
-        ]
-        return int(subprocess.run(statistics, capture_output=True, text=True, check=True).stdout)
+        counter = "/sys/class/net/eth0/statistics/tx_bytes"
+        return int(machines_sh("run", "--prefix", self.prefix, str(machine), "cat", counter).stdout)
 
     def address(self, machine: int) -> str:
         return machines_sh("address", "--prefix", self.prefix, str(machine)).stdout.strip()
