@@ -14,7 +14,6 @@ repeat. Results: <results-dir>/benchmark.{md,json}; every run's logs stay under 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -155,39 +154,12 @@ def resolve_device(args) -> None:
     args.torch = torch.__version__
 
 
-def stop_children_on_sigterm(grace: float = 5) -> None:
-    """On SIGTERM (as `timeout` sends it), stop every run this process started, then exit 143.
-
-    The runs are started in sessions of their own (tools/launch.py), so each child's whole process
-    group gets the SIGTERM (torchrun's workers and a compile's workers included), has `grace`
-    seconds to end, and is then killed."""
-
-    def running(pid: int) -> bool:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        # the state follows the command's name, which is in parentheses and may hold spaces
-        return stat.rpartition(")")[2].split()[0] != "Z"
-
-    def stop(signum: int, frame) -> None:
-        groups = []
-        for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                groups += [int(pid) for pid in (task / "children").read_text().split()]
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while any(running(pid) for pid in groups) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        print(f"stopped by SIGTERM: {len(groups)} run(s) stopped", file=sys.stderr, flush=True)
-        sys.exit(143)
-
-    signal.signal(signal.SIGTERM, stop)
+def exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM (as `timeout` sends it) ends the benchmark with exit status 143 as an exception does:
+    on the way out, the run in progress is stopped with all it started (tools/launch.py's
+    wait_together stops its launchers in a `finally`)."""
+    print("stopped by SIGTERM", file=sys.stderr, flush=True)
+    sys.exit(143)
 
 
 def run_commands(commands: list[list[str]], env: dict, log_path: Path, timeout: float) -> tuple:
@@ -424,7 +396,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    stop_children_on_sigterm()
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     resolve_device(args)
     from common.data import prepare
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import platform
 import re
 import secrets
 import shutil
@@ -31,11 +33,31 @@ from bench import scaling_model
 from common.data import prepare
 from common.metrics import read_metrics
 from layout import REPO
-from maintainer.results import load_average, machine_description
 from tools.launch import child_env, flags, measured_run_flags, run_together, shown_command
 
 MACHINES = ["bash", "05_multinode/machines.sh"]
 WORLD = 2  # one process on each of the two machines
+
+
+def load_average() -> float | None:
+    """The machine's load over the last minute, where the system tells it."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def machine_description(device: str) -> dict:
+    """This machine, as a benchmark's JSON records it."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        cpu = names[0] if names else cpu
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+    info.update(python=platform.python_version(), os=platform.system())
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    return info
 
 
 def machines(*args: str) -> str:

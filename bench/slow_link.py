@@ -37,12 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.link_rates import chapter_run, machines
+from bench.link_rates import chapter_run, load_average, machine_description, machines
 from common.data import prepare
 from common.metrics import read_metrics
 from common.training import lr_at
 from layout import REPO
-from maintainer.results import load_average, machine_description
 from tools.launch import child_env, flags, shown_command, torchrun_command
 
 DDP = "05_multinode/train.py"

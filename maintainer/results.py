@@ -205,35 +205,13 @@ def render(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def load_average() -> float | None:
-    """The machine's load over the last minute, where the system tells it."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def machine_description(device: str) -> dict:
-    """This machine, as a benchmark's JSON records it."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
-        cpu = names[0] if names else cpu
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
-    info.update(python=platform.python_version(), os=platform.system())
-    if device == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
-    return info
-
-
 def record(name: str, what: str, section: str, command: list[str], pattern: str | None) -> dict:
     """Run `command` and return its entry: its wall time, or `pattern`'s first group."""
     import torch
 
-    load1 = load_average()
     machine = f"{os.cpu_count()} CPU cores ({platform.machine()}), {platform.system()}"
-    if load1 is not None:
-        machine += f", load average {load1:.1f} at the start"
+    if hasattr(os, "getloadavg"):
+        machine += f", load average {os.getloadavg()[0]:.1f} at the start"
     start = time.perf_counter()
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     seconds = round(time.perf_counter() - start)

@@ -291,20 +291,21 @@ def test_a_check_stopped_from_outside_keeps_the_rows_that_ended(image_env, data_
 
 
 STOPPER = """
-import subprocess, sys, time
-from bench.benchmark import stop_children_on_sigterm
+import signal, sys
+from bench.benchmark import exit_on_sigterm
+from tools.launch import child_env, start_together, wait_together
 
-stop_children_on_sigterm(grace=5)
-# a run as tools/launch.py starts one: a session of its own, with a process of its own inside
-run = subprocess.Popen(["bash", "-c", "sleep 120 & wait"], start_new_session=True)
-print(run.pid, flush=True)
-run.wait()
+signal.signal(signal.SIGTERM, exit_on_sigterm)
+# a run as the benchmark starts one: a launcher in a session of its own, with a process of its own
+run = start_together([["bash", "-c", "sleep 120 & wait"]], child_env(), [sys.stderr])
+print(run[0].pid, flush=True)
+wait_together(run, timeout=300)
 """
 
 
 def test_a_stopped_benchmark_stops_the_runs_it_started(tmp_path):
-    """bench/benchmark.py, stopped by `timeout`'s SIGTERM, stops its runs:
-    each run's whole process group gets the signal, then SIGKILL after a grace period."""
+    """bench/benchmark.py, stopped by `timeout`'s SIGTERM, stops its run on the way out: the
+    launcher gets the signal, then its whole process group SIGKILL."""
     parent = subprocess.Popen(
         [sys.executable, "-c", STOPPER], cwd=REPO, stdout=subprocess.PIPE, text=True
     )

@@ -7,6 +7,7 @@ nothing itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -133,17 +134,19 @@ def run_torchrun(
 def stop_launchers(procs: list[subprocess.Popen], grace: float = 15) -> None:
     """Stop launchers that are still running, each started with start_new_session=True.
 
-    torchrun passes SIGTERM on to the processes it started; a launcher that has not ended after
-    `grace` seconds has its whole process group killed, so no worker outlives whoever started it.
+    torchrun passes SIGTERM on to the processes it started; after `grace` seconds, or once the
+    launcher has ended, its whole process group is killed, so that nothing it started (a worker, a
+    compile's helpers, a shell's children) outlives whoever started it.
     """
     for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if proc.poll() is not None:
+            continue
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def start_together(commands: list[list[str]], env: dict, logs: list) -> list[subprocess.Popen]:
