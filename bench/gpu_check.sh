@@ -85,23 +85,12 @@ step() {
         fi
     fi
     status_of[$name]=$status
-    [[ $status == passed || $status == absent ]] || failed+=("$name")
+    [[ $status == passed ]] || failed+=("$name")
     echo "==== $name: $status${note:+ ($note)}, $((SECONDS - start))s" | tee -a "$log"
     "$PYTHON" -m bench.gpu_summary record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$name" \
         --status "$status" --exit-status "$code" --seconds $((SECONDS - start)) --limit "$limit" \
         --command "$*" --note "$note" ||
         echo "==== $name: its row could not be written"
-}
-
-# absent NAME FILE: the row of a step whose chapter is not in this copy of the course
-absent() {
-    selected "$1" || return 0
-    local note="$2 does not exist in this copy of the course"
-    echo "==== $1: not run, $note" | tee "$DETAIL/$1.log"
-    status_of[$1]=absent
-    "$PYTHON" -m bench.gpu_summary record --out "$RESULTS_DIR" --detail "$DETAIL" --step "$1" \
-        --status absent --seconds 0 --limit 0 --note "$note" ||
-        echo "==== $1: its row could not be written"
 }
 
 # one rank on this machine
@@ -176,12 +165,8 @@ step preflight 45 -- "${torchrun_one[@]}" 05_multinode/preflight.py --sizes-mb "
 step by_hand 60 -- "${torchrun_one[@]}" 04_ddp/by_hand_vs_ddp.py --impl all \
     --preset "$CHECK_PRESET" --steps "${CHECK_STEPS:-12}"
 # chapter 07: FSDP2 with one rank on NCCL, run as 04's one-rank row is (bench/benchmark.py, 07x1)
-if [[ -f 07_fsdp/train.py ]]; then
-    step fsdp 60 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 07x1 --no-bare \
-        --timeout $((50 * STRETCH)) --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
-else
-    absent fsdp 07_fsdp/train.py
-fi
+step fsdp 60 -- "$PYTHON" -m bench.benchmark "${common[@]}" --setups 07x1 --no-bare \
+    --timeout $((50 * STRETCH)) --work-dir "$WORK/fsdp" --results-dir "$DETAIL/fsdp"
 
 [[ -f "$RESULTS_DIR/summary.md" ]] && cat "$RESULTS_DIR/summary.md"
 if [[ ${#failed[@]} -gt 0 ]]; then

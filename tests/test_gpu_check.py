@@ -60,8 +60,6 @@ STEPS = [
     "by_hand",
     "fsdp",
 ]
-# chapter 07 is run when this copy of the course has it, and named as absent when not
-FSDP_STATUS = "passed" if (REPO / "07_fsdp" / "train.py").exists() else "absent"
 # the limits are an H200's: a CPU shared with other work starts each process slower, hence STRETCH
 TINY = dict(
     PRESET="tiny",
@@ -145,7 +143,6 @@ def test_every_step_passes_on_the_image(rehearsal):
     rows = json.loads((out / "rows.json").read_text())["rows"]
     assert [r["step"] for r in rows] == STEPS
     statuses = {r["step"]: r["status"] for r in rows}
-    assert statuses.pop("fsdp") == FSDP_STATUS, rows
     assert set(statuses.values()) == {"passed"}, rows
     assert "torch" in (out / "environment.txt").read_text()
 
@@ -187,10 +184,9 @@ def test_rows_and_summary_hold_the_figures(rehearsal):
     ):
         status = summary.split(f"| {row} |")[1].splitlines()[0] if f"| {row} |" in summary else ""
         assert "| ok |" in status, summary
-    if FSDP_STATUS == "passed":
-        fsdp = summary.split("| 07 FSDP2, 1 rank (eager) |")[1].splitlines()[0]
-        assert "| ok |" in fsdp, summary
-    assert f"| fsdp | {FSDP_STATUS} |" in summary
+    fsdp = summary.split("| 07 FSDP2, 1 rank (eager) |")[1].splitlines()[0]
+    assert "| ok |" in fsdp, summary
+    assert "| fsdp | passed |" in summary
     assert "Not passed" not in summary
     assert "- compile probe: a compiled x * 2 ran on cpu" in summary
     assert "preflight PASSED" in summary
@@ -202,16 +198,11 @@ def test_no_time_left_skips_every_step_and_says_how_to_rerun(image_env, data_dir
     """With TOTAL too small for anything, every step is skipped and named, each with its row."""
     proc = gpu_check(image_env, data_dir, tmp_path, timeout=120, TOTAL="1")
     assert proc.returncode == 1
-    # a chapter that is not in this copy is named as absent, and is no step to rerun
-    expected = {step: "skipped" for step in STEPS}
-    if FSDP_STATUS == "absent":
-        expected["fsdp"] = "absent"
-    again = [step for step in STEPS if expected[step] == "skipped"]
-    assert f"failed steps: {' '.join(again)}" in proc.stdout
+    assert f"failed steps: {' '.join(STEPS)}" in proc.stdout
     rows = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
-    assert [(r["step"], r["status"]) for r in rows] == list(expected.items())
+    assert [(r["step"], r["status"]) for r in rows] == [(step, "skipped") for step in STEPS]
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert f"STEPS={','.join(again)} TOTAL=250 bash bench/gpu_check.sh" in summary
+    assert f"STEPS={','.join(STEPS)} TOTAL=250 bash bench/gpu_check.sh" in summary
 
 
 def test_a_compile_step_is_not_started_without_a_cold_compile_s_time(image_env, data_dir, tmp_path):
