@@ -37,8 +37,16 @@ from pathlib import Path
 from common.chapters import CHAPTERS
 from tools.check import facts as gather
 from tools.check.harness import Pair, first_difference, pair_of
-from tools.check.lines import code_statements, quoted
-from tools.check.mistakes import MISTAKES, fits, known_failure, mismatched, nearest_line, same_run
+from tools.check.mistakes import (
+    MISTAKES,
+    code_statements,
+    fits,
+    known_failure,
+    mismatched,
+    nearest_line,
+    quoted,
+    same_run,
+)
 from tools.check.plan import GLOBAL_BATCH, PLANS, RESTART_EVAL, RESTART_KILL, Plan
 from tools.check.report import Seen, different_lines, plot, same_lines
 from tools.check.runner import CannotRun, Launch, Run, failure_line, shown
@@ -208,8 +216,6 @@ def failed_early(c: Check, run: Run, when: str = "it stopped before step 1") -> 
 
 
 def verdict(c: Check, run: Run, ref: Run, args) -> int:
-    if run.unsupported():
-        raise CannotRun(run.unsupported())
     failure = failure_line(run, c.script) if run.status != 0 else None
     stopped = gather.Facts(plan=c.plan).but(hung=bool(run.hangs()), failure=failure)
     if run.status != 0 and mismatched(stopped):
@@ -299,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return check(args)
     except CannotRun as err:
-        said = str(err)
-        print(said if said.startswith("could not run: ") else f"could not run the script: {said}")
+        print(f"could not run the script: {err}")
         return 2
     except KeyboardInterrupt:
         print("stopped (Ctrl-C)")

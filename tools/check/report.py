@@ -5,7 +5,6 @@ diagnosis, and a plot of the loss curves."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,10 +112,6 @@ def gpus_unchecked(s: Seen) -> str:
     )
 
 
-def devices_line(s: Seen) -> str:
-    return f"the GPUs the ranks would drive: {gpus_read(s)}"
-
-
 def fsdp_line(s: Seen) -> str:
     if s.facts.ranks.fsdp_forwards:
         return (
@@ -126,68 +121,54 @@ def fsdp_line(s: Seen) -> str:
     return "FSDP: no rank's parameters are shards (DTensors): the model was not sharded"
 
 
-Rule = tuple[Callable[[Seen], bool], Callable[[Seen], str]]
-
-# what a run that is not the reference's (chapter 01's, or 08's own) shows, in this order
-DIFFERENCES: list[Rule] = [
-    (lambda s: s.facts.log.first_loss_diff is not None, loss_line),
-    (
-        lambda s: s.facts.log.first_loss_diff is None and not s.facts.grads.params_equal,
-        lambda s: (
-            f"every loss equals {s.facts.plan.against}'s, but the final parameters differ "
-            f"(relative {s.facts.grads.distance:.1e})"
-        ),
-    ),
-    (
-        lambda s: s.facts.log.first_lr_diff is not None,
-        lambda s: column_line(
-            s, "lr", s.facts.log.first_lr_diff, "the learning rate differs from step", ".6g"
-        ),
-    ),
-    (
-        lambda s: s.facts.log.first_val_diff is not None,
-        lambda s: column_line(
-            s, "val_loss", s.facts.log.first_val_diff, "the validation loss differs at step", ".6f"
-        ),
-    ),
-    (
-        lambda s: s.facts.grads.optimizer_steps != s.facts.log.logged_steps,
-        lambda s: (
-            f"{s.facts.grads.optimizer_steps} optimizer steps for "
-            f"{s.facts.log.logged_steps} logged steps"
-        ),
-    ),
-    (
-        lambda s: s.facts.log.stopped_after is not None,
-        lambda s: f"the script stopped after step {s.facts.log.stopped_after}: {s.failure}",
-    ),
-    (lambda s: s.facts.ranks.world_size > 1, ranks_line),
-    (lambda s: syncs_differ(s.facts), lambda s: syncs_words(s.facts)),
-    (lambda s: s.facts.data.first_data_diff is not None, data_line),
-    (
-        lambda s: s.facts.resume.resume_diff is not None,
-        lambda s: (
-            f"uninterrupted it is {s.facts.plan.against}'s run; stopped at step "
-            f"{s.facts.plan.resume_at} and "
-            f"resumed, it differs from step {s.facts.resume.resume_diff}"
-        ),
-    ),
-    (
-        lambda s: s.facts.resume.restart is not None,
-        lambda s: (
-            f"uninterrupted it is {s.facts.plan.against}'s run; as 2 nodes with rank 1 killed "
-            f"after step {RESTART_KILL} and torchrun --max-restarts=1: {s.facts.resume.restart}"
-        ),
-    ),
-    (
-        lambda s: s.facts.ranks.replicas == 0,
-        lambda s: (
+def differences(s: Seen) -> list[str]:
+    """What a run that is not the reference's shows, in this order."""
+    f, against = s.facts, s.facts.plan.against
+    out = []
+    if f.log.first_loss_diff is not None:
+        out.append(loss_line(s))
+    elif not f.grads.params_equal:
+        out.append(
+            f"every loss equals {against}'s, but the final parameters differ "
+            f"(relative {f.grads.distance:.1e})"
+        )
+    if f.log.first_lr_diff is not None:
+        step = f.log.first_lr_diff
+        out.append(column_line(s, "lr", step, "the learning rate differs from step", ".6g"))
+    if f.log.first_val_diff is not None:
+        step = f.log.first_val_diff
+        out.append(column_line(s, "val_loss", step, "the validation loss differs at step", ".6f"))
+    if f.grads.optimizer_steps != f.log.logged_steps:
+        out.append(
+            f"{f.grads.optimizer_steps} optimizer steps for {f.log.logged_steps} logged steps"
+        )
+    if f.log.stopped_after is not None:
+        out.append(f"the script stopped after step {f.log.stopped_after}: {s.failure}")
+    if f.ranks.world_size > 1:
+        out.append(ranks_line(s))
+    if syncs_differ(f):
+        out.append(syncs_words(f))
+    if f.data.first_data_diff is not None:
+        out.append(data_line(s))
+    if f.resume.resume_diff is not None:
+        out.append(
+            f"uninterrupted it is {against}'s run; stopped at step {f.plan.resume_at} and "
+            f"resumed, it differs from step {f.resume.resume_diff}"
+        )
+    if f.resume.restart is not None:
+        out.append(
+            f"uninterrupted it is {against}'s run; as 2 nodes with rank 1 killed after step "
+            f"{RESTART_KILL} and torchrun --max-restarts=1: {f.resume.restart}"
+        )
+    if f.ranks.replicas == 0:
+        out.append(
             "DataParallel: never called (the check splits its batches over stand-in replicas)"
-        ),
-    ),
-    (lambda s: s.facts.plan.shards and not s.facts.ranks.sharded, fsdp_line),
-    (lambda s: s.facts.ranks.gpu_by_global_rank, devices_line),
-]
+        )
+    if f.plan.shards and not f.ranks.sharded:
+        out.append(fsdp_line(s))
+    if f.ranks.gpu_by_global_rank:
+        out.append(f"the GPUs the ranks would drive: {gpus_read(s)}")
+    return out
 
 
 def same_lines(s: Seen) -> list[str]:
@@ -228,11 +209,11 @@ def different_lines(
     lines = ["not the same run:"]
     if first is not None:
         lines.append(first.words(s.facts.plan.against))
-    for when, say in DIFFERENCES:
-        line = say(s) if when(s) else ""
+    for line in differences(s):
         # the first difference's own column, said above already
-        if line and not (first is not None and line.startswith(f"the {first.quantity} differs")):
-            lines.append(line)
+        if first is not None and line.startswith(f"the {first.quantity} differs"):
+            continue
+        lines.append(line)
     found, notes = diagnose(s.facts)
     lines += placed(s.facts) + notes
     said = []

@@ -123,16 +123,6 @@ class Run:
         ranks = self.ranks()
         return len(ranks) == nproc and all(r.get("status") == 0 for r in ranks)
 
-    def unsupported(self) -> str | None:
-        """The one line that says a rank's probe cannot watch this torch, if one said so."""
-        said = next((r["unsupported"] for r in self.ranks() if r.get("unsupported")), None)
-        if said is None:
-            return None
-        return (
-            f"could not run: {said}: the check cannot tell the script's optimizer steps from "
-            "torch's own, so it gives no verdict (use the torch of requirements.txt)"
-        )
-
 
 @dataclass
 class Started:
