@@ -27,14 +27,13 @@ from statements import Pattern, rewrite
 from common.chapters import CHAPTERS, NOT_CHAPTER_01S_RUN, base
 from layout import REPO
 from maintainer import REGENERATE, make_exercises
-from tools.check import probe, runner
-from tools.check.__main__ import main
+from tools.check import probe
+from tools.check import reference as runner
+from tools.check.__main__ import Seen, main, plotted_run, same_lines
 from tools.check.facts import Facts
 from tools.check.harness import fresh_folder
 from tools.check.mistakes import MISTAKES, describe, diagnose, nearest_line
-from tools.check.plan import PLANS
-from tools.check.reference import reference_of
-from tools.check.report import Seen, plotted_run, same_lines
+from tools.check.reference import PLANS, reference_of
 from tools.launch import child_env
 
 BY_NAME = {m.name: m for m in MISTAKES}

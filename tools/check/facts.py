@@ -10,8 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance
-from tools.check.plan import GLOBAL_BATCH, SEED, STEPS, Plan
-from tools.check.runner import Run
+from tools.check.reference import GLOBAL_BATCH, SEED, STEPS, Plan, Run
 
 PARAM_RTOL = RTOL
 

@@ -1,15 +1,9 @@
 """The parity harness: a script run beside its reference, compared step by step and rank by rank.
 
-Both run under the probe (tools/check/probe.py) in float64 on the small corpus, with the same
-global batch of 8, the same seed and the same schedule. The reference is chapter 01's run (one
-process), or, for a chapter whose run is not chapter 01's (chapter 08), the chapter's own train.py
-run as the script is. For every optimizer step and every rank, in the order a step computes them,
-the harness compares: the windows read, the logged loss, the learning rate, the gradient norm and
-the parameters after the step; then the validation loss and every rank's final parameters. The
-first quantity that differs (with its step and rank) is the answer; None: the same run.
-
-The suite's parity tests call `parity()`; the learner's checker (`python -m tools.check`) is the
-same code with a diagnosis on top.
+For every optimizer step and rank, in the order a step computes them: the windows read, the logged
+loss, the learning rate, the gradient norm and the parameters; then the validation loss and every
+rank's final parameters. The first quantity that differs (its step and rank) is the answer; None:
+the same run. The tests call `parity()`; `python -m tools.check` adds a diagnosis on top.
 """
 
 from __future__ import annotations
@@ -21,9 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.chapters import CHAPTERS
-from tools.check.plan import PLANS, Plan
-from tools.check.reference import checked_launch, prepared_corpus, reference_run, run_flags
-from tools.check.runner import CannotRun, Launch, Run, failure_line, run_one
+from tools.check.reference import (
+    PLANS,
+    CannotRun,
+    Launch,
+    Plan,
+    Run,
+    checked_launch,
+    failure_line,
+    prepared_corpus,
+    reference_run,
+    run_flags,
+    run_one,
+)
 from tools.launch import REPO
 
 # float64: runs that take the same steps agree to about 1e-15; the order of additions differs

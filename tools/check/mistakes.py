@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tools.check.facts import ORDERS, Facts
-from tools.check.plan import GLOBAL_BATCH
+from tools.check.reference import GLOBAL_BATCH
 
 
 @dataclass(frozen=True)
