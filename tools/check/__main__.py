@@ -4,26 +4,16 @@
     python -m tools.check 04_ddp/exercise.py --nproc-per-node 2
     python -m tools.check my_ddp.py --nproc-per-node 2 --chapter 4
 
-SCRIPT is a copy of a chapter's train.py that takes the course's flags. It runs (under torchrun with
---nproc-per-node N > 1) next to chapter 01, both in float64 on the tiny model, with the same global
-batch of 8 sequences, the same seed and a corpus of 29 windows, so that 8 steps cross two epoch
-boundaries. Equal runs then agree to the last digit. Compared: every row the script logs (loss,
-learning rate, validation loss), the optimizer steps per logged step, the windows every rank read,
-every step's gradient norm and parameters, every rank's copy of them, the GPU each rank would drive
-(its device statement read and evaluated with the rank's variables, as a CPU drives none), and a
-run stopped at step 5 and resumed. What a CPU cannot show is stood in for: chapter 03's
-DataParallel splits each batch over 2 replicas; chapters 05 and 06 run as two nodes of one process
-each (so LOCAL_RANK is not RANK), and in chapter 06, instead of a plain resume, one rank is killed
-after step 6 and torchrun restarts the group. Chapter 07's ranks hold shards of the parameters
-(FSDP): they are gathered whole to be compared. A hang (ranks waiting in collectives that do not
-match) is named with each rank's line within seconds. The verdict: "same run" (exit 0), with what
-the check could not observe; "not the same run" (exit 1) with the first quantity that differs
-(its step and rank, from tools/check/harness.py), where it sits (the epochs, the micro-batches, the
-resume, the number format, the ranks, the syncs), the mistakes of tools/check/mistakes.py whose
-mechanism the facts show (or, where none does, what the facts show) and the line of the script
-nearest the difference; or "could not run"
-(exit 2). The logs, metrics, facts and a plot of both loss curves go to a new folder under
-out/check/ (about 1 MB; the checkpoints and parameter files are deleted once compared).
+SCRIPT, a copy of a chapter's train.py, runs (under torchrun where N > 1) beside chapter 01 in
+float64 on the tiny model: the same global batch of 8, seed and corpus of 29 windows, so 8 steps
+cross two epoch boundaries and equal runs agree to the last digit. Compared: every logged row, the
+optimizer steps, the windows each rank read, each step's gradient norm and parameters on every
+rank, the GPU each rank would drive, and a run stopped at step 5 and resumed (chapter 06: a rank
+killed and the group restarted). Chapter 03 splits batches over 2 stand-in replicas; 05 and 06 run
+as two nodes; 07's shards are gathered whole. Exit 0: "same run", with what went unchecked; exit 1:
+"not the same run", with the first difference, where it sits, the mistakes whose mechanism the
+facts show and the nearest line of the script (a hang: each rank's line); exit 2: "could not run".
+Logs, metrics, facts and a plot of both loss curves go to a new folder under out/check/.
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ import ast
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.chapters import CHAPTERS
@@ -440,7 +430,7 @@ def restart_check(c: Check, ref: Run) -> str | None:
     diff = gather.first_diff(run.losses(), ref.losses())
     if diff is not None:
         return f"the restarted run's loss differs from step {diff}"
-    if gather.relative_distance(run.params(), ref.params()) > gather.PARAM_RTOL:
+    if gather.relative_distance(run.params(), ref.params()) > gather.RTOL:
         return f"the restarted run ends with other parameters than {c.plan.against}'s"
     return None
 
@@ -506,9 +496,9 @@ def verdict(c: Check, run: Run, ref: Run, args) -> int:
             return failed_early(c, resumed, when="the resumed run failed")
         facts = gather.with_resume(facts, run, resumed, ref)
         first = first_difference(resumed, ref, offset=c.plan.resume_at)
-    (c.pair.folder / "facts.json").write_text(json.dumps(facts.as_dict(), indent=1))
+    (c.pair.folder / "facts.json").write_text(json.dumps(asdict(facts), indent=1))
     if args.facts:
-        print(json.dumps(facts.as_dict(), indent=1))
+        print(json.dumps(asdict(facts), indent=1))
     seen = Seen(facts, run, ref, resumed, failure, restarted)
     if mistakes.same_run(facts):
         print(*same_lines(seen), sep="\n")

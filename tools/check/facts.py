@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance
 from tools.check.reference import GLOBAL_BATCH, SEED, STEPS, Plan, Run
-
-PARAM_RTOL = RTOL
 
 
 def rel_diff(a: float | None, b: float | None) -> float | None:
@@ -103,7 +101,6 @@ class Logged:
     # the logged lr of step s is chapter 01's of step (s - 1) * lr_speed + 1 (None: no such number)
     lr_speed: int | None = None
     first_val_diff: int | None = None  # the first step whose validation loss differs
-    val_ratio: float | None = None  # the validation loss there / chapter 01's
     stopped_after: int | None = None  # the script failed after this many logged steps
     failure: str | None = None  # the line that says why the run failed
     hung: bool = False  # the ranks waited in collectives that do not match
@@ -115,10 +112,6 @@ class Logged:
         losses, ref_losses = run.losses(), ref.losses()
         lrs, ref_lrs = run.column("lr"), ref.column("lr")
         vals, ref_vals = run.column("val_loss"), ref.column("val_loss")
-        first_val = first_diff(vals, ref_vals)
-        val_ratio = None
-        if first_val is not None and vals.get(first_val) and ref_vals.get(first_val):
-            val_ratio = vals[first_val] / ref_vals[first_val]
         found = re.search(r"(\d+) steps per epoch", run.output())
         first_loss = first_diff(losses, ref_losses)
         return cls(
@@ -128,8 +121,7 @@ class Logged:
             loss_ratio_at_1=losses[1] / ref_losses[1] if 1 in losses else math.nan,
             first_lr_diff=first_diff(lrs, ref_lrs, rtol=RTOL),
             lr_speed=lr_speed(lrs, ref_lrs),
-            first_val_diff=first_val,
-            val_ratio=val_ratio,
+            first_val_diff=first_diff(vals, ref_vals),
             stopped_after=None if run.status == 0 and len(losses) == STEPS else len(losses),
             failure=failure,
             script_steps_per_epoch=int(found.group(1)) if found else None,
@@ -244,7 +236,7 @@ class Gradients:
         distance = relative_distance(run.params(), ref.params())
         ref_norm = ref_steps[0]["grad_norm"]
         first_param = first_step_diff(rank0, ref_steps, checksum)
-        if first_param is None and distance > PARAM_RTOL:
+        if first_param is None and distance > RTOL:
             first_param = len(rank0) or STEPS
         syncs = [s.get("syncs") or [] for s in rank0]
         first_grad = first_step_diff(rank0, ref_steps, grad_norm)
@@ -259,7 +251,7 @@ class Gradients:
             first_grad_diff=first_grad,
             grad_rel_diff=grad_rel,
             first_param_diff=first_param,
-            params_equal=distance <= PARAM_RTOL,
+            params_equal=distance <= RTOL,
             optimizer_steps=len(rank0),
             zero_grads_per_step=max((s["zero_grads"] for s in rank0[1:]), default=0),
             last_micro_step_unsynced=any(f and not f[-1] and any(f) for f in syncs),
@@ -388,7 +380,7 @@ class Resume:
         """`at`: the step after which the run was stopped."""
         ref_steps = reference_steps(ref)
         diff = first_diff(resumed.losses(), ref.losses(), after=at)
-        if diff is None and relative_distance(resumed.params(), ref.params()) > PARAM_RTOL:
+        if diff is None and relative_distance(resumed.params(), ref.params()) > RTOL:
             diff = STEPS
         steps = [r["steps"] for r in resumed.ranks()]
         if not steps or not all(steps):
@@ -492,9 +484,6 @@ class Facts:
             group = next(g for g, kind in GROUPS.items() if name in {f.name for f in fields(kind)})
             groups.setdefault(group, {})[name] = value
         return replace(self, **{g: replace(getattr(self, g), **c) for g, c in groups.items()})
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def gather(plan: Plan, nproc: int, run: Run, ref: Run, failure: str | None) -> Facts:

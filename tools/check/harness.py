@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,14 +137,8 @@ def final_params(run: Run, ref: Run, last: int, same_layout: bool, ranks: int):
 def fresh_folder(root: Path, script: Path) -> Path:
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{script.resolve().parent.name}_{script.stem}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        folder = root / f"{stem}_{stamp}" if n == 0 else root / f"{stem}_{stamp}_{n}"
-        try:
-            folder.mkdir(parents=True)
-            return folder
-        except FileExistsError:
-            continue
-    raise CannotRun(f"no free folder under {root}")
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{stem}_{stamp}_", dir=root))
 
 
 @dataclass(frozen=True)

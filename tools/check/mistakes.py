@@ -440,8 +440,6 @@ MISTAKES = [
     ),
 ]
 
-BY_NAME = {mistake.name: mistake for mistake in MISTAKES}
-
 
 def ruled_out(mistake: Mistake, f: Facts) -> str | None:
     """Why the facts rule the entry out although its signature fits, or None."""
