@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields, replace
 
-from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance
+from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance, windows_of
 from tools.check.reference import GLOBAL_BATCH, SEED, STEPS, Plan, Run
 
 
@@ -28,10 +28,10 @@ def first_diff(run: dict[int, float], ref: dict[int, float], after: int = 0, rto
     return None
 
 
-def first_step_diff(steps: list[dict], ref_steps: list[dict], read, offset: int = 0):
-    """The first optimizer step (numbered as chapter 01's) where read(step) differs."""
+def first_step_diff(steps: list[dict], ref_steps: list[dict], key: str, offset: int = 0):
+    """The first optimizer step (numbered as chapter 01's) whose `key` differs."""
     for i, step in enumerate(steps):
-        if offset + i >= len(ref_steps) or differs(read(step), read(ref_steps[offset + i])):
+        if offset + i >= len(ref_steps) or differs(step.get(key), ref_steps[offset + i].get(key)):
             return offset + i + 1
     return None
 
@@ -44,19 +44,6 @@ def lr_speed(lrs: dict[int, float], ref_lrs: dict[int, float]) -> int | None:
             if any(s != t for s, t in pairs):
                 return k
     return None
-
-
-def grad_norm(step: dict) -> float:
-    return step["grad_norm"]
-
-
-def checksum(step: dict):
-    return step.get("checksum")
-
-
-def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
-    """Every rank's windows of step i (from 0), together, sorted."""
-    return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
 
 
 def reference_steps(ref: Run) -> list[dict]:
@@ -235,11 +222,11 @@ class Gradients:
     def of(cls, rank0: list[dict], ref_steps: list[dict], run: Run, ref: Run, k: int) -> Gradients:
         distance = relative_distance(run.params(), ref.params())
         ref_norm = ref_steps[0]["grad_norm"]
-        first_param = first_step_diff(rank0, ref_steps, checksum)
+        first_param = first_step_diff(rank0, ref_steps, "checksum")
         if first_param is None and distance > RTOL:
             first_param = len(rank0) or STEPS
         syncs = [s.get("syncs") or [] for s in rank0]
-        first_grad = first_step_diff(rank0, ref_steps, grad_norm)
+        first_grad = first_step_diff(rank0, ref_steps, "grad_norm")
         grad_rel = None
         if first_grad is not None and first_grad <= min(len(rank0), len(ref_steps)):
             grad_rel = rel_diff(
@@ -409,8 +396,8 @@ class Resume:
                 ),
                 None,
             ),
-            resume_first_grad_diff=first_step_diff(mine, ref_steps, grad_norm, offset=at),
-            resume_first_param_diff=first_step_diff(mine, ref_steps, checksum, offset=at),
+            resume_first_grad_diff=first_step_diff(mine, ref_steps, "grad_norm", offset=at),
+            resume_first_param_diff=first_step_diff(mine, ref_steps, "checksum", offset=at),
             resume_start_differs=ended is not None
             and start is not None
             and any(differs(a, b, 1e-12) for a, b in zip(start, ended)),

@@ -79,11 +79,16 @@ def ranks_steps(run: Run) -> list[list[dict]]:
     return [r["steps"] for r in run.ranks()]
 
 
+def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
+    """Every rank's windows of step i (from 0), together, sorted."""
+    return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
+
+
 def together(steps: list[list[dict]], i: int) -> list[int] | None:
-    """Every rank's windows of step i (from 0), sorted; None where a rank did not take it."""
+    """windows_of, or None where a rank did not take step i."""
     if any(i >= len(s) for s in steps):
         return None
-    return sorted(w for s in steps for w in s[i]["windows"])
+    return windows_of(steps, i)
 
 
 def first_difference(run: Run, ref: Run, offset: int = 0) -> Difference | None:

@@ -70,15 +70,8 @@ class Recorder:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self.trains(optimizer):
-            norms = [p.grad.detach().double().norm() for p in params if p.grad is not None]
-            self.outer_steps.append(
-                {
-                    "after": len(self.steps),  # the training steps taken before it
-                    "checksum_before": checksum(params),
-                    "grad_norm": torch.stack(norms).norm().item() if norms else 0.0,
-                    "lr": optimizer.param_groups[0]["lr"],
-                }
-            )
+            # an outer step: after how many training steps it came
+            self.outer_steps.append({"after": len(self.steps)})
             self.zero_grads = 0  # the next training step counts its own
             return
         self.params = params
@@ -103,8 +96,6 @@ class Recorder:
         if self.ignoring:
             return
         if not self.trains(optimizer):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.outer_steps[-1]["checksum"] = checksum(params)
             return
         if self.sharded:
             # kept: after the script the process group may be gone, and with it the other shards
