@@ -1,9 +1,6 @@
 """Starting the chapters' scripts as a reader does: `python X`, `torchrun X`, or two torchruns as
-two nodes.
-
-The tests, the benchmark, the plots, the notebooks and the checker all start runs; this is the one
-place that knows how. No chapter imports it: a chapter is started by these commands, it starts
-nothing itself."""
+two nodes. The tests, the benchmark, the notebooks and the checker start runs through this; no
+chapter imports it."""
 
 from __future__ import annotations
 
@@ -33,10 +30,7 @@ def free_port() -> int:
 
 
 def child_env(threads: int | None = 1, **extra: str) -> dict[str, str]:
-    """The environment of a started run: `threads` torch threads a process (None: torch's choice).
-
-    The tests give every process one thread, since their ranks share two cores.
-    """
+    """A started run's environment: `threads` torch threads a process (None: torch's choice)."""
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     if threads is None:
@@ -57,11 +51,8 @@ def torchrun_command(
     extra: list[str] | None = None,
     rdzv_id: str | None = None,
 ) -> list[str]:
-    """A torchrun command line on 127.0.0.1. One node: --standalone unless a port is given.
-
-    Several nodes: a static rendezvous at 127.0.0.1:port, with this node's rank. With rdzv_id: the
-    elastic c10d rendezvous instead, the same line on every node (no node rank, no master).
-    """
+    """A torchrun command line on 127.0.0.1: --standalone for one node without a port; else a static
+    rendezvous at 127.0.0.1:port with this node's rank, or with rdzv_id the c10d one."""
     cmd = [*TORCHRUN, f"--nproc-per-node={nproc}"]
     if nnodes == 1 and port is None:
         cmd.append("--standalone")
@@ -85,8 +76,7 @@ def two_node_commands(script: str | Path, nproc_per_node: int, args: list) -> li
 
 
 def shown_command(cmd: list) -> str:
-    """A command as a reader would type it: `python`, `torchrun`, and paths relative to the
-    course's root."""
+    """A command as a reader would type it: `python`, `torchrun`, paths relative to the root."""
     words = [str(word) for word in cmd]
     if words[: len(TORCHRUN)] == TORCHRUN:
         words = ["torchrun", *words[len(TORCHRUN) :]]
@@ -95,49 +85,37 @@ def shown_command(cmd: list) -> str:
     return " ".join(shlex.quote(word.replace(f"{REPO}/", "")) for word in words)
 
 
-def run_python(
-    args: list, timeout: float = 300, check: bool = True, **env: str
+def run_command(
+    cmd: list[str], env: dict, timeout: float, check: bool
 ) -> subprocess.CompletedProcess:
-    """`python ARGS` from the repository root, as the README shows it, with one thread.
-
-    check=True fails the way a test assertion does, with the command's whole output in the message.
-    """
-    cmd = [sys.executable, *map(str, args)]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout
-    )
+    """Run from the repository root; check=True fails as a test assertion does, with the output."""
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+def run_python(
+    args: list, timeout: float = 300, check: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    """`python ARGS` from the repository root, as the README shows it, with one thread."""
+    return run_command([sys.executable, *map(str, args)], child_env(**env), timeout, check)
 
 
 def run_torchrun(
     script: str | Path, nproc: int, args: list, timeout: float = 300, check: bool = True, **kw
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` (or the rendezvous `kw` asks for) from the repository root.
-
-    Every rank gets one thread; check=True fails as run_python does.
-    """
-    cmd = torchrun_command(script, nproc, args, **kw)
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{shown_command(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-        )
-    return proc
+    """`torchrun --standalone` (or the rendezvous `kw` asks for), one thread a rank."""
+    return run_command(torchrun_command(script, nproc, args, **kw), child_env(), timeout, check)
 
 
 def stop_launchers(procs: list[subprocess.Popen], grace: float = 15) -> None:
-    """Stop launchers that are still running, each started with start_new_session=True.
-
-    torchrun passes SIGTERM on to the processes it started; after `grace` seconds, or once the
-    launcher has ended, its whole process group is killed, so that nothing it started (a worker, a
-    compile's helpers, a shell's children) outlives whoever started it.
-    """
+    """Stop launchers still running (each started with start_new_session=True): SIGTERM, which
+    torchrun passes on; after `grace` seconds, or once the launcher has ended, its whole process
+    group killed, so that nothing it started (a compile's helpers, a shell's children) outlives
+    it."""
     for proc in procs:
         if proc.poll() is not None:
             continue
@@ -163,12 +141,9 @@ def start_together(commands: list[list[str]], env: dict, logs: list) -> list[sub
 def wait_together(
     procs: list[subprocess.Popen], timeout: float, give_up: Callable[[], bool] | None = None
 ) -> int:
-    """Wait for all the started commands; stop whatever still runs when one fails, after `timeout`
-    seconds, or when give_up() says so (a hang the caller recognised).
-
-    Returns the first non-zero exit status (124 after the timeout), else 0. One node that fails
-    stops the others at once: they would otherwise wait for it until their own timeout.
-    """
+    """Wait for all the started commands: the first non-zero exit status, else 0. Whatever still
+    runs is stopped when one fails (the others would wait for it), after `timeout` seconds (124), or
+    when give_up() says so (a hang the caller recognised)."""
     deadline = time.monotonic() + timeout
     try:
         while any(proc.poll() is None for proc in procs):
@@ -192,10 +167,8 @@ def run_together(commands: list[list[str]], env: dict, logs: list, timeout: floa
 
 
 def flags(**values) -> list[str]:
-    """Command-line flags from keyword arguments: max_iters=30 -> --max-iters 30.
-
-    True gives the bare flag (compile=True -> --compile); False and None leave the flag out.
-    """
+    """Flags from keyword arguments: max_iters=30 -> --max-iters 30; True: the bare flag; False and
+    None: left out."""
     words = []
     for name, value in values.items():
         if value is None or value is False:
@@ -206,11 +179,8 @@ def flags(**values) -> list[str]:
 
 
 def measured_run_flags(iters: int, log_interval: int, eval_batches: int, **more) -> list[str]:
-    """The flags of a chapter run made for its numbers: one evaluation, at the end; no sample, no
-    dropout.
-
-    `more` are further flags, as flags() takes them (the model, the device, the folders).
-    """
+    """The flags of a run made for its numbers: one evaluation, at the end; no sample, no dropout;
+    `more` as flags() takes them."""
     return flags(
         max_iters=iters,
         log_interval=log_interval,
@@ -223,11 +193,8 @@ def measured_run_flags(iters: int, log_interval: int, eval_batches: int, **more)
 
 
 def launch_commands(launch: str, script: str | Path, nproc: int, args: list) -> list[list[str]]:
-    """One run's command lines, one per node, by how it is launched.
-
-    "python": one process; "torchrun": nproc processes (--standalone); "two_nodes": two torchruns of
-    nproc // 2 processes each, meeting on 127.0.0.1.
-    """
+    """One run's command lines, one per node: "python", "torchrun" (nproc processes) or
+    "two_nodes" (two torchruns of nproc // 2 each)."""
     if launch == "python":
         return [[sys.executable, str(script), *map(str, args)]]
     if launch == "torchrun":

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
-from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance
-from tools.check.plan import GLOBAL_BATCH, SEED, STEPS, Plan
-from tools.check.runner import Run
-
-PARAM_RTOL = RTOL
+from tools.check.harness import LOSS_RTOL, RTOL, differs, relative_distance, windows_of
+from tools.check.reference import GLOBAL_BATCH, SEED, STEPS, Plan, Run
 
 
 def rel_diff(a: float | None, b: float | None) -> float | None:
@@ -31,10 +28,10 @@ def first_diff(run: dict[int, float], ref: dict[int, float], after: int = 0, rto
     return None
 
 
-def first_step_diff(steps: list[dict], ref_steps: list[dict], read, offset: int = 0):
-    """The first optimizer step (numbered as chapter 01's) where read(step) differs."""
+def first_step_diff(steps: list[dict], ref_steps: list[dict], key: str, offset: int = 0):
+    """The first optimizer step (numbered as chapter 01's) whose `key` differs."""
     for i, step in enumerate(steps):
-        if offset + i >= len(ref_steps) or differs(read(step), read(ref_steps[offset + i])):
+        if offset + i >= len(ref_steps) or differs(step.get(key), ref_steps[offset + i].get(key)):
             return offset + i + 1
     return None
 
@@ -47,19 +44,6 @@ def lr_speed(lrs: dict[int, float], ref_lrs: dict[int, float]) -> int | None:
             if any(s != t for s, t in pairs):
                 return k
     return None
-
-
-def grad_norm(step: dict) -> float:
-    return step["grad_norm"]
-
-
-def checksum(step: dict):
-    return step.get("checksum")
-
-
-def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
-    """Every rank's windows of step i (from 0), together, sorted."""
-    return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
 
 
 def reference_steps(ref: Run) -> list[dict]:
@@ -104,7 +88,6 @@ class Logged:
     # the logged lr of step s is chapter 01's of step (s - 1) * lr_speed + 1 (None: no such number)
     lr_speed: int | None = None
     first_val_diff: int | None = None  # the first step whose validation loss differs
-    val_ratio: float | None = None  # the validation loss there / chapter 01's
     stopped_after: int | None = None  # the script failed after this many logged steps
     failure: str | None = None  # the line that says why the run failed
     hung: bool = False  # the ranks waited in collectives that do not match
@@ -116,10 +99,6 @@ class Logged:
         losses, ref_losses = run.losses(), ref.losses()
         lrs, ref_lrs = run.column("lr"), ref.column("lr")
         vals, ref_vals = run.column("val_loss"), ref.column("val_loss")
-        first_val = first_diff(vals, ref_vals)
-        val_ratio = None
-        if first_val is not None and vals.get(first_val) and ref_vals.get(first_val):
-            val_ratio = vals[first_val] / ref_vals[first_val]
         found = re.search(r"(\d+) steps per epoch", run.output())
         first_loss = first_diff(losses, ref_losses)
         return cls(
@@ -129,8 +108,7 @@ class Logged:
             loss_ratio_at_1=losses[1] / ref_losses[1] if 1 in losses else math.nan,
             first_lr_diff=first_diff(lrs, ref_lrs, rtol=RTOL),
             lr_speed=lr_speed(lrs, ref_lrs),
-            first_val_diff=first_val,
-            val_ratio=val_ratio,
+            first_val_diff=first_diff(vals, ref_vals),
             stopped_after=None if run.status == 0 and len(losses) == STEPS else len(losses),
             failure=failure,
             script_steps_per_epoch=int(found.group(1)) if found else None,
@@ -244,11 +222,11 @@ class Gradients:
     def of(cls, rank0: list[dict], ref_steps: list[dict], run: Run, ref: Run, k: int) -> Gradients:
         distance = relative_distance(run.params(), ref.params())
         ref_norm = ref_steps[0]["grad_norm"]
-        first_param = first_step_diff(rank0, ref_steps, checksum)
-        if first_param is None and distance > PARAM_RTOL:
+        first_param = first_step_diff(rank0, ref_steps, "checksum")
+        if first_param is None and distance > RTOL:
             first_param = len(rank0) or STEPS
         syncs = [s.get("syncs") or [] for s in rank0]
-        first_grad = first_step_diff(rank0, ref_steps, grad_norm)
+        first_grad = first_step_diff(rank0, ref_steps, "grad_norm")
         grad_rel = None
         if first_grad is not None and first_grad <= min(len(rank0), len(ref_steps)):
             grad_rel = rel_diff(
@@ -260,7 +238,7 @@ class Gradients:
             first_grad_diff=first_grad,
             grad_rel_diff=grad_rel,
             first_param_diff=first_param,
-            params_equal=distance <= PARAM_RTOL,
+            params_equal=distance <= RTOL,
             optimizer_steps=len(rank0),
             zero_grads_per_step=max((s["zero_grads"] for s in rank0[1:]), default=0),
             last_micro_step_unsynced=any(f and not f[-1] and any(f) for f in syncs),
@@ -389,7 +367,7 @@ class Resume:
         """`at`: the step after which the run was stopped."""
         ref_steps = reference_steps(ref)
         diff = first_diff(resumed.losses(), ref.losses(), after=at)
-        if diff is None and relative_distance(resumed.params(), ref.params()) > PARAM_RTOL:
+        if diff is None and relative_distance(resumed.params(), ref.params()) > RTOL:
             diff = STEPS
         steps = [r["steps"] for r in resumed.ranks()]
         if not steps or not all(steps):
@@ -418,8 +396,8 @@ class Resume:
                 ),
                 None,
             ),
-            resume_first_grad_diff=first_step_diff(mine, ref_steps, grad_norm, offset=at),
-            resume_first_param_diff=first_step_diff(mine, ref_steps, checksum, offset=at),
+            resume_first_grad_diff=first_step_diff(mine, ref_steps, "grad_norm", offset=at),
+            resume_first_param_diff=first_step_diff(mine, ref_steps, "checksum", offset=at),
             resume_start_differs=ended is not None
             and start is not None
             and any(differs(a, b, 1e-12) for a, b in zip(start, ended)),
@@ -493,9 +471,6 @@ class Facts:
             group = next(g for g, kind in GROUPS.items() if name in {f.name for f in fields(kind)})
             groups.setdefault(group, {})[name] = value
         return replace(self, **{g: replace(getattr(self, g), **c) for g, c in groups.items()})
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def gather(plan: Plan, nproc: int, run: Run, ref: Run, failure: str | None) -> Facts:

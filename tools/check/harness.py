@@ -1,29 +1,34 @@
 """The parity harness: a script run beside its reference, compared step by step and rank by rank.
 
-Both run under the probe (tools/check/probe.py) in float64 on the small corpus, with the same
-global batch of 8, the same seed and the same schedule. The reference is chapter 01's run (one
-process), or, for a chapter whose run is not chapter 01's (chapter 08), the chapter's own train.py
-run as the script is. For every optimizer step and every rank, in the order a step computes them,
-the harness compares: the windows read, the logged loss, the learning rate, the gradient norm and
-the parameters after the step; then the validation loss and every rank's final parameters. The
-first quantity that differs (with its step and rank) is the answer; None: the same run.
-
-The suite's parity tests call `parity()`; the learner's checker (`python -m tools.check`) is the
-same code with a diagnosis on top.
+For every optimizer step and rank, in the order a step computes them: the windows read, the logged
+loss, the learning rate, the gradient norm and the parameters; then the validation loss and every
+rank's final parameters. The first quantity that differs (its step and rank) is the answer; None:
+the same run. The tests call `parity()`; `python -m tools.check` adds a diagnosis on top.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.chapters import CHAPTERS
-from tools.check.plan import PLANS, Plan
-from tools.check.reference import checked_launch, prepared_corpus, reference_run, run_flags
-from tools.check.runner import CannotRun, Launch, Run, failure_line, run_one
+from tools.check.reference import (
+    PLANS,
+    CannotRun,
+    Launch,
+    Plan,
+    Run,
+    checked_launch,
+    failure_line,
+    prepared_corpus,
+    reference_run,
+    run_flags,
+    run_one,
+)
 from tools.launch import REPO
 
 # float64: runs that take the same steps agree to about 1e-15; the order of additions differs
@@ -74,11 +79,16 @@ def ranks_steps(run: Run) -> list[list[dict]]:
     return [r["steps"] for r in run.ranks()]
 
 
+def windows_of(ranks_steps: list[list[dict]], i: int) -> list[int]:
+    """Every rank's windows of step i (from 0), together, sorted."""
+    return sorted(w for steps in ranks_steps for w in steps[i]["windows"])
+
+
 def together(steps: list[list[dict]], i: int) -> list[int] | None:
-    """Every rank's windows of step i (from 0), sorted; None where a rank did not take it."""
+    """windows_of, or None where a rank did not take step i."""
     if any(i >= len(s) for s in steps):
         return None
-    return sorted(w for s in steps for w in s[i]["windows"])
+    return windows_of(steps, i)
 
 
 def first_difference(run: Run, ref: Run, offset: int = 0) -> Difference | None:
@@ -132,14 +142,8 @@ def final_params(run: Run, ref: Run, last: int, same_layout: bool, ranks: int):
 def fresh_folder(root: Path, script: Path) -> Path:
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{script.resolve().parent.name}_{script.stem}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        folder = root / f"{stem}_{stamp}" if n == 0 else root / f"{stem}_{stamp}_{n}"
-        try:
-            folder.mkdir(parents=True)
-            return folder
-        except FileExistsError:
-            continue
-    raise CannotRun(f"no free folder under {root}")
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{stem}_{stamp}_", dir=root))
 
 
 @dataclass(frozen=True)

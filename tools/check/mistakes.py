@@ -1,21 +1,13 @@
 """The classic mistakes of data-parallel training, each named by its mechanism in the numbers.
 
-The checker (tools/check/) runs a learner's script beside its reference (tools/check/harness.py)
-and gathers facts (tools/check/facts.py). An entry of MISTAKES is named when its signature, a small
-test of those facts, fits and the facts do not rule it out (ruled_out: parameters equal to the
-reference's rule out every training mistake, ...). Where two entries fit, both are named, except
-that an entry drops the more general ones it names in `over`. None fits: the checker describes what
-the facts show (describe) rather than guess: the epoch, the micro-batch, the resume, the sync and
-the rank where the first difference sits, and its size against the number format (float32's
-rounding in a float64 check). Either way it quotes the learner's line nearest the first difference
-(nearest_line): of the statements that are not the chapter's own (code only, never a comment or a
-docstring), the first about what differs first. An entry whose mistake stops the run before any
-fact can show it is named by its failure message (FailsWith) instead of a signature.
+An entry is named when its signature, a small test of the facts (tools/check/facts.py), fits and
+the facts do not rule it out; an entry drops the more general ones it names in `over`; one whose
+mistake stops the run is named by its failure message (FailsWith). Where none fits, `describe` says
+what the facts show. Either way `nearest_line` quotes the learner's line nearest the first
+difference: code only, never a comment or a docstring.
 
-To add a mistake: plant it in a copy of a chapter script, run `python -m tools.check COPY
---facts`, read the facts, and write the entry: what the learner did and the signature. Then add
-its plant to tests/plants.py and the facts it leaves to tests/test_check.py, which checks that each
-plant's facts are named as the plant, and nothing else is.
+To add a mistake: plant it in a copy of a chapter script, read `python -m tools.check COPY --facts`,
+write the entry, and add the plant to tests/plants.py and its facts to tests/test_check.py.
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tools.check.facts import ORDERS, Facts
-from tools.check.lines import code_statements, header, quoted
-from tools.check.plan import GLOBAL_BATCH
+from tools.check.reference import GLOBAL_BATCH
 
 
 @dataclass(frozen=True)
@@ -125,61 +116,49 @@ MISTAKES = [
     # chapter 08's sync, first: its signatures hold only where the plan has DiLoCo's rounds
     Mistake(
         name="the sync on some ranks only",
-        did="the sync (the all-reduce of the pseudo-gradient) is called by some ranks only: the "
-        "others go on to their next collective (the logged loss's all-reduce), which does not "
-        "match it. On GPUs the ranks wait for each other forever; gloo sees that the sizes differ "
-        '("a distributed collective mismatch") and ends the run. Every rank must reach the sync, '
-        "at the same step",
+        did="the sync (the all-reduce of the pseudo-gradient) is called by some ranks only; the "
+        "others' next collective does not match it: on GPUs the ranks wait forever, gloo sees "
+        "the sizes differ and ends the run. Every rank must reach the sync, at the same step",
         signature=lambda f: f.plan.rounds and mismatched(f),
         kind="hang",
         over=("a collective called by only some ranks",),
     ),
     Mistake(
         name="the pseudo-gradient's sign flipped",
-        did="the pseudo-gradient is the copy's parameters minus the global ones (local - global), "
-        "which points the way the copy moved; the outer SGD steps against it, as against a "
-        "gradient, so the global parameters move back the other way. The steps before the first "
-        "sync are chapter 08's; the sync then moves the parameters exactly as far as chapter "
-        "08's, in the opposite direction (-1 times its move). The pseudo-gradient is global - "
-        "local",
+        did="the pseudo-gradient is local - global, the way the copy moved; the outer SGD steps "
+        "against it, so the first sync moves the parameters as far as chapter 08's, the other "
+        "way (-1 times its move). It is global - local",
         signature=lambda f: moved_by(f, -1),
     ),
     Mistake(
         name="the pseudo-gradients summed, never divided by the ranks",
-        did="the all-reduce sums the ranks' pseudo-gradients, and the sum is never divided by the "
-        "number of ranks W: the outer optimizer steps with W times the mean pseudo-gradient. The "
-        "steps before the first sync are chapter 08's; the outer step, linear in its gradient, "
-        "then moves the global parameters W times as far as chapter 08's. The mean is the sum "
-        "divided by world_size",
+        did="the all-reduce sums the ranks' pseudo-gradients and the sum is never divided by the "
+        "W ranks: the first sync moves the global parameters W times as far as chapter 08's. "
+        "The mean is the sum divided by world_size",
         signature=lambda f: f.ranks.world_size > 1 and moved_by(f, f.ranks.world_size),
     ),
     Mistake(
         name="the outer step on the local copy",
-        did="the outer optimizer steps this rank's own copy (built on raw_model's parameters, or "
-        "given the copy's gradients), not the global parameters: the global parameters never "
-        "move, so every sync resets the copies to where the run began. The first round is chapter "
-        "08's; the second starts from the first one's start (the sync moved the copy 0 times as "
-        "far as chapter 08's). The outer optimizer is built on global_model's parameters, whose "
-        "gradients are the mean pseudo-gradient",
+        did="the outer optimizer steps this rank's copy (built on raw_model's parameters), not "
+        "the global ones: the global parameters never move and every sync resets the copies "
+        "to the run's start (the sync moved them 0 times as far as chapter 08's). Build it on "
+        "global_model's parameters",
         signature=lambda f: moved_by(f, 0, rel=1e-9),
     ),
     Mistake(
         name="the copies not reset after the outer step",
-        did="after the outer step each rank's copy goes on from where its own round ended, not "
-        "from the new global parameters: the first round is chapter 08's, then the ranks' copies "
-        "start the next round apart (chapter 08's start it equal) and the outer step never reaches "
-        "them. Every copy starts each round from the global parameters (copied into it)",
+        did="after the outer step each copy goes on from where its own round ended: the ranks "
+        "start the next round apart, and the outer step never reaches them. Every copy starts "
+        "each round from the global parameters",
         signature=lambda f: f.plan.rounds and f.syncs.kept_own_copy,
         over=("clipping or stepping on some ranks only",),
     ),
     Mistake(
         name="the parameters averaged, not the pseudo-gradients",
-        did="the sync averages the copies' parameters and makes them the global parameters, with "
-        "no outer optimizer: that is an outer SGD of lr 1 without momentum (local SGD), not the "
-        "outer step of --outer-lr and Nesterov --outer-momentum. With the check's 0.7 and 0.9 the "
-        "first sync moves the parameters 1 / (0.7 x 1.9) = 0.75 times as far as chapter 08's, and "
-        "no momentum carries over to the next. Average the pseudo-gradients (global - local), "
-        "make them the global parameters' gradients and step the outer optimizer",
+        did="the sync averages the copies' parameters with no outer optimizer: an outer SGD of lr "
+        "1 without momentum, not --outer-lr with Nesterov --outer-momentum (with 0.7 and 0.9 "
+        "the first sync moves 1 / (0.7 x 1.9) = 0.75 times as far as chapter 08's). Average "
+        "the pseudo-gradients and step the outer optimizer",
         signature=lambda f: (
             f.plan.rounds
             and f.syncs.outer_steps == 0 < f.syncs.ref_outer_steps
@@ -190,15 +169,15 @@ MISTAKES = [
     Mistake(
         name="a collective called by only some ranks",
         did="a collective (all_reduce, barrier, ...) that every rank must call is called by some "
-        "only, or by each at a different place: the ranks wait for each other forever (or gloo "
-        "sees that the sizes differ and ends the run)",
+        "only, or at different places: the ranks wait for each other forever (or gloo sees "
+        "the sizes differ and ends the run)",
         signature=mismatched,
         kind="hang",
     ),
     Mistake(
         name="the replicas' losses not reduced",
         did="DataParallel returns one loss per replica (a vector); without .mean() backward() "
-        "refuses it: on GPUs as here, where the check splits each batch over 2 stand-in replicas",
+        "refuses it (the check splits each batch over 2 stand-in replicas)",
         signature=FailsWith(r"only for scalar outputs|doesn't match the broadcast shape"),
     ),
     Mistake(
@@ -214,23 +193,21 @@ MISTAKES = [
     Mistake(
         name="no DataParallel",
         did="the model is never called through nn.DataParallel: the script is still chapter 02's "
-        "(the check splits every DataParallel batch over 2 stand-in replicas, and saw none)",
+        "(the check saw no batch split over its stand-in replicas)",
         signature=lambda f: f.ranks.replicas == 0,
         kind="idea",
     ),
     Mistake(
         name="the optimizer built before fully_shard",
         did="the optimizer was built on the model's parameters before fully_shard replaced them "
-        "with shards (DTensors): the optimizer holds the tensors the model was built with on the "
-        "meta device, which have no storage and get no gradient, not the shards the model trains, "
-        "so its first step fails",
+        "with shards: it holds the meta-device tensors, which get no gradient, so its first "
+        "step fails",
         signature=FailsWith(r"on meta tensors"),
     ),
     Mistake(
         name="no FSDP",
-        did="the model is never sharded with fully_shard: every rank still holds the whole model "
-        "(the script is still chapter 06's); under FSDP each rank's parameters are shards "
-        "(DTensors), and the check found none",
+        did="the model is never sharded with fully_shard: every rank holds the whole model (the "
+        "script is still chapter 06's); the check found no shards (DTensors)",
         signature=lambda f: (
             f.plan.shards
             and not f.ranks.sharded
@@ -241,11 +218,9 @@ MISTAKES = [
     ),
     Mistake(
         name="gradients reduced in float32 in a float64 run",
-        did="a MixedPrecisionPolicy with reduce_dtype=torch.float32 whatever --dtype is: in a "
-        "float64 run FSDP casts every gradient to float32 to reduce-scatter it, so from step 1 "
-        "the gradients carry float32's rounding (a relative 1e-8 or so, where float64's is "
-        "1e-16) while step 1's loss, computed in float64, is chapter 01's. The policy belongs to "
-        "the 16-bit runs (chapter 07 sets it for bfloat16 and float16 only)",
+        did="a MixedPrecisionPolicy with reduce_dtype=torch.float32 whatever --dtype is: FSDP "
+        "reduce-scatters the gradients in float32, so from step 1 they carry float32's "
+        "rounding while step 1's loss is chapter 01's. The policy belongs to the 16-bit runs",
         signature=lambda f: (
             f.plan.shards
             and rounding(f) == "float32"
@@ -262,8 +237,8 @@ MISTAKES = [
     ),
     Mistake(
         name="zero_grad inside the micro-loop",
-        did="the gradients are zeroed on every micro-step, so only the last micro-batch's gradient "
-        "reaches the optimizer: step 1's loss is right, its gradient is not",
+        did="the gradients are zeroed on every micro-step, so only the last micro-batch's "
+        "gradient reaches the optimizer: step 1's loss is right, its gradient is not",
         signature=lambda f: f.grads.grad_accum > 1 and f.grads.zero_grads_per_step > 1,
     ),
     Mistake(
@@ -274,17 +249,15 @@ MISTAKES = [
     ),
     Mistake(
         name="the gradient-sync switch off on the last micro-step",
-        did="FSDP reduce-scatters the gradients in the backward of a micro-step whose gradient "
-        "sync is on; here the last micro-step's is off, so what it adds stays in this rank's "
-        "unsharded gradient and never reaches the shards the optimizer steps on: the gradient "
-        "is not the batch's from step 1",
+        did="FSDP reduce-scatters the gradients on a micro-step whose gradient sync is on; here "
+        "the last one's is off, so what it adds never reaches the shards the optimizer steps "
+        "on",
         signature=lambda f: f.plan.shards and f.grads.last_micro_step_unsynced,
     ),
     Mistake(
         name="no_sync on the wrong micro-step",
-        did="DDP averages the gradients in the backward of a micro-step outside no_sync(); here "
-        "the last micro-step is inside it, so what it adds stays this rank's own and the copies "
-        "drift",
+        did="DDP averages the gradients on a micro-step outside no_sync(); here the last "
+        "micro-step is inside it, so what it adds stays this rank's own and the copies drift",
         signature=lambda f: f.grads.last_micro_step_unsynced and not f.ranks.sharded,
         over=("gradients never averaged",),
     ),
@@ -303,7 +276,8 @@ MISTAKES = [
     Mistake(
         name="clipping or stepping on some ranks only",
         did="the gradient is clipped (or the optimizer steps) on some ranks only: the averaged "
-        "gradient is right on every rank, what each rank does with it is not, and the copies drift",
+        "gradient is right on every rank, what each rank does with it is not, and the copies "
+        "drift",
         signature=lambda f: (
             f.ranks.world_size > 1
             and (
@@ -315,16 +289,15 @@ MISTAKES = [
     ),
     Mistake(
         name="a global batch that forgets world_size or grad_accum",
-        did="global_batch leaves out a factor, so the epoch is longer than chapter 01's: the ranks "
-        "read past the end of chapter 01's epoch (or run out of windows there)",
+        did="global_batch leaves out a factor, so the epoch is longer than chapter 01's: the "
+        "ranks read past the end of chapter 01's epoch (or run out of windows there)",
         signature=lambda f: (f.log.script_steps_per_epoch or 0) > f.data.steps_per_epoch,
         over=("samplers seeded per rank",),
     ),
     Mistake(
         name="all ranks reading the same windows",
         did="every rank reads the same share of the batch (a sampler without this rank's place: "
-        "rank=0, a local rank, or one replica), so a step sees fewer distinct windows than "
-        "chapter 01's",
+        "rank=0, a local rank), so a step sees fewer distinct windows than chapter 01's",
         signature=lambda f: f.ranks.world_size > 1 and f.data.ranks_same_windows,
         over=("samplers seeded per rank",),
     ),
@@ -341,7 +314,8 @@ MISTAKES = [
     Mistake(
         name="loss not divided by K",
         did="each micro-batch's loss is not divided by --grad-accum: the summed gradient is K "
-        "times too large from step 1 (AdamW hides most of it; clipping and the logged loss do not)",
+        "times too large from step 1 (AdamW hides most of it; clipping and the logged loss do "
+        "not)",
         signature=lambda f: (
             f.grads.grad_accum > 1
             and f.data.first_data_diff is None
@@ -353,9 +327,8 @@ MISTAKES = [
     ),
     Mistake(
         name="samplers seeded per rank",
-        did="each rank's sampler draws its own permutation (a seed that depends on the rank), so "
-        "the ranks' shares are not one permutation cut in world_size pieces: other windows from "
-        "step 1",
+        did="each rank's sampler draws its own permutation (a seed that depends on the rank), not "
+        "one permutation cut in world_size pieces: other windows from step 1",
         signature=lambda f: (
             f.ranks.world_size > 1
             and f.data.first_data_diff == 1
@@ -375,10 +348,9 @@ MISTAKES = [
     ),
     Mistake(
         name="set_epoch given the step, not the epoch",
-        did="the sampler is told the steps taken so far (iter_num), not the epoch: epoch 0 starts "
-        "at step 0 and is chapter 01's, but every later epoch reads another epoch's order, the "
-        "one numbered by the steps taken when it starts (here, with 3 steps an epoch, epoch 1 "
-        "reads epoch 3's)",
+        did="the sampler is told the steps taken so far (iter_num), not the epoch: epoch 0 is "
+        "chapter 01's, every later one reads the order of the epoch numbered by the steps "
+        "taken when it starts",
         signature=lambda f: (
             len(f.data.epoch_orders) > 1
             and f.data.first_data_diff == f.data.steps_per_epoch + 1
@@ -388,8 +360,7 @@ MISTAKES = [
     Mistake(
         name="ranks' logged loss not averaged",
         did="the logged loss is not the mean over the ranks (rank 0's share alone, or the sum): "
-        "the training is right (chapter 01's parameters, the same on every rank), the logged "
-        "number is not",
+        "the training is right, the logged number is not",
         signature=lambda f: (
             f.ranks.world_size > 1
             and f.log.first_loss_diff is not None
@@ -400,18 +371,16 @@ MISTAKES = [
     Mistake(
         name="your evaluation differs; training is the same",
         did="every training loss and the parameters are chapter 01's, the validation loss is not: "
-        "every rank must evaluate chapter 01's windows (a rank that evaluates only its part of "
-        "them needs the others' loss sums and counts, added up over the ranks, before dividing)",
+        "every rank must evaluate chapter 01's windows (or add up the ranks' loss sums and "
+        "counts before dividing)",
         signature=lambda f: f.log.first_val_diff is not None and f.log.first_loss_diff is None,
         kind="evaluation",
     ),
     Mistake(
         name="a checkpoint of rank 0's shards only",
-        did="under FSDP each rank holds a shard of every tensor: model.state_dict() on rank 0 is "
-        "rank 0's shards, not the model. Saved as ckpt.pt (chapter 06's save_checkpoint), it does "
-        "not load into the whole model, so the resume fails; the whole tensors must be gathered "
-        "from every rank first, on every rank (gather_and_save: get_model_state_dict with "
-        "full_state_dict=True, then rank 0 writes)",
+        did="under FSDP model.state_dict() on rank 0 is rank 0's shards, not the model: saved as "
+        "ckpt.pt it does not load, so the resume fails. Gather the whole tensors on every "
+        "rank first (get_model_state_dict with full_state_dict=True), then rank 0 writes",
         signature=FailsWith(r"Error\(s\) in loading state_dict"),
         kind="resume",
     ),
@@ -443,9 +412,8 @@ MISTAKES = [
     ),
     Mistake(
         name="a resume that does not restore the optimizer state",
-        did="the resumed run starts AdamW afresh (its running averages lost): the first step after "
-        "the resume reads the right windows and has the right gradient, yet moves the parameters "
-        "differently",
+        did="the resumed run starts AdamW afresh: the first step after the resume reads the right "
+        "windows and has the right gradient, yet moves the parameters differently",
         signature=lambda f: (
             f.resume.resume_at is not None
             and f.resume.resume_first_data_diff is None
@@ -457,24 +425,20 @@ MISTAKES = [
     Mistake(
         name="a restart that does not continue the run",
         did="torchrun restarted the group after a rank was killed, and the run did not continue "
-        "from its checkpoint to chapter 01's end: a restarted process must find the checkpoint "
-        "and resume as --resume would (chapter 06)",
+        "from its checkpoint to chapter 01's end: a restarted process must resume as --resume "
+        "would (chapter 06)",
         signature=lambda f: f.resume.restart is not None,
         kind="resume",
     ),
     Mistake(
         name="the GPU chosen by RANK, not LOCAL_RANK",
         did="a rank asks for the GPU of its global RANK: on every machine but the first, RANK is "
-        "past the machine's GPUs (the second of two 8-GPU machines has ranks 8-15 and GPUs 0-7). "
-        "The check runs two nodes of one process each, so rank 1 has LOCAL_RANK 0, yet its "
-        "device statement, evaluated with its own variables, gives cuda:1. On a CPU no number "
-        "changes; on GPUs the run fails or stacks ranks on one GPU",
+        "past the machine's GPUs. Here rank 1 of the second node has LOCAL_RANK 0, yet its "
+        "device statement gives cuda:1. On GPUs the run fails or stacks ranks on one GPU",
         signature=lambda f: f.ranks.gpu_by_global_rank,
         kind="device",
     ),
 ]
-
-BY_NAME = {mistake.name: mistake for mistake in MISTAKES}
 
 
 def ruled_out(mistake: Mistake, f: Facts) -> str | None:
@@ -791,7 +755,44 @@ def resumed_words(f: Facts) -> str:
     return f"{text}, {diff - at - 1} step(s) after the resume ({step_place(diff, f)})"
 
 
-# ---- the learner's line nearest the first difference ----------------------------------------
+# ---- the learner's line nearest the first difference: code only, each on one line ----------
+
+
+def header_end(node: ast.stmt) -> int:
+    """The last line (from 1) of a statement; of a compound one, the last line of its header."""
+    body = getattr(node, "body", None)
+    if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
+        return body[0].lineno - 1
+    return node.end_lineno or node.lineno
+
+
+def quoted(node: ast.stmt, lines: list[str]) -> str:
+    """The statement as the script has it, on one line (a compound one by its header)."""
+    text = " ".join(
+        line.split("#")[0].strip() for line in lines[node.lineno - 1 : header_end(node)]
+    )
+    return re.sub(r"([(\[{]) | ([)\]}])|,([)\]}])", r"\1\2\3", text).strip()
+
+
+def docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+
+
+def code_statements(source: str) -> list[ast.stmt]:
+    """Every statement but the docstrings and the bare constants, in line order; [] where the
+    source does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.stmt) and not docstring(n)]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+def header(node: ast.stmt) -> str:
+    """A statement's code, formatting aside: a compound statement's first line alone."""
+    return ast.unparse(node).split("\n")[0]
+
 
 # the names a statement behind each kind of first difference is likely to use
 CONCERNS = {

@@ -2,39 +2,15 @@
 
     python -m tools.check.probe FACTS_DIR SCRIPT [ARGS...]   (or torchrun ... -m tools.check.probe)
 
-The checker (tools/check/) starts the learner's script and chapter 01 through this, so that it can
-compare more than the logged loss: for every optimizer step of every rank, which training windows
-were read, the learning rate, the gradient's norm, whether it was clipped, how often the gradients
-were zeroed, on which micro-steps DDP averaged them (FSDP: reduced them), and a checksum of the
-parameters before and after the step; the GPU index each rank would ask for (below); at the end,
-every rank's parameters. The training steps are those of the first optimizer that steps; another
-optimizer's (chapter 08's outer SGD, which moves the global parameters at each sync) are recorded
-apart: after which training step, the norm of its gradient, the checksums of its parameters. Under
-FSDP a rank's parameters and gradients are shards (DTensors): the probe gathers them whole on every
-rank (a collective, at the optimizer step every rank takes), so the norm, the checksums and the
-final parameters are the whole model's. It only watches: nothing of the script's run changes, with
-three exceptions the checker asks for by environment variable:
-
-- CHECK_REPLICAS=N: nn.DataParallel on the CPU, which has nothing to split, splits each batch in N
-  as it would over N GPUs and returns one loss per replica (the replicas share the one model), so a
-  missing or wrong reduction of the replicas' losses shows;
-- CHECK_KILL=RANK:STEP: that rank kills itself (SIGKILL) after that optimizer step, once (not in a
-  process torchrun restarted);
-- CHECK_HANG_AFTER=S: a rank that waits in a collective for S seconds writes where it waits (its
-  line in the script and the collective) to FACTS_DIR/rank<R>.hang.json.
-
-The GPU index: on a CPU the script's GPU branch (`if ranks_use_gpus(...):`) never runs, so the probe
-reads the index instead. It finds the script's statements that call what chooses a GPU
-(`torch.device("cuda", N)`, `torch.device(f"cuda:{N}")`, `torch.cuda.set_device(N)`) and, while
-the script runs, evaluates each one's N with the script's own variables whenever a line of the
-statement, or the header of a statement around it, is reached (on a CPU: the `if`), until the first
-optimizer step. It evaluates only names, attributes, subscripts, arithmetic and calls to int, get
-and getenv, so the script's run does not change. The last index found is the rank's; where none
-was found, the rank's facts give the first reason.
-
-Each rank writes FACTS_DIR/rank<R>.json and FACTS_DIR/rank<R>.pt, even when the script fails.
-Where this torch lacks what the probe hooks (a private function of torch.distributed.checkpoint),
-the rank's facts say so ("unsupported") and the checker gives no verdict.
+For every optimizer step of every rank: the training windows read, the learning rate, the gradient
+norm, whether it was clipped, the zero_grad calls, on which micro-steps DDP (or FSDP) reduced the
+gradients, and checksums of the parameters before and after; another optimizer's steps (chapter
+08's outer SGD) apart; the GPU index each rank would ask for; at the end, every rank's parameters.
+FSDP's shards are gathered whole. It only watches, but for what the checker asks by environment:
+CHECK_REPLICAS=N (DataParallel on a CPU splits each batch in N), CHECK_KILL=RANK:STEP (that rank
+kills itself after that step, once) and CHECK_HANG_AFTER=S (a rank that waits S seconds in a
+collective writes where, to FACTS_DIR/rank<R>.hang.json). Each rank writes FACTS_DIR/rank<R>.json
+and rank<R>.pt, even when the script fails.
 """
 
 from __future__ import annotations
@@ -45,6 +21,8 @@ import os
 import runpy
 import signal
 import sys
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -52,18 +30,7 @@ import torch
 import torch.optim.optimizer as optim_hooks
 from torch.distributed.tensor import DTensor
 
-from tools.check.hangs import watch_for_hangs
-from tools.check.lines import code_statements, header_end, quoted
-
-# torch.distributed.checkpoint's own optimizer step with zero gradients (made to create AdamW's
-# state before loading into it) is not a training step: the probe must see it to ignore it. It is a
-# private function, so the probe checks that it is there, as it was written against
-PRIVATE_HOOK = "torch.distributed.checkpoint.state_dict._init_optim_state"
-PRIVATE_HOOK_PARAMETERS = ("optim",)
-
-
-class Unsupported(Exception):
-    """This torch lacks what the probe watches: no verdict can be given."""
+from tools.check.mistakes import code_statements, header_end, quoted
 
 
 class Recorder:
@@ -87,7 +54,6 @@ class Recorder:
         # the GPU index the script's device statement gives this rank: {"line", "code", "index"}
         # or {"line", "code", "error"}; None: the script has no such statement
         self.device: dict | None = None
-        self.unsupported: str | None = None  # what this torch lacks for the probe, if anything
         self.params: list[torch.Tensor] = []  # the training optimizer's
         self.training: weakref.ref | None = None  # the training optimizer (trains)
         self.outer_steps: list[dict] = []  # every other optimizer's steps
@@ -104,15 +70,8 @@ class Recorder:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self.trains(optimizer):
-            norms = [p.grad.detach().double().norm() for p in params if p.grad is not None]
-            self.outer_steps.append(
-                {
-                    "after": len(self.steps),  # the training steps taken before it
-                    "checksum_before": checksum(params),
-                    "grad_norm": torch.stack(norms).norm().item() if norms else 0.0,
-                    "lr": optimizer.param_groups[0]["lr"],
-                }
-            )
+            # an outer step: after how many training steps it came
+            self.outer_steps.append({"after": len(self.steps)})
             self.zero_grads = 0  # the next training step counts its own
             return
         self.params = params
@@ -137,8 +96,6 @@ class Recorder:
         if self.ignoring:
             return
         if not self.trains(optimizer):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.outer_steps[-1]["checksum"] = checksum(params)
             return
         if self.sharded:
             # kept: after the script the process group may be gone, and with it the other shards
@@ -158,7 +115,6 @@ class Recorder:
             "device": self.device,
             "train_windows": self.train_windows,
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-            "unsupported": self.unsupported,
             # torchrun's restarts of this rank's process before this one (--max-restarts)
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }
@@ -260,23 +216,12 @@ def watch_sync(recorder: Recorder) -> None:
 
 
 def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
-    """DCP's optimizer step with zero gradients, which creates AdamW's state before a load, is not
-    recorded as a training step. Raises Unsupported where this torch has no such function, or one
-    with other parameters: the probe would then count a step that is not the script's."""
-    import importlib
-    import inspect
+    """torch.distributed.checkpoint's optimizer step with zero gradients, which creates AdamW's
+    state before a load, is not a training step. The function is private: a torch without it
+    fails here, rather than have the probe count a step that is not the script's."""
+    from torch.distributed.checkpoint import state_dict
 
-    module_name, name = PRIVATE_HOOK.rsplit(".", 1)
-    module = importlib.import_module(module_name)
-    original = getattr(module, name, None)
-    if original is None:
-        raise Unsupported(f"this torch ({torch.__version__}) has no {PRIVATE_HOOK}")
-    parameters = tuple(inspect.signature(original).parameters)
-    if parameters != PRIVATE_HOOK_PARAMETERS:
-        raise Unsupported(
-            f"this torch ({torch.__version__}) has {PRIVATE_HOOK}({', '.join(parameters)}), "
-            f"not ({', '.join(PRIVATE_HOOK_PARAMETERS)})"
-        )
+    original = state_dict._init_optim_state
 
     def initializing(optim) -> None:
         zero_grads = recorder.zero_grads
@@ -287,7 +232,7 @@ def ignore_dcp_optimizer_init(recorder: Recorder) -> None:
             recorder.ignoring = False
             recorder.zero_grads = zero_grads
 
-    setattr(module, name, initializing)
+    state_dict._init_optim_state = initializing
 
 
 def gpu_index(call: ast.Call) -> ast.expr | None:
@@ -392,6 +337,54 @@ def read_devices(recorder: Recorder, script: str) -> None:
     sys.settrace(calls)
 
 
+def where_waiting(script: str, frame) -> dict | None:
+    """The script's innermost line and the collective below it, if the main thread waits in one."""
+    collective, line = None, None
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if collective is None and "/torch/distributed/" in name:
+            collective = frame.f_code.co_name
+        if collective is None and "/torch/autograd/" in name:
+            collective = "backward (DDP's or FSDP's gradient reduction)"
+        # DDP's forward syncs with the other ranks too (its bucket order, after the first step)
+        if collective is None and name.endswith("/torch/nn/parallel/distributed.py"):
+            collective = f"DDP's {frame.f_code.co_name}"
+        if line is None and os.path.abspath(name) == script:
+            line = frame.f_lineno
+        frame = frame.f_back
+    if collective is None or line is None:
+        return None
+    return {"line": line, "collective": collective}
+
+
+def watch_for_hangs(script: str, folder: Path, after: float) -> threading.Event:
+    """A thread that writes FACTS_DIR/rank<R>.hang.json while the main thread has waited in one
+    collective, at one line of the script, for `after` seconds; removed when it moves on."""
+    main_id = threading.main_thread().ident
+    path = folder / f"rank{int(os.environ.get('RANK', 0))}.hang.json"
+
+    done = threading.Event()
+
+    def loop():
+        since, last = time.monotonic(), None
+        while not done.wait(0.5):
+            frame = sys._current_frames().get(main_id)
+            here = where_waiting(script, frame) if frame is not None else None
+            # Let go of the main thread's frame now: held through the wait, it could be the last
+            # reference to the script's locals when main() returns, and the model (DDP's reducer,
+            # the process group) would then be freed on this thread, which deadlocks with gloo's.
+            frame = None
+            if here != last:
+                since, last = time.monotonic(), here
+                path.unlink(missing_ok=True)
+            elif here is not None and time.monotonic() - since >= after and not path.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(here | {"waited_s": round(after), "pid": os.getpid()}))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return done
+
+
 def stand_in_replicas(recorder: Recorder, replicas: int) -> None:
     """nn.DataParallel without GPUs splits the batch in `replicas` as scatter() would, runs the
     shared model on each piece (through the script's parallel_apply, if it has its own) and gathers
@@ -445,12 +438,7 @@ def main() -> None:
     sys.path[0] = str(Path(script).resolve().parent)
     sys.argv = [script, *args]
     recorder = Recorder()
-    try:
-        watch(recorder)
-    except Unsupported as err:
-        recorder.unsupported = str(err)
-        recorder.save(Path(folder), int(os.environ.get("RANK", 0)), None)
-        sys.exit(3)
+    watch(recorder)
     if os.environ.get("CHECK_REPLICAS"):
         stand_in_replicas(recorder, int(os.environ["CHECK_REPLICAS"]))
     if os.environ.get("CHECK_KILL"):
