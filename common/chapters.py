@@ -23,7 +23,8 @@ CHAPTERS = dict(enumerate(FOLDERS, start=1))  # chapter number -> its folder (tr
 BASES = {4: 2, 7: 5, 8: 5}
 
 # The chapters whose run is not chapter 01's, step for step (their own tests say what they match
-# instead): maintainer/make_plots.py leaves them out of the parity figure.
+# instead): the checker compares them with their own train.py, and the committed parity figure
+# (docs/figures/CAPTIONS.md) leaves them out.
 NOT_CHAPTER_01S_RUN = {8}  # DiLoCo's copies train apart between syncs
 
 
