@@ -54,8 +54,7 @@ def start(
     cmd: list, stderr=subprocess.STDOUT, new_session: bool = True, **env: str
 ) -> subprocess.Popen:
     """Start a command from the repository root, one thread a process, its output in a text pipe
-    (stderr merged into it unless given). In a session of its own (new_session), as a launcher is
-    started, so that stop_launchers can end it and every process it started."""
+    (stderr merged into it unless given), in a session of its own so stop_launchers ends it all."""
     return subprocess.Popen(
         [str(word) for word in cmd],
         cwd=REPO,

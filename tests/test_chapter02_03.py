@@ -1,14 +1,4 @@
-"""Chapters 02 (gradient accumulation) and 03 (nn.DataParallel) are chapter 01's run.
-
-The parity harness (tools/check/harness.py) runs each beside chapter 01 in float64: chapter 02 with
-4 x 2 and 2 x 4 micro-batches, chapter 03 with its batches split over stand-in replicas. Every
-step's windows, loss, learning rate, gradient norm and parameters must be chapter 01's. Three
-deliberately broken copies of chapter 02 must NOT pass, each caught at the quantity it breaks.
-Checkpoints of the three chapters resume in each other (real float32 runs, as a reader starts
-them).
-
-Those runs use `--warmup-iters 2`, and `--lr-decay-iters 14` fixes the schedule, so a 10-step run
-and its resumption to 14 steps follow one schedule."""
+"""Chapters 02 (gradient accumulation) and 03 (nn.DataParallel) are chapter 01's run."""
 
 from __future__ import annotations
 
@@ -317,9 +307,8 @@ def test_measure_memory_prints_a_table(data_dir):
 
 
 def test_the_validation_windows_are_whole_batches_so_dataparallel_splits_them_evenly():
-    """DataParallel cuts each batch into one share per replica, and chapter 03 takes the plain mean
-    of the replicas' mean losses: right only when the shares are equal. Every evaluation batch is
-    a whole batch, on a short validation split too; a split shorter than one batch is refused."""
+    """DataParallel cuts each batch into one share per replica, and chapter 03 takes the plain
+    mean of the replicas' mean losses: right only when the shares are equal."""
     from common.data import validation_windows
 
     class Split:  # a validation split of n windows: all validation_windows asks is its length
@@ -339,10 +328,8 @@ def test_the_validation_windows_are_whole_batches_so_dataparallel_splits_them_ev
 
 
 def test_the_mean_of_dataparallels_replicas_is_the_batchs_mean_or_refused():
-    """DataParallel cuts a batch as torch.chunk does (torch.cuda.comm.scatter without sizes), and
-    each replica returns its share's mean loss. The evaluation's mean of those means is the batch's
-    mean for every batch it accepts, and every batch whose shares differ is refused in one line;
-    without GPUs the model's one loss is the batch's."""
+    """The mean of DataParallel's replicas' mean losses (torch.chunk's shares) is the batch's mean,
+    or the batch is refused in one line."""
     from common.dataparallel import mean_of_replicas
 
     generator = torch.Generator().manual_seed(0)

@@ -1,17 +1,4 @@
-"""Chapter 04: DistributedDataParallel under torchrun is chapter 01's run, on several processes.
-
-Every test starts real processes: torchrun with 2 ranks, gloo on 127.0.0.1, the tiny model on the
-CPU. The parity harness (tools/check/harness.py) compares the chapter with chapter 01 step by step
-and rank by rank in float64: 2 ranks x 4, 2 ranks x 2 x 2 micro-batches stopped at step 5 and
-resumed, and a world of one. Float32 runs as a reader starts them, made once (module fixtures):
-
-    01 --batch-size 8, 20 steps                         chapter 01's
-    04, 2 ranks x --batch-size 4, 20 steps              its files and its output
-    04, 2 ranks x --batch-size 2 --grad-accum 2,        10 steps, then chapter 01 --resume from
-                                                        that checkpoint to 20
-
-All use --lr-decay-iters 20, so a 10-step run is the first half of a 20-step one.
-"""
+"""Chapter 04: DistributedDataParallel under torchrun is chapter 01's run, on several processes."""
 
 from __future__ import annotations
 

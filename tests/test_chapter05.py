@@ -1,11 +1,4 @@
-"""Chapter 05: two nodes of two processes, started by the chapter's own simulation script.
-
-`simulate_two_nodes.sh` starts two torchrun invocations on 127.0.0.1 (through launch_static.sh or
-launch_c10d.sh), as two machines would. A short corpus (part of one play) keeps the per-node data
-preparation cheap. The run takes 12 steps of a global batch of 8 sequences, so its losses can be
-compared with chapter 01's. The same simulation runs across two machines of machines.sh too (as
-root: skipped without root or network namespaces, and with CI=true it fails instead).
-"""
+"""Chapter 05: two nodes of two processes, started by the chapter's own simulation script."""
 
 from __future__ import annotations
 

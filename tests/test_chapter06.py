@@ -1,12 +1,7 @@
-"""Chapter 06: the two-node simulation of chapter 05 under the c10d rendezvous, running chapter 06's
-script, survives a killed rank: torchrun restarts the group, which meets in a fresh store
-(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) through chapter 04's init_process_group, and continues from
-its last checkpoint to chapter 01's end.
-
-The stop for a scheduler (SIGTERM, status 0) is tests/test_preemption.py's, and slurm.sbatch on a
-real Slurm is tests/test_slurm.py's. The runs here take the 12 steps of a global
-batch of 8 sequences that tests/test_chapter05.py takes, on the same short corpus.
-"""
+"""Chapter 06: the two-node simulation of chapter 05 under the c10d rendezvous, running chapter
+06's script, survives a killed rank: torchrun restarts the group, which meets in a fresh store
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) through chapter 04's init_process_group, and continues
+from its last checkpoint to chapter 01's end."""
 
 from __future__ import annotations
 

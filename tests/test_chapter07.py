@@ -1,18 +1,4 @@
-"""Chapter 07: FSDP2 under torchrun is chapter 01's run, with each rank holding 1/W of the state.
-
-Every test starts real processes: torchrun with 2 or 3 ranks, gloo on 127.0.0.1, the tiny model on
-the CPU. All runs take a global batch of 12 sequences (2 ranks x 6, 3 ranks x 4, 3 ranks x 2 x 2
-micro-batches) and --lr-decay-iters 8, so any run's steps are steps of chapter 01's 8-step run. Few
-runs, each checking several things:
-
-    01 --batch-size 12, 8 steps, float32                 the reference
-    07 2 ranks (1-2) -> 01 --resume (3-4) -> 07 3 ranks x 2 x 2 micro-batches --resume (5-8),
-        one folder, ckpt.pt: 2 ranks, 3 (uneven shards), accumulation; ckpt.pt 07 -> 01 -> 07
-    07 3 ranks building a model of 203 MB: no rank but rank 0 holds it whole (slow)
-    01 and 07 (2 ranks) in float64, 07 ended by SIGTERM after step 2 and resumed from its last
-        checkpoint: the control, where the runs agree to rounding (1e-12), and a resume through the
-        shards (chapter 07 stops as chapter 05 does: at once, the last checkpoint intact)
-"""
+"""Chapter 07: FSDP2 under torchrun is chapter 01's run, with each rank holding 1/W of the state."""
 
 from __future__ import annotations
 
@@ -118,11 +104,8 @@ def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(c
 
 @pytest.mark.slow
 def test_no_rank_but_rank0_allocates_the_whole_model(data_dir, tmp_path):
-    """3 ranks build a 203 MB model (48 blocks of width 256: the blocks outweigh the 51 MB token
-    embedding, the largest tensor). Each rank prints the most memory it held while building its
-    shards. Rank 0 holds the whole model on its CPU, once; the others hold their third of it and,
-    for a moment, the one whole tensor rank 0 is broadcasting. Each rank building the whole model
-    and then sharding it (as this chapter once did) shows at least 203 MB on every rank."""
+    """3 ranks build a 203 MB model: rank 0 holds it whole, once; the others their third of it (a
+    whole model built on every rank and then sharded would show 203 MB on each)."""
     wide = {"n_embd": 256, "n_layer": 48, "batch_size": 1}
     args = tiny_run_args(data_dir, tmp_path, 1, sample_tokens=0, **wide)
     with torch.device("meta"):

@@ -1,26 +1,4 @@
-"""Chapter 08: DiLoCo's rare syncs, proved against what they generalise.
-
-Every run is real: torchrun with 2 ranks, gloo on 127.0.0.1, the tiny model on the CPU.
-
-    DDP with SGD          chapter 05 with SGD for AdamW, float64: the reference of the first proof
-    H = 1                 chapter 08 with an inner SGD and an outer SGD of lr 1 without momentum:
-                          the same steps as DDP with SGD, within 1e-9 in float64
-    local SGD             chapter 08 whose sync averages the parameters themselves (the plain way):
-                          the same run as chapter 08 with outer lr 1 and no momentum
-    bytes                 what each rank hands to all-reduce per step: DDP's (counted by a hook on
-                          its buckets) divided by H, and by 2H in bfloat16
-    resume                stopped mid-round and resumed: the uninterrupted run's losses and
-                          parameters; across two machines, from each node's own folder
-    the outer step        one round's global parameters and outer momentum against Nesterov's
-                          step computed here from the ranks' copies, as torch's SGD defines it;
-                          the second round's step from its momentum
-    bfloat16              the mean pseudo-gradient sent in bfloat16 within bfloat16's rounding of
-                          the float64 mean, for 2 and 3 ranks
-    refusals              a resume with another H, or with other ranks, is one line
-
-The suite runs the proofs of H = 1, of the bytes, of the outer step and of bfloat16 with 2 ranks;
-the slow stage (python -m pytest -m slow) all of them.
-"""
+"""Chapter 08: DiLoCo's rare syncs, proved against what they generalise."""
 
 from __future__ import annotations
 
@@ -282,8 +260,7 @@ def round_args(data_dir: Path, out: Path, iters: int, batch_size: int = 2, **mor
 def stopped_before_the_first_sync(data_dir: Path, out: Path, ranks: int) -> dict:
     """A run whose sync never comes, stopped after its checkpoint of step H: its global
     parameters are the start (theta0), and its ranks' files hold the copies after the H inner
-    steps that the first round of a run with --sync-every H ends with. The global parameters and
-    each rank's copy, by parameter name."""
+    steps that the first round of a run with --sync-every H ends with."""
     args = round_args(data_dir, out, 100, sync_every=NO_SYNC)
     proc = start(torchrun_command(SCRIPT, ranks, args))
     try:
@@ -342,10 +319,8 @@ def test_the_outer_step_is_nesterovs_on_the_mean_pseudo_gradient(two_copies, dat
 
 
 def assert_bfloat16_mean(out: Path, start: dict) -> None:
-    """The global parameters after one round with --sync-bf16, outer lr 1 and no momentum:
-    theta0 - the mean pseudo-gradient sent in bfloat16. Within bfloat16's rounding of the float64
-    mean: each rank's share (Δ / W) and each partial sum of the all-reduce is rounded by at most
-    2^-8 of itself (8 significant bits), at most W 2^-8 of the mean of the ranks' |Δ| in all."""
+    """The global parameters after one round with --sync-bf16, outer lr 1 and no momentum: theta0
+    - the mean pseudo-gradient sent in bfloat16."""
     moved = torch.load(out / "ckpt.pt", weights_only=True)["model"]
     ranks = len(start["copies"])
     rounded_somewhere = False

@@ -1,8 +1,5 @@
-"""common/chapters.py is the one list of chapters: no file names a chapter folder, a chapter number
-or a path into a chapter that the list does not hold (a renumbering leaves none behind). Run
-folders and derived names (`out/01_tiny`, `04_ddp_from_02.diff`) and what a learner or a run
-writes (`04_ddp/my_exercise.py`) pass.
-"""
+"""common/chapters.py is the one list of chapters: no file names a chapter folder, a chapter
+number or a path into a chapter that the list does not hold (a renumbering leaves none behind)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Across epoch boundaries and a resume every chapter is still chapter 01's run, and a diverging run
-stops with one line and loses nothing.
-
-29 training windows, a global batch of 8: an epoch is 3 steps and drops 5 windows; 8 steps cross two
-boundaries. Chapter 01 runs in this process, recording the windows it reads; 02 (B=2, K=4), 03,
-04 (2 ranks x B=2 x K=2: 5 steps, then --resume; 01 resumes that step-5 checkpoint too), 05 (2 nodes
-x 2 ranks) and a copy of 04 without set_epoch run beside it. Then 01 and 04 resume with --lr 1e6.
-"""
+"""Across epoch boundaries and a resume every chapter is still chapter 01's run, and a diverging
+run stops with one line and loses nothing."""
 
 from __future__ import annotations
 

@@ -1,23 +1,4 @@
-"""A scheduler's stop signal. Chapters 01-05: it ends the run at once, and the last checkpoint
-stays intact for --resume. Chapter 06: the run saves the step every rank has reached, stops with
-one line and status 0, and resumes exactly.
-
-- Chapter 01, SIGTERM mid-run: one line, status 130, the checkpoint of the last evaluation intact,
-  and `--resume` ends with the parameters of the run that was never stopped.
-- Chapter 06 under torchrun (2 ranks), SIGTERM to the whole process group (as a scheduler signals
-  every process of a job): one line from rank 0, a checkpoint of the step the ranks stopped after,
-  and `--resume` ends with the parameters of chapter 01's run that was never stopped (float64:
-  equal up to rounding).
-- Chapter 06, the signal to one rank only: every rank stops after the same step (the all-reduced
-  flag), that step saved, and rank 0 names the signal the other rank received.
-- In-process: the signal handling itself (every copy after the first is the same stop, however
-  late; asking whether a signal came changes nothing), run_main's lines and statuses (a script
-  without --resume, as the hang lab, does not offer it; an error while stopping is an error, with
-  its own status), --stop-signal's names.
-- Chapter 06 under torchrun --max-restarts=1, SIGTERM to the workers alone: they save and end with
-  status 0, so torchrun restarts nothing: the stop is final without any marker.
-- 06_fault_tolerance/slurm.sbatch on a real Slurm: tests/test_slurm.py.
-"""
+"""A scheduler's stop signal."""
 
 from __future__ import annotations
 

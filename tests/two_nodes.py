@@ -68,9 +68,8 @@ def stop(proc: subprocess.Popen, run_dir: Path) -> None:
 def simulate(
     run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout: float = 240, **env: str
 ):
-    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, 2 nodes x 2 processes (env: its settings);
-    with kill_rank, that rank is SIGKILLed after a checkpoint and a step. Returns the output, both
-    node logs and the step of the kill."""
+    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, 2 nodes x 2 processes (env: its
+    settings); with kill_rank, that rank is SIGKILLed after a checkpoint and a step."""
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
         proc = subprocess.Popen(
