@@ -25,9 +25,17 @@ def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def train_losses(out_dir: Path) -> dict[int, float]:
-    """step -> training loss, from a run's metrics.jsonl."""
-    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
+def train_losses(out_dir: Path, key: str = "loss") -> dict[int, float]:
+    """step -> training loss (or `key`), from a run's metrics.jsonl; a step logged twice fails."""
+    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if key in m]
+    iters = [m["iter"] for m in lines]
+    assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
+    return {m["iter"]: m[key] for m in lines}
+
+
+def checkpoint(out_dir: Path) -> dict:
+    """A run folder's ckpt.pt, on the CPU."""
+    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
 
 
 def snapshot(folder: Path) -> dict:

@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import indentation, replace_statement, statement_lines, tiny_run_args
+from helpers import (
+    checkpoint,
+    indentation,
+    replace_statement,
+    statement_lines,
+    tiny_run_args,
+    train_losses,
+)
 
 from common.chapters import CHAPTERS
-from common.metrics import read_metrics
 from common.support.errors import CourseError
 from layout import REPO
 from tools.check.harness import parity
@@ -36,14 +42,6 @@ def in_parallel(*jobs):
         return [f.result() for f in [pool.submit(job) for job in jobs]]
 
 
-def train_losses(out_dir: Path) -> dict[int, float]:
-    return {r["iter"]: r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r}
-
-
-def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
-
-
 def loss_mismatch(reference: dict[int, float], other: dict[int, float]) -> float:
     """The largest relative difference of the per-step losses (inf when the steps differ)."""
     if reference.keys() != other.keys():
@@ -64,7 +62,7 @@ def assert_same_run(reference_dir: Path, other_dir: Path) -> None:
     assert mismatch <= LOSS_RTOL, (
         f"losses differ by up to {mismatch:.2e} (relative)\n{ref}\n{other}"
     )
-    assert params_match(model_state(reference_dir), model_state(other_dir)), (
+    assert params_match(checkpoint(reference_dir)["model"], checkpoint(other_dir)["model"]), (
         "final parameters differ"
     )
 
@@ -236,26 +234,14 @@ def test_checkpoints_resume_in_the_other_chapters(resumed):
 
 
 def test_no_module_prefix_in_any_checkpoint(runs, resumed):
-    reference = model_state(runs["01_b8"][0]).keys()
+    reference = checkpoint(runs["01_b8"][0])["model"].keys()
     for out, _ in [*runs.values(), *resumed.values()]:
-        keys = model_state(out).keys()
+        keys = checkpoint(out)["model"].keys()
         assert not [k for k in keys if "module." in k], out
         assert keys == reference, out
 
 
 # ---- mistakes the reader can make ----------------------------------------------------------------
-
-
-def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
-    proc = run_python(
-        [CH01, *tiny_run_args(data_dir, tmp_path, 2, grad_accum=4)], check=False, **CPU_ONLY
-    )
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert "chapter 02" in lines[0]
-    assert "02_grad_accumulation" in lines[0]
 
 
 def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):

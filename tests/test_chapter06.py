@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import outputs_of, start, tiny_run_args
+from helpers import outputs_of, start, tiny_run_args, train_losses
 from two_nodes import (
     EVAL_EVERY,
     ITERS,
     PREPARING,
     START,
     assert_two_nodes_of_two,
-    losses,
     simulate,
 )
 
@@ -90,8 +89,8 @@ def test_a_killed_worker_restarts_the_group_and_the_run_ends_with_chapter_01s_mo
     # every step logged once, with chapter 01's losses, and its final model. Not bit for bit: 4
     # ranks add the gradients in another order than one process (float rounding, ~1e-7 here); a
     # step on wrong data would move the parameters by ~lr = 1e-4.
-    assert sorted(losses(run_dir)) == list(range(1, ITERS + 1))
-    assert losses(run_dir) == pytest.approx(losses(chapter01), rel=1e-5)
+    assert sorted(train_losses(run_dir)) == list(range(1, ITERS + 1))
+    assert train_losses(run_dir) == pytest.approx(train_losses(chapter01), rel=1e-5)
     final, uninterrupted = (
         torch.load(d / "ckpt.pt", weights_only=True) for d in (run_dir, chapter01)
     )

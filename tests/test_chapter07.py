@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_until, start, tiny_run_args
+from helpers import checkpoint, read_until, start, tiny_run_args, train_losses
 
-from common.metrics import read_metrics
 from common.model import GPT, model_config
 from layout import REPO
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
@@ -30,13 +29,6 @@ def run_flags(data_dir: Path, out_dir: Path, max_iters: int, **extra) -> list[st
     return tiny_run_args(data_dir, out_dir, max_iters, **SCHEDULE, **extra)
 
 
-def losses(out_dir: Path, key: str = "loss") -> dict[int, float]:
-    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if key in m]
-    iters = [m["iter"] for m in lines]
-    assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
-    return {m["iter"]: m[key] for m in lines}
-
-
 def assert_same_losses(run: dict[int, float], reference: dict[int, float], rel: float) -> None:
     assert sorted(run) == sorted(reference), (sorted(run), sorted(reference))
     for it, loss in reference.items():
@@ -47,10 +39,6 @@ def assert_same_model(state: dict, reference: dict, rtol: float, atol: float) ->
     assert state.keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(state[name], value, rtol=rtol, atol=atol, msg=name)
-
-
-def checkpoint(folder: Path) -> dict:
-    return torch.load(folder / "ckpt.pt", map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +65,8 @@ def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(c
     out, (two, three) = chain
     # steps 1-2 on 2 ranks, 3-4 in chapter 01, 5-8 on 3 ranks x 2 micro-batches: chapter 01's
     # losses, and its validation losses (each rank evaluates its share of the windows)
-    assert_same_losses(losses(out), losses(reference), REL)
-    assert_same_losses(losses(out, "val_loss"), losses(reference, "val_loss"), REL)
+    assert_same_losses(train_losses(out), train_losses(reference), REL)
+    assert_same_losses(train_losses(out, "val_loss"), train_losses(reference, "val_loss"), REL)
     # ckpt.pt holds whole tensors under chapter 01's names, gathered from the shards: the model
     # chapter 01 ends with, and the optimizer state numbered as chapter 01 numbers it
     saved = checkpoint(out)
@@ -169,6 +157,6 @@ def test_float64_control_and_a_stopped_run_resumes_to_chapter01s_numbers(float64
     assert "[rank 0] Traceback" not in output
     assert "[rank 1] Traceback" not in output
     # float64: sharded or not, 2 ranks of 6 or one process of 12 differ only by rounding
-    assert_same_losses(losses(stopped), losses(reference64), 1e-12)
+    assert_same_losses(train_losses(stopped), train_losses(reference64), 1e-12)
     assert_same_model(checkpoint(stopped)["model"], checkpoint(reference64)["model"], 1e-10, 1e-12)
     assert checkpoint(stopped)["model"]["lm_head.weight"].dtype == torch.float64

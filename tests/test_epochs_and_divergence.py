@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    checkpoint,
     epoch_permutation,
     outputs_of,
     replace_statement,
@@ -64,10 +65,6 @@ def two_nodes(args: list[str]) -> list[str]:
     return outputs
 
 
-def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
-
-
 def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int | None:
     """The first step whose loss differs from the reference's (by more than rounding), or None."""
     assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (other, reference)
@@ -79,7 +76,7 @@ def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
     """|a - b| / |b| of all parameters: rounding leaves ~1e-6, a step on wrong data ~1e-2."""
-    a, b = model_state(out_dir), model_state(reference_dir)
+    a, b = checkpoint(out_dir)["model"], checkpoint(reference_dir)["model"]
     assert a.keys() == b.keys()
     a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
     return ((a - b).norm() / b.norm()).item()

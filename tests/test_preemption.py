@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_until, start, tiny_run_args
+from helpers import checkpoint, read_until, start, tiny_run_args, train_losses
 
-from common.metrics import read_metrics
 from common.support.errors import run_main
 from common.support.preempt import Preemption, stop_signal
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
@@ -33,14 +32,6 @@ ENDED_LINE = "stopped by SIGTERM: the last checkpoint written is intact; continu
 def run_args(data_dir: Path, out_dir: Path, chapter: int, **more) -> list:
     batch_size = 8 if chapter == 1 else 4  # two ranks of 4: chapter 01's global batch of 8
     return tiny_run_args(data_dir, out_dir, ITERS, batch_size=batch_size, **FLAGS, **more)
-
-
-def checkpoint(out_dir: Path) -> dict:
-    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
-
-
-def logged_losses(out_dir: Path) -> dict[int, float]:
-    return {r["iter"]: r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r}
 
 
 def stopped_after_step(cmd: list, step: int, ranks: str = "all") -> tuple[int | None, str]:
@@ -102,7 +93,7 @@ def assert_resumes_to_the_reference(out: Path, reference: Path) -> None:
     # two processes of 4 against one of 8: rounding
     for name, tensor in uninterrupted["model"].items():
         torch.testing.assert_close(resumed["model"][name], tensor, rtol=1e-9, atol=1e-12)
-    losses, reference_losses = logged_losses(out), logged_losses(reference)
+    losses, reference_losses = train_losses(out), train_losses(reference)
     assert losses.keys() == reference_losses.keys()
     for i, loss in reference_losses.items():
         assert losses[i] == pytest.approx(loss, rel=1e-9)
@@ -130,7 +121,7 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     # the ranks check every 10 steps
     assert step in (10, 20), output
     # the checkpoint holds the last step finished
-    assert step == max(logged_losses(out["ranks"])), output
+    assert step == max(train_losses(out["ranks"])), output
     lines = output.splitlines()
     assert [line for line in lines if "stopped by" in line] == [
         "[node 0 rank 0 local 0] " + STOP_LINE.format(step=step)
@@ -154,7 +145,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
     status, output = stops["one_rank"]
     step = checkpoint(out["one_rank"])["iter_num"]
     assert step in (10, 20), output
-    assert step == max(logged_losses(out["one_rank"])), output
+    assert step == max(train_losses(out["one_rank"])), output
     # rank 0 was not signalled: it names the signal rank 1 received, as the ranks agreed on it
     assert "[node 0 rank 0 local 0] " + STOP_LINE.format(step=step) in output, output
     # both ranks ended with status 0 (torchrun reports no failure), after that step alone
@@ -276,5 +267,5 @@ def test_a_stop_is_final_torchrun_restarts_nothing(data_dir, tmp_path):
     assert f"[node 0 rank 0 local 0] {STOP_LINE.format(step=step)}" in output, output
     # no restart: each worker started once, and no step was trained after the stop's
     assert len(re.findall(r"\] process (\d+) on ", output)) == 2, output
-    assert max(logged_losses(out)) == step
+    assert max(train_losses(out)) == step
     assert proc.returncode == 0, output
