@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 # indentation: the one, re-exported for the tests that import it from here
@@ -43,6 +44,20 @@ def snapshot(folder: Path) -> dict:
     run.lock: the folder's claim, where every run that takes the folder writes who it is."""
     files = [p for p in sorted(folder.iterdir()) if p.name != "run.lock"]
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+
+
+def assert_same_run(
+    run: Path, reference: Path, rel: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    """The same steps with the same losses (within `rel`) and the same final parameters."""
+    expected = train_losses(reference)
+    assert sorted(train_losses(run)) == sorted(expected), (sorted(train_losses(run)), expected)
+    assert train_losses(run) == pytest.approx(expected, rel=rel)
+    final, wanted = checkpoint(run), checkpoint(reference)
+    assert final["iter_num"] == wanted["iter_num"]
+    assert final["model"].keys() == wanted["model"].keys()
+    for name, value in wanted["model"].items():
+        torch.testing.assert_close(final["model"][name], value, rtol=rtol, atol=atol, msg=name)
 
 
 def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -> list[str]:

@@ -117,13 +117,6 @@ def test_plain_python_gives_the_torchrun_command(data_dir, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_gpus_flag_points_to_torchrun(data_dir, tmp_path):
-    proc = run_python([SCRIPT, *tiny_run_args(data_dir, tmp_path, 2), "--gpus", "2"], check=False)
-    assert proc.returncode == 2
-    assert "--nproc_per_node" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
 # ---- a rank that fails: the run must end with an error, never hang ----------------------------
 
 

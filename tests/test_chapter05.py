@@ -240,8 +240,9 @@ def test_across_machines_a_wrong_interface_ends_both_nodes_in_one_line_each(mach
 
 
 def test_launch_scripts_parse_and_name_existing_files():
-    for name in ("launch_static.sh", "launch_c10d.sh", "simulate_two_nodes.sh", "machines.sh"):
-        script = CHAPTER / name
+    scripts = ["launch_static.sh", "launch_c10d.sh", "simulate_two_nodes.sh", "machines.sh"]
+    for script in [*(CHAPTER / name for name in scripts), REPO / "06_fault_tolerance/slurm.sbatch"]:
+        name = script.name
         subprocess.run(["bash", "-n", str(script)], check=True)
         # every repository path the script names exists (paths are relative to the repository root)
         named = set(

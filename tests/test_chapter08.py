@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import outputs_of, read_until, replace_statement, start, tiny_run_args, train_losses
+from helpers import (
+    assert_same_run,
+    outputs_of,
+    read_until,
+    replace_statement,
+    start,
+    tiny_run_args,
+    train_losses,
+)
 from machines import machine_set, static_launch
 from statements import Pattern, replace
 
@@ -81,16 +89,6 @@ def parameters(out_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(out_dir / "ckpt.pt", weights_only=True)["model"]
 
 
-def assert_same_run(run: Path, reference: Path, rel: float) -> None:
-    """The same loss at every step and the same final parameters, within `rel`."""
-    expected = train_losses(reference)
-    assert sorted(train_losses(run)) == sorted(expected) == list(range(1, len(expected) + 1))
-    assert train_losses(run) == pytest.approx(expected, rel=rel)
-    final = parameters(run)
-    for name, value in parameters(reference).items():
-        torch.testing.assert_close(final[name], value, rtol=rel, atol=rel, msg=name)
-
-
 def sent_per_step(output: str) -> float:
     found = SENT.search(output)
     assert found, output
@@ -146,7 +144,7 @@ def averaged_sync(source: str) -> str:
 def test_one_inner_sgd_step_per_sync_is_ddp_with_sgd(float64_runs):
     h1, output = float64_runs["h1"]
     assert "a sync every 1 steps, outer SGD lr 1.0, momentum 0.0" in output
-    assert_same_run(h1, float64_runs["ddp_sgd"][0], rel=1e-9)
+    assert_same_run(h1, float64_runs["ddp_sgd"][0], 1e-9, 1e-9, 1e-9)
 
 
 @pytest.mark.slow
@@ -156,7 +154,7 @@ def test_outer_lr_1_without_momentum_is_local_sgd(float64_runs, data_dir, tmp_pa
     local_sgd = float64_runs["local_sgd"][0]
     averaging = variant(averaged_sync(SCRIPT.read_text()), tmp_path / "averaging_script")
     torchrun(averaging, float64_args(data_dir, tmp_path / "averaging", sync_every=3))
-    assert_same_run(local_sgd, tmp_path / "averaging", rel=1e-9)
+    assert_same_run(local_sgd, tmp_path / "averaging", 1e-9, 1e-9, 1e-9)
     assert train_losses(local_sgd)[STEPS] != pytest.approx(
         train_losses(float64_runs["h1"][0])[STEPS]
     )
@@ -230,7 +228,7 @@ def test_resume_mid_round_equals_the_uninterrupted_run(data_dir, tmp_path):
     for out in (stopped, window):
         output = torchrun(SCRIPT, args(out, resume=True))
         assert f"resuming from {out / 'ckpt.pt'} at step {at}" in output
-        assert_same_run(out, whole, rel=1e-6)
+        assert_same_run(out, whole, 1e-6, 1e-6, 1e-6)
 
 
 # ---- the outer step by hand --------------------------------------------------------------------
@@ -428,7 +426,7 @@ def test_across_two_machines_a_resume_from_node_local_folders_equals_the_uninter
         assert counted <= sent[node] <= counted * 1.01 + 200_000, (node, sent[node], counted)
     assert f"resuming from {folders[0] / 'ckpt.pt'} at step {eval_every}" in outputs[0]
     assert "bytes of logged losses, 0 bytes of checkpoints" in outputs[0]
-    assert_same_run(folders[0], whole, rel=1e-6)
+    assert_same_run(folders[0], whole, 1e-6, 1e-6, 1e-6)
     # node 1 keeps the same global parameters, written on its own disk
     for name, value in parameters(folders[0]).items():
         assert torch.equal(parameters(folders[1])[name], value), name
