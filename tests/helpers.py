@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 # indentation: the one, re-exported for the tests that import it from here
@@ -25,9 +26,17 @@ def epoch_permutation(n_windows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def train_losses(out_dir: Path) -> dict[int, float]:
-    """step -> training loss, from a run's metrics.jsonl."""
-    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
+def train_losses(out_dir: Path, key: str = "loss") -> dict[int, float]:
+    """step -> training loss (or `key`), from a run's metrics.jsonl; a step logged twice fails."""
+    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if key in m]
+    iters = [m["iter"] for m in lines]
+    assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
+    return {m["iter"]: m[key] for m in lines}
+
+
+def checkpoint(out_dir: Path) -> dict:
+    """A run folder's ckpt.pt, on the CPU."""
+    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
 
 
 def snapshot(folder: Path) -> dict:
@@ -35,6 +44,20 @@ def snapshot(folder: Path) -> dict:
     run.lock: the folder's claim, where every run that takes the folder writes who it is."""
     files = [p for p in sorted(folder.iterdir()) if p.name != "run.lock"]
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+
+
+def assert_same_run(
+    run: Path, reference: Path, rel: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    """The same steps with the same losses (within `rel`) and the same final parameters."""
+    expected = train_losses(reference)
+    assert sorted(train_losses(run)) == sorted(expected), (sorted(train_losses(run)), expected)
+    assert train_losses(run) == pytest.approx(expected, rel=rel)
+    final, wanted = checkpoint(run), checkpoint(reference)
+    assert final["iter_num"] == wanted["iter_num"]
+    assert final["model"].keys() == wanted["model"].keys()
+    for name, value in wanted["model"].items():
+        torch.testing.assert_close(final["model"][name], value, rtol=rtol, atol=atol, msg=name)
 
 
 def tiny_run_args(data_dir: Path, out_dir: Path, max_iters: int = 10, **extra) -> list[str]:
@@ -54,8 +77,7 @@ def start(
     cmd: list, stderr=subprocess.STDOUT, new_session: bool = True, **env: str
 ) -> subprocess.Popen:
     """Start a command from the repository root, one thread a process, its output in a text pipe
-    (stderr merged into it unless given). In a session of its own (new_session), as a launcher is
-    started, so that stop_launchers can end it and every process it started."""
+    (stderr merged into it unless given), in a session of its own so stop_launchers ends it all."""
     return subprocess.Popen(
         [str(word) for word in cmd],
         cwd=REPO,

@@ -1,14 +1,4 @@
-"""Chapters 02 (gradient accumulation) and 03 (nn.DataParallel) are chapter 01's run.
-
-The parity harness (tools/check/harness.py) runs each beside chapter 01 in float64: chapter 02 with
-4 x 2 and 2 x 4 micro-batches, chapter 03 with its batches split over stand-in replicas. Every
-step's windows, loss, learning rate, gradient norm and parameters must be chapter 01's. Three
-deliberately broken copies of chapter 02 must NOT pass, each caught at the quantity it breaks.
-Checkpoints of the three chapters resume in each other (real float32 runs, as a reader starts
-them).
-
-Those runs use `--warmup-iters 2`, and `--lr-decay-iters 14` fixes the schedule, so a 10-step run
-and its resumption to 14 steps follow one schedule."""
+"""Chapters 02 (gradient accumulation) and 03 (nn.DataParallel) are chapter 01's run."""
 
 from __future__ import annotations
 
@@ -18,10 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import indentation, replace_statement, statement_lines, tiny_run_args
+from helpers import (
+    assert_same_run,
+    checkpoint,
+    indentation,
+    replace_statement,
+    statement_lines,
+    tiny_run_args,
+    train_losses,
+)
 
 from common.chapters import CHAPTERS
-from common.metrics import read_metrics
 from common.support.errors import CourseError
 from layout import REPO
 from tools.check.harness import parity
@@ -30,8 +27,6 @@ from tools.launch import run_python
 ITERS = 10
 RESUMED_ITERS = 14
 SCHEDULE = {"warmup_iters": 2, "lr_decay_iters": RESUMED_ITERS}
-LOSS_RTOL = 1e-5  # float32, dropout 0: only the order of additions differs between the chapters
-PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5
 # CPU runs everywhere: on a machine with GPUs, chapter 03 would otherwise (rightly)
 # refuse --device cpu
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
@@ -44,39 +39,6 @@ def in_parallel(*jobs):
     """Run independent callables two at a time (the runs are single-threaded processes)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         return [f.result() for f in [pool.submit(job) for job in jobs]]
-
-
-def train_losses(out_dir: Path) -> dict[int, float]:
-    return {r["iter"]: r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r}
-
-
-def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
-
-
-def loss_mismatch(reference: dict[int, float], other: dict[int, float]) -> float:
-    """The largest relative difference of the per-step losses (inf when the steps differ)."""
-    if reference.keys() != other.keys():
-        return float("inf")
-    return max(abs(other[i] - reference[i]) / abs(reference[i]) for i in reference)
-
-
-def params_match(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:
-    return reference.keys() == other.keys() and all(
-        torch.allclose(other[k], reference[k], rtol=PARAM_RTOL, atol=PARAM_ATOL) for k in reference
-    )
-
-
-def assert_same_run(reference_dir: Path, other_dir: Path) -> None:
-    ref, other = train_losses(reference_dir), train_losses(other_dir)
-    assert len(ref) >= ITERS, f"only {len(ref)} logged steps in {reference_dir}"
-    mismatch = loss_mismatch(ref, other)
-    assert mismatch <= LOSS_RTOL, (
-        f"losses differ by up to {mismatch:.2e} (relative)\n{ref}\n{other}"
-    )
-    assert params_match(model_state(reference_dir), model_state(other_dir)), (
-        "final parameters differ"
-    )
 
 
 # ---- the runs, made once per module -------------------------------------------------------------
@@ -113,11 +75,11 @@ def check_root(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "script, flags",
     [
-        (CH02, {"batch_size": 2, "grad_accum": 4}),
+        # and tests/test_check.py runs chapter 02 with the checker's own micro-batches
         (CH02, {"batch_size": 4, "grad_accum": 2}),
         (CH03, {}),  # 4 micro-batches of 2, each split over 2 stand-in replicas
     ],
-    ids=["02_b2x4", "02_b4x2", "03"],
+    ids=["02_b4x2", "03"],
 )
 def test_same_losses_and_parameters_as_chapter_01(check_root, script, flags):
     """Windows, loss, learning rate, gradient norm and parameters at every step, in float64."""
@@ -242,30 +204,18 @@ def test_checkpoints_resume_in_the_other_chapters(resumed):
     # all four continue the same run: the same losses for steps 11..14 and the same parameters
     (ref_dir, _), *others = runs_
     for out, _ in others:
-        assert_same_run(ref_dir, out)
+        assert_same_run(out, ref_dir)
 
 
 def test_no_module_prefix_in_any_checkpoint(runs, resumed):
-    reference = model_state(runs["01_b8"][0]).keys()
+    reference = checkpoint(runs["01_b8"][0])["model"].keys()
     for out, _ in [*runs.values(), *resumed.values()]:
-        keys = model_state(out).keys()
+        keys = checkpoint(out)["model"].keys()
         assert not [k for k in keys if "module." in k], out
         assert keys == reference, out
 
 
 # ---- mistakes the reader can make ----------------------------------------------------------------
-
-
-def test_grad_accum_in_chapter_01_names_chapter_02(data_dir, tmp_path):
-    proc = run_python(
-        [CH01, *tiny_run_args(data_dir, tmp_path, 2, grad_accum=4)], check=False, **CPU_ONLY
-    )
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert "chapter 02" in lines[0]
-    assert "02_grad_accumulation" in lines[0]
 
 
 def test_gpus_without_gpus_is_one_clear_line(data_dir, tmp_path):
@@ -317,9 +267,8 @@ def test_measure_memory_prints_a_table(data_dir):
 
 
 def test_the_validation_windows_are_whole_batches_so_dataparallel_splits_them_evenly():
-    """DataParallel cuts each batch into one share per replica, and chapter 03 takes the plain mean
-    of the replicas' mean losses: right only when the shares are equal. Every evaluation batch is
-    a whole batch, on a short validation split too; a split shorter than one batch is refused."""
+    """DataParallel cuts each batch into one share per replica, and chapter 03 takes the plain
+    mean of the replicas' mean losses: right only when the shares are equal."""
     from common.data import validation_windows
 
     class Split:  # a validation split of n windows: all validation_windows asks is its length
@@ -339,10 +288,8 @@ def test_the_validation_windows_are_whole_batches_so_dataparallel_splits_them_ev
 
 
 def test_the_mean_of_dataparallels_replicas_is_the_batchs_mean_or_refused():
-    """DataParallel cuts a batch as torch.chunk does (torch.cuda.comm.scatter without sizes), and
-    each replica returns its share's mean loss. The evaluation's mean of those means is the batch's
-    mean for every batch it accepts, and every batch whose shares differ is refused in one line;
-    without GPUs the model's one loss is the batch's."""
+    """The mean of DataParallel's replicas' mean losses (torch.chunk's shares) is the batch's mean,
+    or the batch is refused in one line."""
     from common.dataparallel import mean_of_replicas
 
     generator = torch.Generator().manual_seed(0)

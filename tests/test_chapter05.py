@@ -1,11 +1,4 @@
-"""Chapter 05: two nodes of two processes, started by the chapter's own simulation script.
-
-`simulate_two_nodes.sh` starts two torchrun invocations on 127.0.0.1 (through launch_static.sh or
-launch_c10d.sh), as two machines would. A short corpus (part of one play) keeps the per-node data
-preparation cheap. The run takes 12 steps of a global batch of 8 sequences, so its losses can be
-compared with chapter 01's. The same simulation runs across two machines of machines.sh too (as
-root: skipped without root or network namespaces, and with CI=true it fails instead).
-"""
+"""Chapter 05: two nodes of two processes, started by the chapter's own simulation script."""
 
 from __future__ import annotations
 
@@ -16,14 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import outputs_of, tiny_run_args
+from helpers import outputs_of, tiny_run_args, train_losses
 from machines import machine_set, static_launch
 from two_nodes import (
     EVAL_EVERY,
     ITERS,
     PREPARING,
     assert_two_nodes_of_two,
-    losses,
     simulate,
 )
 
@@ -69,7 +61,7 @@ def chapter01(corpus, static_run, tmp_path_factory) -> dict[int, float]:
             ),
         ]
     )
-    return losses(out)
+    return train_losses(out)
 
 
 def test_two_nodes_are_chapter_01s_run_step_by_step_and_resume(tmp_path):
@@ -92,8 +84,8 @@ def test_simulation_static_rendezvous_ranks_node_local_preparation_and_losses(
         assert Path(folder).parent == run_dir / f"node{node}" / "data"
         assert (Path(folder) / "train.bin").exists()
     # the same optimizer steps as chapter 01 with the same global batch
-    assert sorted(losses(run_dir)) == list(range(1, ITERS + 1))
-    assert losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
+    assert sorted(train_losses(run_dir)) == list(range(1, ITERS + 1))
+    assert train_losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
     assert "parameters identical on all 4 rank(s): yes" in logs[0]
 
 
@@ -123,7 +115,7 @@ def test_across_two_machines_static_rendezvous_node_local_data_equals_chapter01(
     assert_on_own_machines(logs)
     prepared = sorted(m for log in logs for m in PREPARING.findall(log))
     assert [m[:3] for m in prepared] == [("0", "0", "0"), ("1", "2", "0")]
-    assert losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
+    assert train_losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
     assert "parameters identical on all 4 rank(s): yes" in logs[0]
 
 
@@ -139,7 +131,7 @@ def test_across_two_machines_c10d_rendezvous_shared_fs_equals_chapter01(
     # one file system: global rank 0 alone prepared the token files
     prepared = [m for log in logs for m in PREPARING.findall(log)]
     assert [m[:3] for m in prepared] == [("0", "0", "0")]
-    assert losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
+    assert train_losses(run_dir) == pytest.approx(chapter01, rel=1e-5)
 
 
 # A node whose peer never comes ends by itself: the launch recipes wait as long as the run's
@@ -248,8 +240,9 @@ def test_across_machines_a_wrong_interface_ends_both_nodes_in_one_line_each(mach
 
 
 def test_launch_scripts_parse_and_name_existing_files():
-    for name in ("launch_static.sh", "launch_c10d.sh", "simulate_two_nodes.sh", "machines.sh"):
-        script = CHAPTER / name
+    scripts = ["launch_static.sh", "launch_c10d.sh", "simulate_two_nodes.sh", "machines.sh"]
+    for script in [*(CHAPTER / name for name in scripts), REPO / "06_fault_tolerance/slurm.sbatch"]:
+        name = script.name
         subprocess.run(["bash", "-n", str(script)], check=True)
         # every repository path the script names exists (paths are relative to the repository root)
         named = set(

@@ -1,18 +1,4 @@
-"""Chapter 07: FSDP2 under torchrun is chapter 01's run, with each rank holding 1/W of the state.
-
-Every test starts real processes: torchrun with 2 or 3 ranks, gloo on 127.0.0.1, the tiny model on
-the CPU. All runs take a global batch of 12 sequences (2 ranks x 6, 3 ranks x 4, 3 ranks x 2 x 2
-micro-batches) and --lr-decay-iters 8, so any run's steps are steps of chapter 01's 8-step run. Few
-runs, each checking several things:
-
-    01 --batch-size 12, 8 steps, float32                 the reference
-    07 2 ranks (1-2) -> 01 --resume (3-4) -> 07 3 ranks x 2 x 2 micro-batches --resume (5-8),
-        one folder, ckpt.pt: 2 ranks, 3 (uneven shards), accumulation; ckpt.pt 07 -> 01 -> 07
-    07 3 ranks building a model of 203 MB: no rank but rank 0 holds it whole (slow)
-    01 and 07 (2 ranks) in float64, 07 ended by SIGTERM after step 2 and resumed from its last
-        checkpoint: the control, where the runs agree to rounding (1e-12), and a resume through the
-        shards (chapter 07 stops as chapter 05 does: at once, the last checkpoint intact)
-"""
+"""Chapter 07: FSDP2 under torchrun is chapter 01's run, with each rank holding 1/W of the state."""
 
 from __future__ import annotations
 
@@ -23,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_until, start, tiny_run_args
+from helpers import checkpoint, read_until, start, tiny_run_args, train_losses
 
-from common.metrics import read_metrics
 from common.model import GPT, model_config
 from layout import REPO
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
@@ -44,13 +29,6 @@ def run_flags(data_dir: Path, out_dir: Path, max_iters: int, **extra) -> list[st
     return tiny_run_args(data_dir, out_dir, max_iters, **SCHEDULE, **extra)
 
 
-def losses(out_dir: Path, key: str = "loss") -> dict[int, float]:
-    lines = [m for m in read_metrics(out_dir / "metrics.jsonl") if key in m]
-    iters = [m["iter"] for m in lines]
-    assert len(iters) == len(set(iters)), f"an iteration is logged twice: {iters}"
-    return {m["iter"]: m[key] for m in lines}
-
-
 def assert_same_losses(run: dict[int, float], reference: dict[int, float], rel: float) -> None:
     assert sorted(run) == sorted(reference), (sorted(run), sorted(reference))
     for it, loss in reference.items():
@@ -61,10 +39,6 @@ def assert_same_model(state: dict, reference: dict, rtol: float, atol: float) ->
     assert state.keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(state[name], value, rtol=rtol, atol=atol, msg=name)
-
-
-def checkpoint(folder: Path) -> dict:
-    return torch.load(folder / "ckpt.pt", map_location="cpu", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +65,8 @@ def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(c
     out, (two, three) = chain
     # steps 1-2 on 2 ranks, 3-4 in chapter 01, 5-8 on 3 ranks x 2 micro-batches: chapter 01's
     # losses, and its validation losses (each rank evaluates its share of the windows)
-    assert_same_losses(losses(out), losses(reference), REL)
-    assert_same_losses(losses(out, "val_loss"), losses(reference, "val_loss"), REL)
+    assert_same_losses(train_losses(out), train_losses(reference), REL)
+    assert_same_losses(train_losses(out, "val_loss"), train_losses(reference, "val_loss"), REL)
     # ckpt.pt holds whole tensors under chapter 01's names, gathered from the shards: the model
     # chapter 01 ends with, and the optimizer state numbered as chapter 01 numbers it
     saved = checkpoint(out)
@@ -118,11 +92,8 @@ def test_two_and_three_ranks_with_accumulation_equal_chapter01_through_ckpt_pt(c
 
 @pytest.mark.slow
 def test_no_rank_but_rank0_allocates_the_whole_model(data_dir, tmp_path):
-    """3 ranks build a 203 MB model (48 blocks of width 256: the blocks outweigh the 51 MB token
-    embedding, the largest tensor). Each rank prints the most memory it held while building its
-    shards. Rank 0 holds the whole model on its CPU, once; the others hold their third of it and,
-    for a moment, the one whole tensor rank 0 is broadcasting. Each rank building the whole model
-    and then sharding it (as this chapter once did) shows at least 203 MB on every rank."""
+    """3 ranks build a 203 MB model: rank 0 holds it whole, once; the others their third of it (a
+    whole model built on every rank and then sharded would show 203 MB on each)."""
     wide = {"n_embd": 256, "n_layer": 48, "batch_size": 1}
     args = tiny_run_args(data_dir, tmp_path, 1, sample_tokens=0, **wide)
     with torch.device("meta"):
@@ -186,6 +157,6 @@ def test_float64_control_and_a_stopped_run_resumes_to_chapter01s_numbers(float64
     assert "[rank 0] Traceback" not in output
     assert "[rank 1] Traceback" not in output
     # float64: sharded or not, 2 ranks of 6 or one process of 12 differ only by rounding
-    assert_same_losses(losses(stopped), losses(reference64), 1e-12)
+    assert_same_losses(train_losses(stopped), train_losses(reference64), 1e-12)
     assert_same_model(checkpoint(stopped)["model"], checkpoint(reference64)["model"], 1e-10, 1e-12)
     assert checkpoint(stopped)["model"]["lm_head.weight"].dtype == torch.float64

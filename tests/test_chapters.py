@@ -1,12 +1,8 @@
-"""common/chapters.py is the one list of chapters: no file names a chapter folder, a chapter number
-or a path into a chapter that the list does not hold (a renumbering leaves none behind). Run
-folders and derived names (`out/01_tiny`, `04_ddp_from_02.diff`) and what a learner or a run
-writes (`04_ddp/my_exercise.py`) pass.
-"""
+"""common/chapters.py is the one list of chapters: no file names a chapter folder, a chapter
+number or a path into a chapter that the list does not hold (a renumbering leaves none behind)."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -29,7 +25,6 @@ CHAPTER_WORD = re.compile(
 CHAPTER_ARGUMENT = re.compile(r"\bchapter=(\d+)")
 CHAPTER_THEN_FOLDER = re.compile(r"\b[Cc]hapter (\d\d) \(`?(\d\d_\w+?)/?`?[),]")
 TABLE_ROW = re.compile(r"^\|\s*(\d\d)\s*\|(.*)$")
-TITLED = ("README.md", "train.py", "exercise.py", "notebook.py")
 SKIPPED_SUFFIXES = {".png", ".gz", ".jpg", ".svg", ".pdf"}
 THIS_FILE = Path(__file__).resolve().relative_to(REPO).as_posix()
 
@@ -115,50 +110,6 @@ def stale_names(path: str, text: str, folders: list[str] = FOLDERS) -> list[str]
             named.discard(None)
             if len(named) == 1 and numbers[(folder := named.pop())] != int(row.group(1)):
                 stale(line_no, f"the row of chapter {row.group(1)} names {folder}")
-    found += chapter_file_names(path, lines, folders)
-    if path.endswith("results.json"):
-        found += results_names(path, text, folders)
-    return found
-
-
-def chapter_file_names(path: str, lines: list[str], folders: list[str]) -> list[str]:
-    """A chapter's own files name it: their titles, its CourseParser (or its base's, in the
-    exercise), and "chapter NN's program" with NN its base or the one before."""
-    from common.chapters import BASES
-
-    folder, _, name = path.partition("/")
-    numbers = number_of(folders)
-    if folder not in numbers or "/" in name:
-        return []
-    own = numbers[folder]
-    start = BASES.get(own, own - 1)
-    found = []
-    for line_no, line in enumerate(lines, 1):
-        for m in re.finditer(r"CourseParser\(chapter=(\d+)", line):
-            if int(m.group(1)) not in (own, start):
-                found.append(f"{path}:{line_no}: {m.group()} in chapter {own:02d}'s folder")
-        said = re.search(r"[Cc]hapter (\d\d)'s program", line)
-        if name == "train.py" and said and int(said.group(1)) not in (own - 1, start):
-            found.append(
-                f"{path}:{line_no}: {said.group()}: chapter {own:02d} builds on {start:02d}"
-            )
-    if name in TITLED:
-        title = next((m for line in lines if (m := re.search(r"[Cc]hapter (\d\d)", line))), None)
-        if title is None or int(title.group(1)) != own:
-            found.append(f"{path}: its title does not name chapter {own:02d}")
-    return found
-
-
-def results_names(path: str, text: str, folders: list[str]) -> list[str]:
-    """A results entry named after a chapter ("07 quick run, wall time") runs that chapter."""
-    numbers = number_of(folders)
-    found = []
-    for entry in json.loads(text)["entries"]:
-        named = re.match(r"(\d\d) ", entry["name"])
-        ran = {base_folder(t.group(), folders) for t in FOLDER_SHAPED.finditer(entry["command"])}
-        ran.discard(None)
-        if named and ran and int(named.group(1)) not in {numbers[f] for f in ran}:
-            found.append(f"{path}: entry {entry['name']!r} runs {', '.join(sorted(ran))}")
     return found
 
 
@@ -285,29 +236,6 @@ def test_the_old_list_fails_on_the_course_as_it_is():
         "06_fault_tolerance" in why or "07_fsdp" in why
         for why in stale_names("README.md", text, OLD)
     )
-
-
-def test_a_chapters_own_files_name_their_chapter():
-    folder = FOLDERS[6]
-    assert chapter_file_names(f"{folder}/train.py", ['"""Chapter 07: FSDP'], FOLDERS) == []
-    assert chapter_file_names(f"{folder}/train.py", ['"""Chapter 06: FSDP'], FOLDERS)
-    assert chapter_file_names(
-        f"{folder}/train.py", ['"""Chapter 07: FSDP', "Chapter 07's program"], FOLDERS
-    )
-    # the exercise starts from chapter 07's base: its CourseParser is the base's, not chapter 04's
-    given = f"CourseParser(chapter={base(7)},"
-    assert chapter_file_names(f"{folder}/exercise.py", ["# chapter 07", given], FOLDERS) == []
-    assert chapter_file_names(
-        f"{folder}/exercise.py", ["# chapter 07", "CourseParser(chapter=4,"], FOLDERS
-    )
-
-
-def test_a_results_entry_runs_the_chapter_it_is_named_after():
-    entry = {"name": "06 quick run, wall time", "command": f"torchrun {FOLDERS[6]}/train.py"}
-    text = json.dumps({"entries": [entry]})
-    assert results_names("results.json", text, FOLDERS)
-    entry["name"] = "07 quick run, wall time"
-    assert results_names("results.json", json.dumps({"entries": [entry]}), FOLDERS) == []
 
 
 def test_every_page_names_its_base():

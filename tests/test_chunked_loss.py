@@ -1,7 +1,6 @@
-"""The chunked output layer + loss (common/chunked_loss.py) is the plain `F.cross_entropy(h @ W.T,
-y)` up to rounding: loss and gradients, on any chunking, under autocast, in DataParallel's replica
-threads, with the tied embedding, and under `no_grad`. (torch.compile traces it into one graph;
-compiling takes too long for the suite.)"""
+"""The chunked output layer + loss (common/chunked_loss.py) is the plain `F.cross_entropy(h @
+W.T, y)` up to rounding: loss and gradients, on any chunking, under autocast, in DataParallel's
+replica threads, with the tied embedding, and under `no_grad`."""
 
 from __future__ import annotations
 

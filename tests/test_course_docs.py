@@ -208,14 +208,3 @@ def test_every_deep_dive_is_linked_and_opens_with_why_to_read_it():
         assert not first.startswith(("#", "```", "|", "-")), (
             f"{page} does not open with a paragraph"
         )
-
-
-def test_the_readme_keeps_its_commands():
-    text = (REPO / "README.md").read_text()
-    # CI runs the first
-    assert "python -m pytest -q " in text
-    assert "python -m pytest -m quick" in text
-    assert "## Reading map" in text
-    # a command that saves the notebook
-    assert "jupyter execute" in text
-    assert "--output=" in text

@@ -17,7 +17,6 @@ from common.data import (
     batch_loader,
     load_splits,
     prepare,
-    validation_windows,
 )
 from common.support.corpus import shakespeare_texts
 from common.support.errors import CourseError
@@ -182,12 +181,3 @@ def test_windows_need_block_size_plus_one_tokens(tmp_path):
     np.arange(32, dtype=np.uint16).tofile(path)
     with pytest.raises(CourseError, match="fewer than one window"):
         TokenWindows(path, 32)
-
-
-def test_validation_windows_fixed_and_spread(data_dir):
-    _, val = load_splits(data_dir / "shakespeare", 32)
-    windows = validation_windows(val, batches=3, batch_size=4)
-    assert len(windows) == 12
-    assert windows[0] == 0
-    assert windows[-1] == len(val) - 1
-    assert windows == sorted(set(windows)) == validation_windows(val, batches=3, batch_size=4)

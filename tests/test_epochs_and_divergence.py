@@ -1,11 +1,5 @@
-"""Across epoch boundaries and a resume every chapter is still chapter 01's run, and a diverging run
-stops with one line and loses nothing.
-
-29 training windows, a global batch of 8: an epoch is 3 steps and drops 5 windows; 8 steps cross two
-boundaries. Chapter 01 runs in this process, recording the windows it reads; 02 (B=2, K=4), 03,
-04 (2 ranks x B=2 x K=2: 5 steps, then --resume; 01 resumes that step-5 checkpoint too), 05 (2 nodes
-x 2 ranks) and a copy of 04 without set_epoch run beside it. Then 01 and 04 resume with --lr 1e6.
-"""
+"""Across epoch boundaries and a resume every chapter is still chapter 01's run, and a diverging
+run stops with one line and loses nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    checkpoint,
     epoch_permutation,
     outputs_of,
     replace_statement,
@@ -70,10 +65,6 @@ def two_nodes(args: list[str]) -> list[str]:
     return outputs
 
 
-def model_state(out_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)["model"]
-
-
 def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int | None:
     """The first step whose loss differs from the reference's (by more than rounding), or None."""
     assert sorted(other) == sorted(reference) == list(range(1, ITERS + 1)), (other, reference)
@@ -85,7 +76,7 @@ def first_mismatch(reference: dict[int, float], other: dict[int, float]) -> int 
 
 def parameter_distance(out_dir: Path, reference_dir: Path) -> float:
     """|a - b| / |b| of all parameters: rounding leaves ~1e-6, a step on wrong data ~1e-2."""
-    a, b = model_state(out_dir), model_state(reference_dir)
+    a, b = checkpoint(out_dir)["model"], checkpoint(reference_dir)["model"]
     assert a.keys() == b.keys()
     a, b = (torch.cat([state[k].flatten() for k in sorted(state)]) for state in (a, b))
     return ((a - b).norm() / b.norm()).item()

@@ -1,8 +1,7 @@
-"""07_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2: torchrun of 2
-and of 3 ranks runs tests/workers/fsdp_by_hand_worker.py (the tiny GPT, its tied matrix in the
+"""07_fsdp/fsdp_by_hand.py against one process on the whole batch and against FSDP2: torchrun of
+2 and of 3 ranks runs tests/workers/fsdp_by_hand_worker.py (the tiny GPT, its tied matrix in the
 root, and an MLP whose two layers share a gain; SGD and AdamW; float32, float64 as the rounding
-control, bfloat16 compute, two forwards before one backward). The byte counts are checked against
-the formula, from parameter counts made by hand here."""
+control, bfloat16 compute, two forwards before one backward)."""
 
 from __future__ import annotations
 

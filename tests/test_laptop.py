@@ -1,9 +1,8 @@
 """The laptop path needs bash, POSIX tools and Python, nothing of Linux's own: the two-node
 simulation runs, and keeps a second simulation out of its folder, without the `flock` command;
 and chapter 07's peak-memory figure, read from Linux's /proc, says it cannot measure where /proc
-is missing, and the run goes on: on its own, and in a whole run of chapter 07 with no /proc at all
-(as root on Linux; skipped elsewhere).
-"""
+is missing, and the run goes on: on its own, and in a whole run of chapter 07 with no /proc at
+all (as root on Linux; skipped elsewhere)."""
 
 from __future__ import annotations
 

@@ -125,14 +125,6 @@ def test_down_stops_what_still_runs_on_the_machines():
         assert machines.namespaces() == []
 
 
-def test_a_failing_test_leaves_no_machines():
-    require_machines()
-    with pytest.raises(RuntimeError, match="a test that fails"):
-        with machine_set(machines=2) as machines:
-            raise RuntimeError("a test that fails")
-    assert machines.namespaces() == []
-
-
 def test_a_failed_up_leaves_nothing_behind():
     require_machines()
     prefix = new_prefix()

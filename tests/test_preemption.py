@@ -1,23 +1,4 @@
-"""A scheduler's stop signal. Chapters 01-05: it ends the run at once, and the last checkpoint
-stays intact for --resume. Chapter 06: the run saves the step every rank has reached, stops with
-one line and status 0, and resumes exactly.
-
-- Chapter 01, SIGTERM mid-run: one line, status 130, the checkpoint of the last evaluation intact,
-  and `--resume` ends with the parameters of the run that was never stopped.
-- Chapter 06 under torchrun (2 ranks), SIGTERM to the whole process group (as a scheduler signals
-  every process of a job): one line from rank 0, a checkpoint of the step the ranks stopped after,
-  and `--resume` ends with the parameters of chapter 01's run that was never stopped (float64:
-  equal up to rounding).
-- Chapter 06, the signal to one rank only: every rank stops after the same step (the all-reduced
-  flag), that step saved, and rank 0 names the signal the other rank received.
-- In-process: the signal handling itself (every copy after the first is the same stop, however
-  late; asking whether a signal came changes nothing), run_main's lines and statuses (a script
-  without --resume, as the hang lab, does not offer it; an error while stopping is an error, with
-  its own status), --stop-signal's names.
-- Chapter 06 under torchrun --max-restarts=1, SIGTERM to the workers alone: they save and end with
-  status 0, so torchrun restarts nothing: the stop is final without any marker.
-- 06_fault_tolerance/slurm.sbatch on a real Slurm: tests/test_slurm.py.
-"""
+"""A scheduler's stop signal."""
 
 from __future__ import annotations
 
@@ -31,10 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import read_until, start, tiny_run_args
+from helpers import assert_same_run, checkpoint, read_until, start, tiny_run_args, train_losses
 
-from common.metrics import read_metrics
 from common.support.errors import run_main
 from common.support.preempt import Preemption, stop_signal
 from tools.launch import run_python, run_torchrun, stop_launchers, torchrun_command
@@ -52,14 +31,6 @@ ENDED_LINE = "stopped by SIGTERM: the last checkpoint written is intact; continu
 def run_args(data_dir: Path, out_dir: Path, chapter: int, **more) -> list:
     batch_size = 8 if chapter == 1 else 4  # two ranks of 4: chapter 01's global batch of 8
     return tiny_run_args(data_dir, out_dir, ITERS, batch_size=batch_size, **FLAGS, **more)
-
-
-def checkpoint(out_dir: Path) -> dict:
-    return torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
-
-
-def logged_losses(out_dir: Path) -> dict[int, float]:
-    return {r["iter"]: r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r}
 
 
 def stopped_after_step(cmd: list, step: int, ranks: str = "all") -> tuple[int | None, str]:
@@ -114,19 +85,6 @@ def runs(data_dir, tmp_path_factory):
     return out, stops
 
 
-def assert_resumes_to_the_reference(out: Path, reference: Path) -> None:
-    """The resumed run's parameters and logged losses are the uninterrupted run's."""
-    resumed, uninterrupted = checkpoint(out), checkpoint(reference)
-    assert resumed["iter_num"] == uninterrupted["iter_num"] == ITERS
-    # two processes of 4 against one of 8: rounding
-    for name, tensor in uninterrupted["model"].items():
-        torch.testing.assert_close(resumed["model"][name], tensor, rtol=1e-9, atol=1e-12)
-    losses, reference_losses = logged_losses(out), logged_losses(reference)
-    assert losses.keys() == reference_losses.keys()
-    for i, loss in reference_losses.items():
-        assert losses[i] == pytest.approx(loss, rel=1e-9)
-
-
 @pytest.mark.slow
 def test_sigterm_ends_chapter_01_at_once_and_the_last_checkpoint_resumes(data_dir, runs):
     out, stops = runs
@@ -138,7 +96,7 @@ def test_sigterm_ends_chapter_01_at_once_and_the_last_checkpoint_resumes(data_di
     step = checkpoint(out["single"])["iter_num"]
     assert step % 2 == 0 and 4 <= step < ITERS, output
     run_python(["01_single_gpu/train.py", *run_args(data_dir, out["single"], 1), "--resume"])
-    assert_resumes_to_the_reference(out["single"], out["reference"])
+    assert_same_run(out["single"], out["reference"], 1e-9, 1e-9, 1e-12)
 
 
 @pytest.mark.slow
@@ -149,7 +107,7 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     # the ranks check every 10 steps
     assert step in (10, 20), output
     # the checkpoint holds the last step finished
-    assert step == max(logged_losses(out["ranks"])), output
+    assert step == max(train_losses(out["ranks"])), output
     lines = output.splitlines()
     assert [line for line in lines if "stopped by" in line] == [
         "[node 0 rank 0 local 0] " + STOP_LINE.format(step=step)
@@ -164,7 +122,8 @@ def test_sigterm_under_torchrun_saves_the_step_reached_and_resumes(data_dir, run
     run_torchrun(
         "06_fault_tolerance/train.py", 2, [*run_args(data_dir, out["ranks"], 5), "--resume"]
     )
-    assert_resumes_to_the_reference(out["ranks"], out["reference"])
+    # two processes of 4 against one of 8: rounding
+    assert_same_run(out["ranks"], out["reference"], 1e-9, 1e-9, 1e-12)
 
 
 @pytest.mark.slow
@@ -173,7 +132,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(runs):
     status, output = stops["one_rank"]
     step = checkpoint(out["one_rank"])["iter_num"]
     assert step in (10, 20), output
-    assert step == max(logged_losses(out["one_rank"])), output
+    assert step == max(train_losses(out["one_rank"])), output
     # rank 0 was not signalled: it names the signal rank 1 received, as the ranks agreed on it
     assert "[node 0 rank 0 local 0] " + STOP_LINE.format(step=step) in output, output
     # both ranks ended with status 0 (torchrun reports no failure), after that step alone
@@ -295,5 +254,5 @@ def test_a_stop_is_final_torchrun_restarts_nothing(data_dir, tmp_path):
     assert f"[node 0 rank 0 local 0] {STOP_LINE.format(step=step)}" in output, output
     # no restart: each worker started once, and no step was trained after the stop's
     assert len(re.findall(r"\] process (\d+) on ", output)) == 2, output
-    assert max(logged_losses(out)) == step
+    assert max(train_losses(out)) == step
     assert proc.returncode == 0, output

@@ -1,9 +1,6 @@
 """05_multinode/preflight.py: run under real torchrun, two nodes of one process on 127.0.0.1 and
 across two machines of machines.sh (the link unlimited and at 100 Mbit/s); and its network check
-before torchrun (--meet), as the launch recipes run it, with every wrong address and interface.
-
-The tests across machines skip without root or network namespaces (with CI=true they fail).
-"""
+before torchrun (--meet), as the launch recipes run it, with every wrong address and interface."""
 
 from __future__ import annotations
 

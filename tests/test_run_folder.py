@@ -19,7 +19,6 @@ from common.support import rundir
 from common.support.errors import CourseError
 from layout import REPO
 from tools.launch import child_env, run_python, run_torchrun, stop_launchers, torchrun_command
-from tools.launch import flags as as_flags
 
 
 def test_a_new_run_refuses_a_folder_that_holds_a_run(data_dir, tmp_path):
@@ -102,28 +101,6 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_goe
         check=False,
     )
     assert "in use" not in proc.stderr
-
-
-def test_two_simultaneous_simulations_in_one_folder(data_dir, tmp_path):
-    run_dir = tmp_path / "sim"
-    env = {"RUN_DIR": str(run_dir), "NPROC_PER_NODE": "1"}
-    flags = as_flags(max_iters=100_000, data_dir=data_dir, shared_fs=True, eval_batches=1)
-    first = start(["bash", "05_multinode/simulate_two_nodes.sh", *flags], **env)
-    try:
-        assert "iter" in read_until(first, "iter")
-        second = subprocess.run(
-            ["bash", "05_multinode/simulate_two_nodes.sh", *flags],
-            cwd=REPO,
-            env=child_env(**env),
-            text=True,
-            capture_output=True,
-            timeout=60,
-        )
-        assert second.returncode == 2
-        assert "in use by another simulation" in second.stderr
-        assert first.poll() is None
-    finally:
-        stop_launchers([first])
 
 
 def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_path):

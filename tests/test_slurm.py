@@ -1,17 +1,6 @@
-"""06_fault_tolerance/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves the
-step (the training ends with status 0), the script that asked for the stop requeues the job under
-its id, and the requeued job resumes from that step and completes.
-
-The cluster is .ci/slurm/start.sh's (CI brings it up and exports SLURM_CONF). The
-script is submitted as it is, with a tiny CPU run: what differs is given on sbatch's command line
-(one node, no GPU, two cores) and in the environment the script reads (two processes per node, the
-prepared token files, the run folder).
-
-- USR1 to the batch shell (`scancel --batch --signal=USR1`): at once, what `--signal=B:USR1@90`
-  sends near the limit.
-- The real `--signal=B:USR1@90` with a three-minute `--time` (room for the start-up on a slow
-  machine): it costs minutes, so it runs only with COURSE_SLURM_TIME_LIMIT=1.
-"""
+"""06_fault_tolerance/slurm.sbatch on a real one-node Slurm: the stop near the time limit saves
+the step (the training ends with status 0), the script that asked for the stop requeues the job
+under its id, and the requeued job resumes from that step and completes."""
 
 from __future__ import annotations
 

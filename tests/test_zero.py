@@ -1,10 +1,5 @@
-"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and chapter 01.
-
-Chapter 01 runs 5 steps, then --resume to 10 (the reference); tests/workers/zero_worker.py runs
-under torchrun with 2 and 3 ranks (the 3-rank launch adds the broken variants and the checkpoints
-both ways), K = 1 and 3; chapter 01 resumes the ZeRO step-5 checkpoints. Clipping at 1.0 binds in
-the first steps only; the global batch of 18 gives every rank and micro-step whole rows.
-"""
+"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and chapter
+01."""
 
 from __future__ import annotations
 

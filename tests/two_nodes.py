@@ -11,7 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from common.metrics import read_metrics
+from helpers import train_losses
+
 from layout import REPO
 from tools.launch import child_env, flags
 
@@ -34,10 +35,6 @@ def train_flags(corpus: Path) -> list[str]:
         sample_tokens=0,
         dropout=0,
     )
-
-
-def losses(out_dir: Path) -> dict[int, float]:
-    return {m["iter"]: m["loss"] for m in read_metrics(out_dir / "metrics.jsonl") if "loss" in m}
 
 
 def node_logs(run_dir: Path) -> list[str]:
@@ -68,9 +65,8 @@ def stop(proc: subprocess.Popen, run_dir: Path) -> None:
 def simulate(
     run_dir: Path, corpus: Path, kill_rank: int | None = None, timeout: float = 240, **env: str
 ):
-    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, 2 nodes x 2 processes (env: its settings);
-    with kill_rank, that rank is SIGKILLed after a checkpoint and a step. Returns the output, both
-    node logs and the step of the kill."""
+    """`bash 05_multinode/simulate_two_nodes.sh FLAGS`, 2 nodes x 2 processes (env: its
+    settings); with kill_rank, that rank is SIGKILLed after a checkpoint and a step."""
     output = run_dir.with_suffix(".out")  # a file, not a pipe: nobody reads a pipe while we wait
     with open(output, "w") as sink:
         proc = subprocess.Popen(
@@ -86,7 +82,8 @@ def simulate(
         if kill_rank is not None:
             deadline = time.monotonic() + timeout
             while not (
-                (run_dir / "ckpt.pt").exists() and max(losses(run_dir), default=0) > EVAL_EVERY
+                (run_dir / "ckpt.pt").exists()
+                and max(train_losses(run_dir), default=0) > EVAL_EVERY
             ):
                 assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
                 assert proc.poll() is None, (
@@ -100,7 +97,7 @@ def simulate(
                 if int(rank) == kill_rank
             )
             os.kill(victim, signal.SIGKILL)
-            killed_at = max(losses(run_dir))
+            killed_at = max(train_losses(run_dir))
         proc.wait(timeout=timeout)
     finally:
         stop(proc, run_dir)

@@ -1,11 +1,5 @@
 """Run under torchrun by tests/test_ddp_by_hand.py: the same tiny GPT trained with DDP, the
-by-hand wrappers and broken variants, K in (1, 3), each rank from its own initialisation.
-
-    torchrun --nproc_per_node=2 -m tests.workers.ddp_by_hand_worker OUT_DIR
-
-Rank 0 writes, as maxima over ranks and steps: grad_vs_single (against one unwrapped copy over the
-whole global batch), grad_across_ranks, and after the last step params_vs_ddp.
-"""
+by-hand wrappers and broken variants, K in (1, 3), each rank from its own initialisation."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Run under torchrun by tests/test_fsdp_by_hand.py: small models trained with
 07_fsdp/fsdp_by_hand.py, with one process on the whole batch and with FSDP2, from rank 0's model
-(rank r builds its own from SEED + r: the broadcast must fix it), rank r on rows r::W.
-
-    torchrun --nproc_per_node=W -m tests.workers.fsdp_by_hand_worker [OUT_DIR]
-
-Recorded per case, maxima over steps and ranks: init_vs_single, loss_vs_single, grad_vs_single,
-params_vs_single, params_vs_fsdp2 and loss_vs_fsdp2; comm_bytes per step, owned_numels per unit,
-shard_numel and state_bytes per rank, and grad_scale (the one process's largest gradient).
-"""
+(rank r builds its own from SEED + r: the broadcast must fix it), rank r on rows r::W."""
 
 from __future__ import annotations
 

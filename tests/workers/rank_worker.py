@@ -1,15 +1,4 @@
-r"""One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?
-
-    torchrun --standalone --nproc-per-node=2 -m tests.workers.rank_worker \
-        [--data-dir data] [--save-grad FILE]
-
-What DDP does in one step, by hand and without the wrapper, for the notebooks of chapters 04 and 05
-(two nodes started as in chapter 05 run it just the same). Every rank prints what torchrun told it
-(its ranks), which windows of chapter 01's first global batch of 8 it reads (the DistributedSampler
-gives rank r the positions r, r+W, r+2W, ... of the epoch's order), its loss and gradient, and the
-gradient after the all-reduce: the same on every rank, and the gradient of the whole batch. It
-prints one line, `RESULT {json}`; rank 0 also saves the averaged gradient to --save-grad.
-"""
+r"""One process of a torchrun job: who am I, what do I read, and what does the all-reduce give?"""
 
 import argparse
 import json

@@ -1,16 +1,6 @@
-r"""Run under torchrun by tests/test_zero.py: chapter 01's run with ZeRO-1 (04_ddp/zero1.py), with
-ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; rank 0 writes the results.
-
-    torchrun --nproc_per_node=W -m tests.workers.zero_worker \
-        OUT_DIR CH01_STEP5 CH01_FINAL [--extras] -- FLAGS
-
-FLAGS are chapter 01's. For K in (1, 3) each implementation trains on chapter 01's global batches,
-rank r taking rows r::W, ranks but 0 starting elsewhere (the broadcast must fix them). Recorded per
-run: losses, grad_norms, params_vs_reference (against DDP's, or chapter 01's final parameters for a
-resumed run), params_across_ranks, state_bytes (and owned_numel), state_vs_ddp. With --extras, at
-K = 3: the broken variants, ZeRO step-5 checkpoints for chapter 01 to resume, and chapter 01's
-step-5 checkpoint resumed under both.
-"""
+r"""Run under torchrun by tests/test_zero.py: chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
+with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; rank 0 writes the
+results."""
 
 from __future__ import annotations
 
