@@ -562,7 +562,7 @@ RUN = [
 
 
 # real runs of every plant: the slow stage's (python -m pytest -m slow); the suite matches each
-# plant's signature from its facts (test_each_signature_names_its_plant_from_the_facts)
+# plant's signature from its facts (test_each_plant_is_named_from_its_facts_and_nothing_else)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RUN)
 def test_planted_mistakes_are_caught_and_named(capsys, out_root, tmp_path, name):
