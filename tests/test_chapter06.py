@@ -56,8 +56,8 @@ def chapter01(corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def killed_run(corpus, tmp_path_factory):
     """Chapter 06 in the simulation under c10d, with torchrun --max-restarts 1 and one data folder
-    for both nodes (SHARED_FS=1: --shared-fs); once a checkpoint exists, global rank 3 is killed
-    (SIGKILL)."""
+    for both nodes (SHARED_FS=1: --shared-fs); once a checkpoint exists, SIGKILL kills global
+    rank 3."""
     run_dir = tmp_path_factory.mktemp("killed")
     out, logs, killed_at = simulate(
         run_dir,

@@ -123,8 +123,8 @@ def test_ctrl_c_and_sigterm_under_torchrun_give_one_line_per_rank(data_dir, tmp_
         finally:
             stop_launchers([proc])
         lines = (seen + rest).splitlines()
-        # either signal: every rank stops at once (saving the step is chapter 06's,
-        # tests/test_preemption.py)
+        # either signal: every rank stops at once (that it saves the step is chapter 06's idea,
+        # proven in tests/test_preemption.py)
         for rank in (0, 1):
             assert sum(f"[rank {rank}] stopped by {sig.name}" in line for line in lines) == 1, (
                 seen + rest

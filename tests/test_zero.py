@@ -1,5 +1,5 @@
-"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer against DDP + AdamW and chapter
-01."""
+"""04_ddp/zero1.py (ZeRO-1 by hand) and ZeroRedundancyOptimizer, each against DDP + AdamW and
+chapter 01."""
 
 from __future__ import annotations
 

@@ -114,8 +114,7 @@ def run_torchrun(
 def stop_launchers(procs: list[subprocess.Popen], grace: float = 15) -> None:
     """Stop launchers still running (each started with start_new_session=True): SIGTERM, which
     torchrun passes on; after `grace` seconds, or once the launcher has ended, its whole process
-    group killed, so that nothing it started (a compile's helpers, a shell's children) outlives
-    it."""
+    group killed, so nothing it started (a compile's helpers, a shell's children) outlives it."""
     for proc in procs:
         if proc.poll() is not None:
             continue

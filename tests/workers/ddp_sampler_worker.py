@@ -1,6 +1,6 @@
 r"""Run by torchrun: which training windows this rank's batches hold, as 04_ddp/train.py builds
-them, for epochs 0 and 1 and epoch 0 resumed two batches in (window i starts with token i *
-BLOCK)."""
+them, for epochs 0 and 1 and epoch 0 resumed two batches in (window i starts with the token
+i * BLOCK)."""
 
 import json
 import os

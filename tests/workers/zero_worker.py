@@ -1,6 +1,6 @@
 r"""Run under torchrun by tests/test_zero.py: chapter 01's run with ZeRO-1 (04_ddp/zero1.py),
-with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; rank 0 writes the
-results."""
+with ZeroRedundancyOptimizer, with DDP + AdamW and with three broken ZeRO-1s; rank 0 writes all
+the results."""
 
 from __future__ import annotations
 
